@@ -1,0 +1,3 @@
+"""attnkit: analyse and rewrite the attention layers of transformer checkpoints."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from attnkit.cli import main
+
+main()

@@ -1,0 +1,93 @@
+"""Architecture registry: one JSON file per family under attnkit/archs/data/."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from attnkit.archs.schema import validate_arch
+from attnkit.errors import AttnkitError
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One architecture family as data (see attnkit/archs/schema.py for the fields)."""
+
+    data: dict
+
+    @property
+    def family(self) -> str:
+        return self.data["family"]
+
+    @property
+    def tensors(self) -> dict[str, str]:
+        return self.data["tensors"]
+
+    def __getattr__(self, name: str) -> Any:  # position, qk_norm, qkv_layout, ...
+        try:
+            return self.data[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def config_value(self, config: dict, role: str, default: Any = None) -> Any:
+        """First present config key for `role` (dotted keys walk nested dicts), else the default."""
+        for key in self.data["config"].get(role, []):
+            value = _lookup(config, key)
+            if value is not None:
+                return value
+        return self.data.get("defaults", {}).get(role, default)
+
+    def tensor_name(self, role: str, layer: int, prefix: str = "") -> str | None:
+        template = self.tensors.get(role)
+        return None if template is None else prefix + template.format(i=layer)
+
+
+def _lookup(config: dict, dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+@lru_cache(maxsize=None)
+def _registry() -> dict[str, Arch]:
+    by_type: dict[str, Arch] = {}
+    for entry in sorted(resources.files("attnkit.archs").joinpath("data").iterdir(), key=lambda p: p.name):
+        if not entry.name.endswith(".json"):
+            continue
+        try:
+            doc = json.loads(entry.read_text())
+        except json.JSONDecodeError as exc:
+            raise AttnkitError(f"invalid architecture file {entry.name}: {exc}") from None
+        arch = Arch(validate_arch(doc, entry.name))
+        for model_type in doc["model_types"]:
+            if model_type in by_type:
+                raise AttnkitError(f"model_type '{model_type}' is claimed by two architecture files")
+            by_type[model_type] = arch
+    return by_type
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_registry())
+
+
+def all_archs() -> list[Arch]:
+    seen: dict[str, Arch] = {}
+    for arch in _registry().values():
+        seen.setdefault(arch.family, arch)
+    return [seen[k] for k in sorted(seen)]
+
+
+def get_arch(model_type: str | None) -> Arch:
+    """The architecture for a config's `model_type`; unknown types list the supported ones."""
+    reg = _registry()
+    if model_type in reg:
+        return reg[model_type]
+    raise AttnkitError(
+        f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(reg))}"
+    )

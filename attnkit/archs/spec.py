@@ -1,0 +1,172 @@
+"""AttentionSpec: the attention layout of a model, derived from its config and architecture."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from attnkit.archs import Arch, get_arch
+from attnkit.errors import AttnkitError
+
+
+@dataclass(frozen=True)
+class MLADims:
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Everything about a model's attention that kvmem, inspect and the converters need."""
+
+    model_type: str
+    family: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # key/query head dim (MLA: nope + rope)
+    v_head_dim: int
+    hidden_size: int
+    layer_windows: tuple[int | None, ...]  # per layer: sliding window in tokens, None = full
+    position: str
+    rope_type: str | None
+    rope_theta: float | None
+    partial_rotary_factor: float
+    attn_softcap: float | None
+    final_softcap: float | None
+    qk_norm: str
+    causal: bool
+    mla: MLADims | None = None
+
+    @property
+    def variant(self) -> str:
+        if self.mla is not None:
+            return "MLA"
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        if self.num_kv_heads == 1:
+            return "MQA"
+        return f"GQA-{self.num_kv_heads}"
+
+    def kv_elements_per_token(self, layer: int = 0) -> int:
+        """Cached elements per token in one layer (K and V, or the MLA latent plus RoPE key)."""
+        del layer  # every supported family caches the same width in each layer
+        if self.mla is not None:
+            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
+
+    def sliding_summary(self) -> str:
+        windows = [w for w in self.layer_windows if w is not None]
+        if not windows:
+            return "none"
+        if len(windows) == self.num_layers:
+            return f"all {self.num_layers} layers, window {_fmt_windows(windows)}"
+        return f"{len(windows)}/{self.num_layers} layers, window {_fmt_windows(windows)}"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["layer_windows"] = list(self.layer_windows)
+        d["variant"] = self.variant
+        d["kv_elements_per_token_layer"] = self.kv_elements_per_token()
+        return d
+
+
+def _fmt_windows(windows: list[int]) -> str:
+    return ",".join(str(w) for w in sorted(set(windows)))
+
+
+def _int(arch: Arch, config: dict, role: str, default=None) -> int | None:
+    value = arch.config_value(config, role, default)
+    if value is None:
+        return None
+    if isinstance(value, list):  # per-layer values (some GGUF files); the caller uses the first
+        value = value[0]
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise AttnkitError(f"config value for {role} is not an integer: {value!r}") from None
+
+
+def _layer_windows(arch: Arch, config: dict, num_layers: int) -> tuple[int | None, ...]:
+    rule = arch.sliding_rule
+    window = arch.config_value(config, "sliding_window")
+    if rule == "none":
+        return (None,) * num_layers
+    layer_types = arch.config_value(config, "layer_types")
+    if layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise AttnkitError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        if window is None and any(t == "sliding_attention" for t in layer_types):
+            raise AttnkitError("config has sliding_attention layers but no sliding_window")
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if window is None:
+        return (None,) * num_layers
+    window = int(window)
+    if rule == "all" or rule == "layer_types":
+        return (window,) * num_layers
+    if rule == "alternate":  # Gemma 2: even layers slide, odd layers are global
+        return tuple(window if i % 2 == 0 else None for i in range(num_layers))
+    if rule == "pattern":  # Gemma 3: every N-th layer is global
+        n = _int(arch, config, "sliding_window_pattern", 6)
+        return tuple(None if (i + 1) % n == 0 else window for i in range(num_layers))
+    # max_window_layers (Qwen2/Qwen3): layers from max_window_layers on slide, if enabled
+    if not arch.config_value(config, "use_sliding_window", False):
+        return (None,) * num_layers
+    first = _int(arch, config, "max_window_layers", num_layers)
+    return tuple(window if i >= first else None for i in range(num_layers))
+
+
+def attention_spec(config: dict) -> AttentionSpec:
+    """Derive the attention layout from a config dict (HF key names)."""
+    model_type = config.get("model_type")
+    arch = get_arch(model_type)
+    num_layers = _int(arch, config, "num_layers")
+    num_heads = _int(arch, config, "num_heads")
+    hidden = _int(arch, config, "hidden_size")
+    if not num_layers or not num_heads or not hidden:
+        raise AttnkitError(f"config for {model_type} lacks layers, heads or hidden size")
+    num_kv_heads = _int(arch, config, "num_kv_heads", num_heads) or num_heads
+    head_dim = _int(arch, config, "head_dim") or hidden // num_heads
+    v_head_dim = head_dim
+    mla = None
+    if arch.qkv_layout == "mla":
+        rope = _int(arch, config, "qk_rope_head_dim")
+        nope = _int(arch, config, "qk_nope_head_dim")
+        mla = MLADims(
+            kv_lora_rank=_int(arch, config, "kv_lora_rank"),
+            qk_rope_head_dim=rope,
+            qk_nope_head_dim=nope,
+            v_head_dim=_int(arch, config, "v_head_dim"),
+            q_lora_rank=_int(arch, config, "q_lora_rank"),
+        )
+        num_kv_heads, head_dim, v_head_dim = num_heads, nope + rope, mla.v_head_dim
+    if num_heads % num_kv_heads:
+        raise AttnkitError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")
+    rope_type = theta = None
+    if arch.position == "rope":
+        rope_type = arch.config_value(config, "rope_type", "default")
+        theta = arch.config_value(config, "rope_theta")
+    softcap = arch.config_value(config, "attn_softcap")
+    final_cap = arch.config_value(config, "final_softcap")
+    return AttentionSpec(
+        model_type=model_type,
+        family=arch.family,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        hidden_size=hidden,
+        layer_windows=_layer_windows(arch, config, num_layers),
+        position=arch.position,
+        rope_type=rope_type,
+        rope_theta=float(theta) if theta is not None else None,
+        partial_rotary_factor=float(arch.config_value(config, "partial_rotary_factor", 1.0)),
+        attn_softcap=float(softcap) if softcap is not None else None,
+        final_softcap=float(final_cap) if final_cap is not None else None,
+        qk_norm=arch.qk_norm,
+        causal=arch.causal,
+        mla=mla,
+    )

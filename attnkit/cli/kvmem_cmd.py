@@ -1,0 +1,80 @@
+"""`attnkit kvmem MODEL`: KV-cache memory tables (no torch)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from attnkit.cli.common import FORMAT_OPTION, OutputFormat, handle_errors
+from attnkit.cli.output import Column, render
+from attnkit.units import human_bytes, human_tokens
+
+
+def _bytes(v) -> str:
+    return human_bytes(v)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("kvmem")
+    @handle_errors
+    def kvmem(
+        model: str = typer.Argument(..., help="Preset name (see --list-presets), folder, file, config.json or hub id."),
+        context: str = typer.Option("4k,32k,128k", "--context", "-c", help="Context lengths, e.g. 4k,32k,128k (k = 1024)."),
+        batch: str = typer.Option("1", "--batch", "-b", help="Batch sizes, e.g. 1,8,32."),
+        dtype: str = typer.Option("bf16", "--dtype", help="Cache dtypes: fp32,bf16,fp16,fp8,fp8-token,int8,int4,int2."),
+        variant: str = typer.Option("native", "--variant", help="What-if variants: native,mha,gqa:G,mqa,mla:R+P."),
+        gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Memory of one GPU, e.g. 80GiB; adds fit columns."),
+        tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel degree (GPUs sharing the model)."),
+        reserve: str = typer.Option("0", "--reserve", help="Memory per GPU kept for activations etc., e.g. 4GiB."),
+        weight_dtype: Optional[str] = typer.Option(None, "--weight-dtype", help="Weights dtype for the fit (fp32,bf16,fp16,fp8,int8,int4); default: as stored."),
+        fmt: OutputFormat = FORMAT_OPTION,
+    ) -> None:
+        """KV-cache bytes per token and in total, and with --gpu-mem what fits on each GPU."""
+        from attnkit.commands.kvmem import GpuBudget, kvmem_rows
+        from attnkit.commands.modelinfo import WEIGHT_DTYPE_BYTES, model_info
+        from attnkit.errors import UsageError
+        from attnkit.units import parse_bytes, parse_list, parse_positive_int, parse_tokens
+
+        contexts = parse_list(context, parse_tokens)
+        batches = parse_list(batch, parse_positive_int)
+        dtypes = parse_list(dtype, str)
+        variants = parse_list(variant, str)
+        if weight_dtype is not None and weight_dtype not in WEIGHT_DTYPE_BYTES:
+            raise UsageError(f"unknown --weight-dtype {weight_dtype!r}; choose from {', '.join(WEIGHT_DTYPE_BYTES)}")
+        gpu = GpuBudget(parse_bytes(gpu_mem), tp, parse_bytes(reserve) if reserve != "0" else 0) if gpu_mem else None
+        if gpu is None and tp != 1:
+            raise UsageError("--tp needs --gpu-mem")
+        info = model_info(model)
+        rows = kvmem_rows(info, variants, dtypes, contexts, batches, gpu, weight_dtype)
+
+        columns = [
+            Column("variant", "variant", justify="left"), Column("attention", "attention", justify="left"),
+            Column("dtype", "dtype", justify="left"), Column("context", "context", human_tokens),
+            Column("batch", "batch"), Column("bytes_per_token", "bytes/token", lambda v: f"{v:,.0f}"),
+            Column("kv_bytes", "KV total", _bytes),
+        ]
+        if gpu is not None:
+            columns += [
+                Column("weights_per_gpu", "weights/GPU", _bytes), Column("kv_per_gpu", "KV/GPU", _bytes),
+                Column("total_per_gpu", "total/GPU", _bytes), Column("fits", "fits"),
+                Column("max_context", "max context", lambda v: f"{v:,}"), Column("max_batch", "max batch"),
+            ]
+        weights = info.weights_bytes_as(weight_dtype)
+        doc = {
+            "model": model,
+            "kind": info.kind,
+            "source": info.source,
+            "spec": info.spec.to_dict(),
+            "parameters": info.parameters,
+            "parameters_origin": info.parameters_origin,
+            "weight_bytes": weights,
+            "gpu": None if gpu is None else {"mem_bytes": gpu.mem_bytes, "tp": gpu.tp, "reserve_bytes": gpu.reserve_bytes},
+            "rows": rows,
+        }
+        caption = f"{info.spec.variant}, {info.spec.num_layers} layers; weights {human_bytes(weights)} ({info.parameters_origin})"
+        if info.source:
+            caption += f"; source: {info.source}"
+        if any(r["exceeds_max_positions"] for r in rows):
+            caption += "; some contexts exceed the model's max_position_embeddings"
+        render(rows, columns, fmt, title=f"KV cache: {model}", json_obj=doc, caption=caption)

@@ -1,0 +1,104 @@
+"""Render rows of data as a rich table, JSON, CSV or Markdown on stdout."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from attnkit.cli.common import OutputFormat
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    header: str
+    fmt: Callable[[Any], str] | None = None
+    justify: str = "right"
+
+
+def _plain(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        return f"{value:.6g}"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_plain(v) for v in value)
+    return str(value)
+
+
+def _cell(col: Column, row: dict) -> str:
+    value = row.get(col.key)
+    if value is None:
+        return "-"
+    return col.fmt(value) if col.fmt else _plain(value)
+
+
+def write_json(obj: Any) -> None:
+    """Write a JSON document (sorted keys are not used: key order is part of the schema)."""
+    sys.stdout.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def render(
+    rows: Sequence[dict],
+    columns: Sequence[Column],
+    fmt: OutputFormat,
+    *,
+    title: str | None = None,
+    json_obj: Any = None,
+    caption: str | None = None,
+) -> None:
+    """Print `rows` in the chosen format; JSON prints `json_obj` (or the rows) instead."""
+    if fmt == OutputFormat.json:
+        write_json(json_obj if json_obj is not None else list(rows))
+    elif fmt == OutputFormat.csv:
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow([c.key for c in columns])
+        for row in rows:
+            writer.writerow(["" if row.get(c.key) is None else _csv_value(row.get(c.key)) for c in columns])
+        sys.stdout.write(buf.getvalue())
+    elif fmt == OutputFormat.markdown:
+        lines = []
+        if title:
+            lines.append(f"**{title}**\n")
+        lines.append("| " + " | ".join(c.header for c in columns) + " |")
+        lines.append("|" + "|".join("---:" if c.justify == "right" else "---" for c in columns) + "|")
+        for row in rows:
+            lines.append("| " + " | ".join(_cell(c, row) for c in columns) + " |")
+        if caption:
+            lines.append(f"\n{caption}")
+        sys.stdout.write("\n".join(lines) + "\n")
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title, caption=caption, caption_justify="left")
+        for c in columns:
+            table.add_column(c.header, justify=c.justify)
+        for row in rows:
+            table.add_row(*(_cell(c, row) for c in columns))
+        # Piped output gets the table's natural width instead of being squeezed into 80 columns.
+        Console(soft_wrap=False, width=None if sys.stdout.isatty() else 400).print(table)
+
+
+def _csv_value(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return ";".join(str(v) for v in value)
+    return value

@@ -1,0 +1,1 @@
+"""Command logic behind the CLI: each module computes data; attnkit/cli renders it."""

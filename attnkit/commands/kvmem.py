@@ -1,0 +1,64 @@
+"""kvmem: KV-cache memory tables over context x batch x cache dtype x attention variant."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attnkit import kvcache
+from attnkit.commands.modelinfo import ModelInfo
+
+
+@dataclass(frozen=True)
+class GpuBudget:
+    mem_bytes: int
+    tp: int = 1
+    reserve_bytes: int = 0  # activations, CUDA context, fragmentation
+
+
+def kvmem_rows(info: ModelInfo, variants: list[str], dtypes: list[str], contexts: list[int],
+               batches: list[int], gpu: GpuBudget | None, weight_dtype: str | None) -> list[dict]:
+    """One row per (variant, dtype, context, batch)."""
+    rows = []
+    tp = gpu.tp if gpu else 1
+    weights = info.weights_bytes_as(weight_dtype)
+    max_positions = _max_positions(info)
+    for variant in variants:
+        spec = kvcache.apply_variant(info.spec, variant)
+        for dtype_name in dtypes:
+            dtype = kvcache.cache_dtype(dtype_name)
+            per_token = kvcache.bytes_per_token(spec, dtype)
+            for context in contexts:
+                for batch in batches:
+                    row = {
+                        "variant": variant, "attention": spec.variant, "dtype": dtype.name,
+                        "context": context, "batch": batch,
+                        "bytes_per_token": per_token,
+                        "kv_bytes": kvcache.kv_bytes(spec, dtype, context, batch),
+                        "exceeds_max_positions": bool(max_positions and context > max_positions),
+                    }
+                    if gpu is not None:
+                        row.update(_fit(spec, dtype, context, batch, gpu, weights))
+                    rows.append(row)
+    return rows
+
+
+def _fit(spec, dtype, context: int, batch: int, gpu: GpuBudget, weights: float) -> dict:
+    weights_per_gpu = weights / gpu.tp
+    kv_per_gpu = kvcache.kv_bytes(spec, dtype, context, batch, gpu.tp)
+    budget = gpu.mem_bytes - gpu.reserve_bytes - weights_per_gpu
+    longest = kvcache.max_context(spec, dtype, batch, budget, gpu.tp)
+    return {
+        "weights_per_gpu": weights_per_gpu,
+        "kv_per_gpu": kv_per_gpu,
+        "total_per_gpu": weights_per_gpu + kv_per_gpu,
+        "fits": weights_per_gpu + kv_per_gpu <= gpu.mem_bytes - gpu.reserve_bytes,
+        "max_context": None if longest >= (1 << 40) else longest,  # None: windows cap the cache
+        "max_batch": kvcache.max_batch(spec, dtype, context, budget, gpu.tp),
+    }
+
+
+def _max_positions(info: ModelInfo) -> int | None:
+    from attnkit.archs import get_arch
+
+    value = get_arch(info.spec.model_type).config_value(info.config, "max_positions")
+    return int(value) if value else None

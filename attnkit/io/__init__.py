@@ -1,0 +1,1 @@
+"""Checkpoint files and the hub: resolution, headers, readers and writers (no tensor math)."""

@@ -1,0 +1,59 @@
+"""Hugging Face hub resolution through huggingface_hub (cache, revision, offline mode, token)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from attnkit.errors import AttnkitError
+from attnkit.io.config import read_config
+from attnkit.io.resolve import SIDE_FILES, Checkpoint, safetensors_files, split_revision
+
+
+def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> AttnkitError:
+    from huggingface_hub import errors
+
+    name = f"{repo_id}@{revision}" if revision else repo_id
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        return AttnkitError(f"hub model {name!r} not found (or it is private: set HF_TOKEN)")
+    if isinstance(exc, errors.GatedRepoError):
+        return AttnkitError(f"hub model {name!r} is gated: accept its licence and set HF_TOKEN")
+    if isinstance(exc, errors.RevisionNotFoundError):
+        return AttnkitError(f"hub model {repo_id!r} has no revision {revision!r}")
+    if isinstance(exc, errors.EntryNotFoundError):
+        return AttnkitError(f"hub model {name!r} has no config.json")
+    return AttnkitError(
+        f"hub model {name!r}: files are not in the local cache and the hub cannot be reached "
+        f"({type(exc).__name__}); connect, or download it first"
+    )
+
+
+def resolve_hub(ref: str, *, need_weights: bool) -> Checkpoint:
+    """Download (or find in the HF cache) config.json, and the weights only when asked for."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    repo_id, revision = split_revision(ref)
+    try:
+        if need_weights:
+            root = Path(snapshot_download(
+                repo_id, revision=revision, allow_patterns=SIDE_FILES + ["*.safetensors", "*.safetensors.index.json"],
+            ))
+            config_path = root / "config.json"
+        else:
+            config_path = Path(hf_hub_download(repo_id, "config.json", revision=revision))
+            root = config_path.parent
+    except Exception as exc:  # network, auth and cache misses from huggingface_hub
+        raise _hub_error(repo_id, revision, exc) from None
+    config = read_config(config_path)
+    files = safetensors_files(root) if need_weights else []
+    return Checkpoint(ref, "hub", config, root=root, weight_files=files, repo_id=repo_id, revision=revision)
+
+
+def hub_parameter_count(repo_id: str, revision: str | None) -> int | None:
+    """Parameter count from the hub's safetensors headers (range requests, no weights); None offline."""
+    from huggingface_hub import HfApi
+
+    try:
+        meta = HfApi().get_safetensors_metadata(repo_id, revision=revision)
+    except Exception:  # offline, not a safetensors repo, ...: the caller falls back
+        return None
+    return int(sum(meta.parameter_count.values()))

@@ -1,0 +1,99 @@
+"""Resolve a model reference (folder, .safetensors, .gguf, config.json or hub id) to local files."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from attnkit.errors import AttnkitError
+from attnkit.io.config import read_config
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?(@[\w.\-/]+)?$")
+INDEX_NAME = "model.safetensors.index.json"
+#: Files a command that runs the model needs besides weights.
+SIDE_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
+              "vocab.*", "merges.txt", "*.model", "chat_template*"]
+
+
+@dataclass
+class Checkpoint:
+    """A resolved model reference. `weight_files` are safetensors shards (empty for GGUF/config)."""
+
+    ref: str
+    kind: str  # "folder" | "safetensors" | "gguf" | "config" | "hub"
+    config: dict
+    root: Path | None = None
+    weight_files: list[Path] = field(default_factory=list)
+    gguf_file: Path | None = None
+    repo_id: str | None = None
+    revision: str | None = None
+
+    @property
+    def model_type(self) -> str | None:
+        return self.config.get("model_type")
+
+
+def split_revision(ref: str) -> tuple[str, str | None]:
+    repo, _, rev = ref.partition("@")
+    return repo, rev or None
+
+
+def looks_like_hub_id(ref: str) -> bool:
+    return bool(HUB_ID.match(ref)) and not ref.startswith((".", "/", "~"))
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The shards of a folder: from the index when there is one, else every *.safetensors file."""
+    index = folder / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise AttnkitError(f"{index}: corrupt index (no weight_map)") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise AttnkitError(f"{index}: shard {missing[0]} is missing")
+        return files
+    return sorted(folder.glob("*.safetensors"))
+
+
+def resolve(ref: str, *, need_weights: bool = True) -> Checkpoint:
+    """Find config and weights for `ref`; hub ids download only what is needed."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return _from_folder(ref, path, need_weights)
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix == ".gguf":
+            from attnkit.io.gguf_meta import read_gguf
+
+            config, _ = read_gguf(path)
+            return Checkpoint(ref, "gguf", config, root=path.parent, gguf_file=path)
+        if suffix == ".safetensors":
+            config = read_config(path.parent / "config.json")
+            return Checkpoint(ref, "safetensors", config, root=path.parent, weight_files=[path])
+        if suffix == ".json":
+            return Checkpoint(ref, "config", read_config(path), root=path.parent)
+        raise AttnkitError(f"{path}: not a model file (expected a folder, .safetensors, .gguf or config.json)")
+    if path.suffix.lower() in (".gguf", ".safetensors", ".json") or "/" in ref and path.parent.exists():
+        raise AttnkitError(f"{path}: file not found")
+    if looks_like_hub_id(ref):
+        from attnkit.io.hub import resolve_hub
+
+        return resolve_hub(ref, need_weights=need_weights)
+    raise AttnkitError(f"{ref}: no such file or folder, and not a valid hub id")
+
+
+def _from_folder(ref: str, folder: Path, need_weights: bool) -> Checkpoint:
+    ggufs = sorted(folder.glob("*.gguf"))
+    config_path = folder / "config.json"
+    if not config_path.is_file() and len(ggufs) == 1:
+        return resolve(str(ggufs[0]), need_weights=need_weights)
+    config = read_config(config_path)
+    files = safetensors_files(folder)
+    if need_weights and not files:
+        raise AttnkitError(f"{folder}: no *.safetensors weights found")
+    return Checkpoint(ref, "folder", config, root=folder, weight_files=files)

@@ -1,0 +1,127 @@
+"""KV-cache memory arithmetic: bytes per token, totals, tensor-parallel split, what fits a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from attnkit.archs.spec import AttentionSpec, MLADims
+from attnkit.errors import UsageError
+
+
+@dataclass(frozen=True)
+class CacheDtype:
+    """Storage of one cached element, plus per-(token, head) scale bytes where the format needs them.
+
+    A "head" here is one K head or one V head (so a GQA layer has 2*Hkv scale groups per token);
+    an MLA layer caches one latent vector per token, which is one group.
+    """
+
+    name: str
+    bytes_per_element: float
+    scale_bytes_per_group: int
+    note: str
+
+
+CACHE_DTYPES = {
+    "fp32": CacheDtype("fp32", 4, 0, "float32"),
+    "bf16": CacheDtype("bf16", 2, 0, "bfloat16"),
+    "fp16": CacheDtype("fp16", 2, 0, "float16"),
+    "fp8": CacheDtype("fp8", 1, 0, "fp8 e4m3/e5m2 with a per-tensor scale (vLLM, TensorRT-LLM default)"),
+    "fp8-token": CacheDtype("fp8-token", 1, 4, "fp8 with one fp32 scale per token and head"),
+    "int8": CacheDtype("int8", 1, 2, "int8 with one fp16 scale per token and head"),
+    "int4": CacheDtype("int4", 0.5, 4, "int4 with an fp16 scale and fp16 zero-point per token and head"),
+    "int2": CacheDtype("int2", 0.25, 4, "int2 with an fp16 scale and fp16 zero-point per token and head"),
+}
+
+
+def cache_dtype(name: str) -> CacheDtype:
+    key = name.strip().lower()
+    aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
+               "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "e4m3": "fp8"}
+    key = aliases.get(key, key)
+    if key not in CACHE_DTYPES:
+        raise UsageError(f"unknown cache dtype {name!r}; choose from {', '.join(CACHE_DTYPES)}")
+    return CACHE_DTYPES[key]
+
+
+_VARIANT = re.compile(r"^(native|mha|mqa|gqa:(\d+)|mla:(\d+)\+(\d+))$")
+
+
+def apply_variant(spec: AttentionSpec, variant: str) -> AttentionSpec:
+    """The spec as it would be after a conversion: native, mha, gqa:G, mqa or mla:R+P."""
+    text = variant.strip().lower()
+    m = _VARIANT.match(text)
+    if not m:
+        raise UsageError(f"unknown variant {variant!r}; use native, mha, gqa:G, mqa or mla:R+P (e.g. mla:512+64)")
+    if text == "native":
+        return spec
+    base = dataclasses.replace(spec, mla=None)
+    if text == "mha":
+        return dataclasses.replace(base, num_kv_heads=spec.num_heads)
+    if text == "mqa":
+        return dataclasses.replace(base, num_kv_heads=1)
+    if m.group(2):
+        groups = int(m.group(2))
+        if groups < 1 or spec.num_heads % groups:
+            valid = [g for g in range(1, spec.num_heads + 1) if spec.num_heads % g == 0]
+            raise UsageError(f"gqa:{groups} does not divide {spec.num_heads} query heads; valid: {valid}")
+        return dataclasses.replace(base, num_kv_heads=groups)
+    rank, rope = int(m.group(3)), int(m.group(4))
+    if rank < 1:
+        raise UsageError(f"MLA rank must be at least 1 in {variant!r}")
+    nope = spec.head_dim - rope if spec.mla is None else spec.mla.qk_nope_head_dim
+    mla = MLADims(kv_lora_rank=rank, qk_rope_head_dim=rope, qk_nope_head_dim=nope,
+                  v_head_dim=spec.v_head_dim, q_lora_rank=None)
+    return dataclasses.replace(spec, mla=mla, num_kv_heads=spec.num_heads)
+
+
+def kv_heads_per_gpu(spec: AttentionSpec, tp: int) -> int:
+    """KV heads held by one GPU: heads are split over ranks and replicated when tp > Hkv."""
+    return max(1, -(-spec.num_kv_heads // tp))
+
+
+def layer_bytes_per_token(spec: AttentionSpec, dtype: CacheDtype, tp: int = 1) -> float:
+    """Bytes one token adds to one layer's cache on one GPU (tp=1: the whole model)."""
+    if spec.mla is not None:  # the latent is replicated on every rank
+        return (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * dtype.bytes_per_element + dtype.scale_bytes_per_group
+    heads = kv_heads_per_gpu(spec, tp)
+    return heads * (spec.head_dim + spec.v_head_dim) * dtype.bytes_per_element + 2 * heads * dtype.scale_bytes_per_group
+
+
+def bytes_per_token(spec: AttentionSpec, dtype: CacheDtype, tp: int = 1) -> float:
+    """Bytes per token over all layers, ignoring sliding windows (the cost of a short context)."""
+    return spec.num_layers * layer_bytes_per_token(spec, dtype, tp)
+
+
+def cached_tokens(spec: AttentionSpec, context: int) -> int:
+    """Token slots summed over layers: sliding-window layers keep at most their window."""
+    return sum(context if w is None else min(context, w) for w in spec.layer_windows)
+
+
+def kv_bytes(spec: AttentionSpec, dtype: CacheDtype, context: int, batch: int, tp: int = 1) -> float:
+    """Whole KV cache for `batch` sequences of `context` tokens (per GPU when tp > 1)."""
+    return batch * cached_tokens(spec, context) * layer_bytes_per_token(spec, dtype, tp)
+
+
+def max_context(spec: AttentionSpec, dtype: CacheDtype, batch: int, budget: float, tp: int = 1,
+                limit: int = 1 << 40) -> int:
+    """Largest context whose cache fits `budget` bytes (binary search; cache size is monotone)."""
+    if budget <= 0 or kv_bytes(spec, dtype, 1, batch, tp) > budget:
+        return 0
+    lo, hi = 1, limit
+    if kv_bytes(spec, dtype, hi, batch, tp) <= budget:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if kv_bytes(spec, dtype, mid, batch, tp) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def max_batch(spec: AttentionSpec, dtype: CacheDtype, context: int, budget: float, tp: int = 1) -> int:
+    per_sequence = kv_bytes(spec, dtype, context, 1, tp)
+    return int(budget // per_sequence) if budget > 0 else 0

@@ -1,0 +1,57 @@
+"""Embedded model presets: published configs of widely used models, so kvmem works offline."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+from attnkit.errors import AttnkitError
+
+PRESET_KEYS = {"name", "aliases", "source", "url", "parameters", "weight_dtype", "config", "notes"}
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    source: str  # Hugging Face repo id the config was taken from
+    url: str
+    parameters: int  # published/total parameter count (all experts for MoE)
+    weight_dtype: str
+    config: dict
+    aliases: tuple[str, ...] = ()
+    notes: str = ""
+
+
+def _validate(doc: dict, file: str) -> Preset:
+    unknown = set(doc) - PRESET_KEYS
+    missing = {"name", "source", "url", "parameters", "config"} - set(doc)
+    if unknown or missing or "model_type" not in doc.get("config", {}):
+        raise AttnkitError(f"invalid preset file {file}: unknown {sorted(unknown)}, missing {sorted(missing)}")
+    return Preset(
+        name=doc["name"], source=doc["source"], url=doc["url"], parameters=int(doc["parameters"]),
+        weight_dtype=doc.get("weight_dtype", "bf16"), config=doc["config"],
+        aliases=tuple(doc.get("aliases", ())), notes=doc.get("notes", ""),
+    )
+
+
+@lru_cache(maxsize=None)
+def all_presets() -> dict[str, Preset]:
+    """Presets keyed by lower-case name."""
+    presets: dict[str, Preset] = {}
+    for entry in sorted(resources.files("attnkit.presets").joinpath("data").iterdir(), key=lambda p: p.name):
+        if entry.name.endswith(".json"):
+            preset = _validate(json.loads(entry.read_text()), entry.name)
+            presets[preset.name.lower()] = preset
+    return presets
+
+
+def find_preset(ref: str) -> Preset | None:
+    """A preset matching `ref` by name, alias or source repo id (case-insensitive)."""
+    key = ref.strip().lower()
+    for preset in all_presets().values():
+        names = {preset.name.lower(), preset.source.lower(), *(a.lower() for a in preset.aliases)}
+        if key in names:
+            return preset
+    return None

@@ -1,0 +1,70 @@
+"""Parse and print sizes: token counts (4k = 4096) and byte sizes (80GiB, 80GB)."""
+
+from __future__ import annotations
+
+import re
+
+from attnkit.errors import UsageError
+
+_TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_BYTE_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4,
+               "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
+
+
+def parse_tokens(text: str) -> int:
+    """'4k' -> 4096, '128k' -> 131072, '1m' -> 1048576, '1000' -> 1000 (binary k, as context sizes are)."""
+    m = _TOKENS.match(text)
+    if not m:
+        raise UsageError(f"not a token count: {text!r} (use e.g. 4096, 4k, 128k)")
+    scale = {"": 1, "k": 1024, "m": 1024**2}[m.group(2).lower()]
+    value = float(m.group(1)) * scale
+    if value < 1 or value != int(value):
+        raise UsageError(f"not a positive whole token count: {text!r}")
+    return int(value)
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB' or '80G' -> 80*2**30, '80GB' -> 80*10**9, '1024' -> 1024 bytes."""
+    m = _BYTES.match(text)
+    if not m:
+        raise UsageError(f"not a memory size: {text!r} (use e.g. 80GiB, 24GB, 512MiB)")
+    unit = (m.group(2) or "").upper().replace("IB", "").replace("I", "")
+    if unit not in _BYTE_UNITS:
+        raise UsageError(f"unknown memory unit in {text!r}")
+    value = float(m.group(1)) * _BYTE_UNITS[unit]
+    if value <= 0:
+        raise UsageError(f"memory size must be positive: {text!r}")
+    return int(value)
+
+
+def parse_list(text: str, parse) -> list:
+    items = [t for t in (s.strip() for s in text.split(",")) if t]
+    if not items:
+        raise UsageError(f"empty list: {text!r}")
+    return [parse(t) for t in items]
+
+
+def parse_positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise UsageError(f"must be at least 1: {text!r}")
+    return value
+
+
+def human_bytes(n: float) -> str:
+    """Binary units, three significant digits: 131072 -> '128 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n} PiB"
+
+
+def human_tokens(n: int) -> str:
+    if n >= 1024 and n % 1024 == 0:
+        return f"{n // 1024}k"
+    return str(n)

@@ -1,0 +1,26 @@
+"""Shared fixtures: tiny checkpoints in tmp dirs, and the CLI runner."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.tiny import make_checkpoint
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.fixture
+def tiny(tmp_path_factory):
+    """Factory: tiny(family, **config_overrides) -> folder of a saved random tiny checkpoint."""
+    counter = {"n": 0}
+
+    def make(family: str = "llama", seed: int = 0, max_shard_size: str | None = None, **overrides):
+        counter["n"] += 1
+        folder = tmp_path_factory.mktemp(f"{family}{counter['n']}")
+        return make_checkpoint(folder, family, seed=seed, max_shard_size=max_shard_size, **overrides)
+
+    return make
