@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,8 +37,26 @@ def load_gguf_model(gguf_path: Path, dtype: str = "float32"):
     return model.eval(), tokenizer
 
 
+def cache_root() -> Path:
+    """Where dequantized GGUF models are kept: $ATTNKIT_CACHE, else $XDG_CACHE_HOME/attnkit, else ~/.cache/attnkit."""
+    if os.environ.get("ATTNKIT_CACHE"):
+        return Path(os.environ["ATTNKIT_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "attnkit"
+
+
+def gguf_cache_folder(gguf_path: Path, cache_dir: Path | None = None, dtype: str = "float32") -> Path:
+    """The cache folder for `gguf_path` in `dtype`; its name changes when the file's path, size or mtime do."""
+    gguf_path = Path(gguf_path).resolve()
+    try:
+        stat = gguf_path.stat()
+    except FileNotFoundError:
+        raise AttnkitError(f"{gguf_path}: file not found") from None
+    key = hashlib.sha256(f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return Path(cache_dir or cache_root()) / f"{gguf_path.stem}-{dtype}-{key}"
+
+
 def materialize_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> Path:
-    """Write config, safetensors weights and tokenizer of a GGUF model to `out_dir` (atomically)."""
+    """Write config, safetensors weights and tokenizer of a GGUF model to `out_dir` (atomically, once)."""
     out_dir = Path(out_dir)
     if (out_dir / "config.json").is_file():
         return out_dir
@@ -47,6 +67,10 @@ def materialize_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> 
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(out_dir)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out_dir / "config.json").is_file():  # else another process finished first
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,0 +1,232 @@
+"""Safe output folders and a streaming safetensors writer with Hugging Face shard names."""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import json
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from attnkit.errors import AttnkitError
+from attnkit.io.resolve import INDEX_NAME, SIDE_FILES, safetensors_files
+
+SINGLE_NAME = "model.safetensors"
+#: torch dtype name -> safetensors dtype code.
+TORCH_TO_SAFETENSORS = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0",
+}
+#: Scan this many elements at a time for NaN/Inf, so a huge tensor needs little extra memory.
+SCAN_CHUNK = 1 << 24
+
+
+def _disk_full(exc: BaseException | None) -> bool:
+    return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+
+
+class OutputDir:
+    """Write into a temp folder next to `target`; `commit()` renames it into place, anything else removes it.
+
+    Leaving the `with` block without `commit()` (cleanly or by any exception, Ctrl-C included)
+    deletes the temp folder and leaves `target` untouched.
+    """
+
+    def __init__(self, target: Path, overwrite: bool = False):
+        self.target = Path(target).expanduser().absolute()
+        self.overwrite = overwrite
+        self.path: Path | None = None
+        self.committed = False
+        self._check_target()
+
+    def _check_target(self) -> None:
+        if self.target.exists() and not self.target.is_dir():
+            raise AttnkitError(f"{self.target}: exists and is not a folder")
+        if self.target.is_dir() and any(self.target.iterdir()) and not self.overwrite:
+            raise AttnkitError(f"{self.target}: folder is not empty (pass --overwrite to replace it)")
+
+    def __enter__(self) -> OutputDir:
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.attnkit-tmp-", dir=self.target.parent))
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.committed and self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+        if _disk_full(exc):
+            raise AttnkitError(f"disk full while writing {self.target}") from exc
+
+    def commit(self, verifier: Callable[[Path], None] | None = None) -> Path:
+        """Run `verifier(temp folder)` if given, then move the result to the target; returns the target."""
+        if self.path is None or self.committed:
+            raise AttnkitError(f"{self.target}: commit() needs an open, uncommitted OutputDir")
+        if verifier is not None:
+            verifier(self.path)
+        self._check_target()  # the target may have changed while we worked
+        if self.target.is_dir():
+            old = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.attnkit-old-", dir=self.target.parent))
+            self.target.rename(old / "previous")
+            try:
+                self.path.rename(self.target)
+            except BaseException:
+                (old / "previous").rename(self.target)
+                shutil.rmtree(old, ignore_errors=True)
+                raise
+            self.committed = True
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            self.path.rename(self.target)
+            self.committed = True
+        return self.target
+
+
+class ShardedWriter:
+    """Buffer tensors and write safetensors shards of at most `max_shard_bytes` (a bigger tensor gets its own).
+
+    Peak memory is about one shard plus one tensor. Tensors must not be modified in place
+    after `add` until `finish` returns.
+    """
+
+    def __init__(self, folder: Path, max_shard_bytes: int = 5 * 2**30):
+        if max_shard_bytes <= 0:
+            raise AttnkitError(f"max shard size must be positive, got {max_shard_bytes}")
+        self.folder = Path(folder)
+        self.max_shard_bytes = max_shard_bytes
+        self._buffer: dict = {}
+        self._buffer_bytes = 0
+        self._shards: list[tuple[Path, list[str]]] = []
+        self._names: set[str] = set()
+        self.total_size = 0
+        self.total_parameters = 0
+
+    def add(self, name: str, tensor) -> None:
+        """Queue `tensor` under `name`; writes a shard first when it would overflow the current one."""
+        if name in self._names:
+            raise AttnkitError(f"{self.folder}: tensor {name!r} added twice")
+        tensor = tensor.detach().to("cpu").contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        storage = tensor.untyped_storage()
+        if storage.nbytes() != nbytes or any(
+            t.untyped_storage().data_ptr() == storage.data_ptr() for t in self._buffer.values()
+        ):
+            tensor = tensor.clone()  # own storage: tied weights and views of larger tensors
+        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._buffer[name] = tensor
+        self._buffer_bytes += nbytes
+        self._names.add(name)
+        self.total_size += nbytes
+        self.total_parameters += tensor.numel()
+
+    def _flush(self) -> None:
+        path = self.folder / f".shard-{len(self._shards) + 1:05d}.safetensors.partial"
+        write_safetensors(path, self._buffer, {"format": "pt"})
+        self._shards.append((path, list(self._buffer)))
+        self._buffer, self._buffer_bytes = {}, 0
+
+    def finish(self) -> dict:
+        """Write the last shard, give shards their HF names, write the index if sharded; returns the index."""
+        if self._buffer:
+            self._flush()
+        if not self._shards:
+            raise AttnkitError(f"{self.folder}: no tensors were written")
+        n = len(self._shards)
+        weight_map: dict[str, str] = {}
+        for i, (path, names) in enumerate(self._shards, start=1):
+            final = SINGLE_NAME if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+            path.rename(self.folder / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {
+            "metadata": {"total_parameters": self.total_parameters, "total_size": self.total_size},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        if n > 1:
+            (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        return index
+
+
+def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> None:
+    """Write contiguous CPU tensors as one safetensors file, streaming each tensor's bytes (OSErrors pass through)."""
+    import torch
+
+    # Widest dtypes first, so every tensor starts aligned to its element size.
+    tensors = dict(sorted(tensors.items(), key=lambda kv: -kv[1].element_size()))
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": torch_dtype_code(t.dtype), "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                fh.write(t.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def torch_dtype_code(dtype) -> str:
+    """The safetensors dtype string of a torch dtype."""
+    code = TORCH_TO_SAFETENSORS.get(str(dtype).removeprefix("torch."))
+    if code is None:
+        raise AttnkitError(f"cannot store dtype {dtype} in safetensors")
+    return code
+
+
+def copy_side_files(src_root: Path, dst: Path) -> list[str]:
+    """Copy tokenizer, generation and chat-template files (not weights, config.json or index); returns names."""
+    patterns = [p for p in SIDE_FILES if p != "config.json"]
+    copied = []
+    for src in sorted(Path(src_root).iterdir()):
+        if src.is_file() and any(fnmatch.fnmatch(src.name, p) for p in patterns):
+            shutil.copyfile(src, Path(dst) / src.name)  # follows hub-cache symlinks
+            copied.append(src.name)
+    return copied
+
+
+def verify_output(folder: Path, expected: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Check names and shapes against `expected` (when given) and that no tensor holds NaN/Inf."""
+    from attnkit.io.reader import LazyReader
+
+    folder = Path(folder)
+    files = safetensors_files(folder)
+    if not files:
+        raise AttnkitError(f"{folder}: no safetensors weights were written")
+    with LazyReader(files) as reader:
+        if expected is not None:
+            _check_shapes(folder, reader, expected)
+        for name in reader.names():
+            _check_finite(folder, name, reader.get(name))
+
+
+def _check_shapes(folder: Path, reader, expected: dict[str, tuple[int, ...]]) -> None:
+    names = set(reader.names())
+    missing = sorted(set(expected) - names)
+    extra = sorted(names - set(expected))
+    if missing:
+        raise AttnkitError(f"{folder}: {len(missing)} expected tensor(s) missing, e.g. {missing[0]!r}")
+    if extra:
+        raise AttnkitError(f"{folder}: {len(extra)} unexpected tensor(s), e.g. {extra[0]!r}")
+    for name, shape in expected.items():
+        got = reader.info(name).shape
+        if tuple(got) != tuple(shape):
+            raise AttnkitError(f"{folder}: tensor {name!r} has shape {list(got)}, expected {list(shape)}")
+
+
+def _check_finite(folder: Path, name: str, tensor) -> None:
+    import torch
+
+    if not tensor.is_floating_point():
+        return
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), SCAN_CHUNK):
+        if not torch.isfinite(flat[start:start + SCAN_CHUNK]).all():
+            raise AttnkitError(f"{folder}: tensor {name!r} contains NaN or Inf")
