@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from attnkit import __version__
-from attnkit.cli import inspect_cmd, kvmem_cmd
+from attnkit.cli import inspect_cmd, kvmem_cmd, presets_cmd
 
 app = typer.Typer(
     name="attnkit",
@@ -31,6 +31,7 @@ def _root(
 
 inspect_cmd.register(app)
 kvmem_cmd.register(app)
+presets_cmd.register(app)
 
 
 def main() -> None:

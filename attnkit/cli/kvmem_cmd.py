@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
     @app.command("kvmem")
     @handle_errors
     def kvmem(
-        model: str = typer.Argument(..., help="Preset name (see --list-presets), folder, file, config.json or hub id."),
+        model: str = typer.Argument(..., help="Preset name (see `attnkit presets`), folder, file, config.json or hub id."),
         context: str = typer.Option("4k,32k,128k", "--context", "-c", help="Context lengths, e.g. 4k,32k,128k (k = 1024)."),
         batch: str = typer.Option("1", "--batch", "-b", help="Batch sizes, e.g. 1,8,32."),
         dtype: str = typer.Option("bf16", "--dtype", help="Cache dtypes: fp32,bf16,fp16,fp8,fp8-token,int8,int4,int2."),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
@@ -13,6 +14,11 @@ def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> AttnkitErr
     from huggingface_hub import errors
 
     name = f"{repo_id}@{revision}" if revision else repo_id
+    if isinstance(exc, errors.LocalEntryNotFoundError):
+        return AttnkitError(
+            f"hub model {name!r}: files are not in the local cache and the hub cannot be reached "
+            "(offline); connect, or download it first"
+        )
     if isinstance(exc, errors.RepositoryNotFoundError):
         return AttnkitError(f"hub model {name!r} not found (or it is private: set HF_TOKEN)")
     if isinstance(exc, errors.GatedRepoError):
@@ -27,19 +33,26 @@ def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> AttnkitErr
     )
 
 
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE read at call time (huggingface_hub reads it once, at import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def resolve_hub(ref: str, *, need_weights: bool) -> Checkpoint:
     """Download (or find in the HF cache) config.json, and the weights only when asked for."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
     repo_id, revision = split_revision(ref)
+    offline = hub_offline()
     try:
         if need_weights:
             root = Path(snapshot_download(
-                repo_id, revision=revision, allow_patterns=SIDE_FILES + ["*.safetensors", "*.safetensors.index.json"],
+                repo_id, revision=revision, local_files_only=offline,
+                allow_patterns=SIDE_FILES + ["*.safetensors", "*.safetensors.index.json"],
             ))
             config_path = root / "config.json"
         else:
-            config_path = Path(hf_hub_download(repo_id, "config.json", revision=revision))
+            config_path = Path(hf_hub_download(repo_id, "config.json", revision=revision, local_files_only=offline))
             root = config_path.parent
     except Exception as exc:  # network, auth and cache misses from huggingface_hub
         raise _hub_error(repo_id, revision, exc) from None
@@ -52,6 +65,8 @@ def hub_parameter_count(repo_id: str, revision: str | None) -> int | None:
     """Parameter count from the hub's safetensors headers (range requests, no weights); None offline."""
     from huggingface_hub import HfApi
 
+    if hub_offline():
+        return None
     try:
         meta = HfApi().get_safetensors_metadata(repo_id, revision=revision)
     except Exception:  # offline, not a safetensors repo, ...: the caller falls back

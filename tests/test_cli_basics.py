@@ -1,0 +1,100 @@
+"""CLI plumbing: version, help, exit codes, output formats, and no heavy imports on the fast paths."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from attnkit import __version__
+from attnkit.cli import app
+
+
+def test_version(runner):
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.output.strip() == f"attnkit {__version__}"
+
+
+def test_python_dash_m():
+    out = subprocess.run([sys.executable, "-m", "attnkit", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"attnkit {__version__}"
+
+
+def test_help_lists_commands(runner):
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("inspect", "kvmem"):
+        assert command in result.output
+
+
+def _modules_after(args: list[str]) -> set[str]:
+    """Run the CLI in a fresh interpreter and return which heavy modules it imported."""
+    code = (
+        "import sys\n"
+        "from attnkit.cli import app\n"
+        "try:\n"
+        f"    app({args!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = [m for m in ('torch', 'transformers', 'pandas') if m in sys.modules]\n"
+        "sys.stderr.write('HEAVY=' + ','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    line = [l for l in out.stderr.splitlines() if l.startswith("HEAVY=")][-1]
+    return {m for m in line[len("HEAVY="):].split(",") if m}
+
+
+@pytest.mark.parametrize("args", [["--help"], ["kvmem", "llama-3.1-8b", "--format", "json"]])
+def test_fast_paths_import_no_torch(args):
+    assert _modules_after(args) == set()
+
+
+def test_inspect_imports_no_torch(tiny):
+    folder = tiny("llama_gqa")
+    assert _modules_after(["inspect", str(folder), "--format", "json"]) == set()
+
+
+def test_missing_file_is_one_line_error(runner, tmp_path):
+    result = runner.invoke(app, ["inspect", str(tmp_path / "nope.safetensors")])
+    assert result.exit_code == 1
+    assert "file not found" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_usage_error_exit_code(runner):
+    result = runner.invoke(app, ["kvmem", "llama-3.1-8b", "--context", "abc"])
+    assert result.exit_code == 2
+    assert "not a token count" in result.output
+
+
+def test_unknown_option_is_usage_error(runner):
+    assert runner.invoke(app, ["kvmem", "llama-3.1-8b", "--no-such-flag"]).exit_code == 2
+
+
+def test_debug_env_shows_traceback(tmp_path):
+    code = "from attnkit.cli import app; app(['inspect', %r])" % str(tmp_path / "missing.gguf")
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    debug = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**__import__("os").environ, "ATTNKIT_DEBUG": "1"})
+    assert plain.returncode == 1 and "Traceback" not in plain.stderr
+    assert "Traceback" in debug.stderr
+
+
+@pytest.mark.parametrize("fmt", ["table", "json", "csv", "markdown"])
+def test_kvmem_formats(runner, fmt):
+    result = runner.invoke(app, ["kvmem", "llama-3.1-8b", "--context", "4k", "--format", fmt])
+    assert result.exit_code == 0, result.output
+    if fmt == "json":
+        doc = json.loads(result.stdout)
+        assert doc["rows"][0]["bytes_per_token"] == 131072
+    elif fmt == "csv":
+        header, row = result.stdout.strip().splitlines()
+        assert header.split(",")[:3] == ["variant", "attention", "dtype"]
+        assert "131072" in row
+    elif fmt == "markdown":
+        assert result.stdout.startswith("**KV cache") and "| 131,072 |" in result.stdout
+    else:
+        assert "131,072" in result.stdout
