@@ -1,0 +1,41 @@
+"""Whitening for activation-aware low-rank fits: ||(A - B) x|| over calibration inputs x."""
+
+from __future__ import annotations
+
+import torch
+
+#: Ridge added to a covariance, relative to its mean diagonal, so rank-deficient calibration stays solvable.
+DEFAULT_RIDGE = 1e-6
+
+
+def regularize(cov: torch.Tensor, ridge: float = DEFAULT_RIDGE) -> torch.Tensor:
+    """cov + ridge * mean(diag(cov)) * I, in float64.  cov: [n, n] symmetric PSD."""
+    cov = cov.to(torch.float64)
+    scale = cov.diagonal().mean().clamp_min(1e-30)
+    return cov + ridge * scale * torch.eye(cov.shape[0], dtype=torch.float64)
+
+
+def whitening_factor(cov: torch.Tensor, ridge: float = DEFAULT_RIDGE) -> torch.Tensor:
+    """Lower-triangular L with L L^T = regularize(cov): ||A L||_F^2 = E||A x||^2.  [n, n] float64."""
+    return torch.linalg.cholesky(regularize(cov, ridge))
+
+
+def psd_sqrt(mat: torch.Tensor, ridge: float = DEFAULT_RIDGE) -> torch.Tensor:
+    """Symmetric square root of a PSD matrix (eigenvalues floored by the ridge).  [n, n] float64."""
+    vals, vecs = torch.linalg.eigh(regularize(mat, ridge))
+    return (vecs * vals.clamp_min(0).sqrt()) @ vecs.T
+
+
+def energy(rows: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+    """E||rows x||^2 = tr(rows cov rows^H), real.  rows: [m, n] real or complex, cov: [n, n]."""
+    cov = cov.to(torch.float64).to(rows.dtype) if rows.is_complex() else cov.to(rows.dtype)
+    return torch.einsum("mi,ij,mj->", rows, cov, rows.conj()).real
+
+
+def relative_error(old: torch.Tensor, new: torch.Tensor, cov: torch.Tensor) -> float:
+    """sqrt(E||(old - new) x||^2 / E||old x||^2) for row stacks old, new: [m, n] and cov: [n, n]."""
+    old, new = old.to(torch.float64), new.to(torch.float64)
+    denom = float(energy(old, cov))
+    if denom <= 0:
+        return 0.0 if float(energy(old - new, cov)) <= 0 else float("inf")
+    return float(energy(old - new, cov) / denom) ** 0.5
