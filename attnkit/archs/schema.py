@@ -23,7 +23,8 @@ REQUIRED_CONFIG_ROLES = {"num_layers", "num_heads", "hidden_size"}
 #: checkpoint's prefix (found by matching against the tensor names).
 TENSOR_ROLES = {
     "q", "k", "v", "o", "qkv", "q_bias", "k_bias", "v_bias", "o_bias", "qkv_bias",
-    "q_norm", "k_norm", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b", "sinks",
+    "q_norm", "k_norm", "q_a", "q_a_bias", "q_a_norm", "q_b", "kv_a", "kv_a_bias", "kv_a_norm", "kv_b",
+    "sinks",
 }
 
 ENUMS = {

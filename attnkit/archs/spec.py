@@ -101,7 +101,7 @@ def _layer_windows(arch: Arch, config: dict, num_layers: int) -> tuple[int | Non
         if window is None and any(t == "sliding_attention" for t in layer_types):
             raise AttnkitError("config has sliding_attention layers but no sliding_window")
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if window is None:
+    if window is None or not arch.config_value(config, "use_sliding_window", True):
         return (None,) * num_layers
     window = int(window)
     if rule == "all" or rule == "layer_types":
@@ -111,9 +111,7 @@ def _layer_windows(arch: Arch, config: dict, num_layers: int) -> tuple[int | Non
     if rule == "pattern":  # Gemma 3: every N-th layer is global
         n = _int(arch, config, "sliding_window_pattern", 6)
         return tuple(None if (i + 1) % n == 0 else window for i in range(num_layers))
-    # max_window_layers (Qwen2/Qwen3): layers from max_window_layers on slide, if enabled
-    if not arch.config_value(config, "use_sliding_window", False):
-        return (None,) * num_layers
+    # max_window_layers (Qwen2/Qwen3): layers from max_window_layers on slide
     first = _int(arch, config, "max_window_layers", num_layers)
     return tuple(window if i >= first else None for i in range(num_layers))
 
