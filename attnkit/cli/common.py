@@ -9,14 +9,27 @@ from enum import Enum
 from typing import Callable, TypeVar
 
 import typer
-from rich.console import Console
 
 from attnkit.errors import AttnkitError, EXIT_RUNTIME
 
 F = TypeVar("F", bound=Callable)
 
-#: Logs, progress and warnings go here; data goes to stdout.
-stderr = Console(stderr=True, highlight=False)
+
+@functools.lru_cache(maxsize=None)
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+class _LazyConsole:
+    """The stderr console for logs, progress and warnings (data goes to stdout); rich loads on first use."""
+
+    def __getattr__(self, name):
+        return getattr(_stderr_console(), name)
+
+
+stderr = _LazyConsole()
 
 
 class OutputFormat(str, Enum):
