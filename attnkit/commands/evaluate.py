@@ -1,0 +1,81 @@
+"""Perplexity of a model on token windows, and its divergence from a reference model on the same windows."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from attnkit.errors import AttnkitError
+from attnkit.runtime.loader import unwrap
+
+
+@dataclass
+class EvalResult:
+    """Token-level scores over every predicted position (N windows x (seq_len - 1) tokens)."""
+
+    tokens: int
+    nll_mean: float
+    perplexity: float
+    kl_mean: float | None = None
+    kl_max: float | None = None
+    top1_agreement: float | None = None
+    reference_nll_mean: float | None = None
+    reference_perplexity: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _log_probs(model, ids):
+    """Yield (start, fp32 log-probs [B, c, V]) for the positions 0..T-2 that predict a next token."""
+    from attnkit.runtime.lm import final_hidden, logit_chunks
+
+    hidden = final_hidden(model, ids)[:, :-1]  # [B, T-1, d]
+    for start, logits in logit_chunks(model, hidden):
+        yield start, logits.log_softmax(-1)
+
+
+def evaluate(model, windows, *, reference=None, batch_size: int = 1,
+             progress: Callable[[int], None] | None = None) -> EvalResult:
+    """NLL/perplexity of `model` on windows [N, T]; with `reference`, KL(ref || model) and top-1 agreement.
+
+    Models are LoadedModel or nn.Module; both see identical windows. Sums are kept in float64.
+    """
+    import math
+
+    import torch
+
+    from attnkit.runtime.texts import batches
+
+    model, reference = unwrap(model), unwrap(reference) if reference is not None else None
+    nll_sum = ref_nll_sum = kl_sum = 0.0
+    kl_max = 0.0
+    agree = tokens = 0
+    with torch.no_grad():
+        for ids in batches(windows, batch_size):  # ids [B, T]
+            targets = ids[:, 1:]  # [B, T-1]
+            ref_chunks = _log_probs(reference, ids) if reference is not None else None
+            for start, logp in _log_probs(model, ids):  # logp [B, c, V]
+                tgt = targets[:, start:start + logp.shape[1]].to(logp.device)  # [B, c]
+                nll_sum -= logp.gather(-1, tgt.unsqueeze(-1)).sum(dtype=torch.float64).item()
+                tokens += tgt.numel()
+                if ref_chunks is not None:
+                    _, ref_logp = next(ref_chunks)
+                    ref_logp = ref_logp.to(logp.device)
+                    if ref_logp.shape != logp.shape:
+                        raise AttnkitError(f"vocabularies differ: reference has {ref_logp.shape[-1]} tokens, "
+                                           f"model has {logp.shape[-1]}")
+                    ref_nll_sum -= ref_logp.gather(-1, tgt.unsqueeze(-1)).sum(dtype=torch.float64).item()
+                    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # [B, c]
+                    kl_sum += kl.sum(dtype=torch.float64).item()
+                    kl_max = max(kl_max, kl.max().item())
+                    agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
+            if progress is not None:
+                progress(ids.shape[0])
+    nll = nll_sum / tokens
+    result = EvalResult(tokens=tokens, nll_mean=nll, perplexity=math.exp(nll))
+    if reference is not None:
+        result.kl_mean, result.kl_max, result.top1_agreement = kl_sum / tokens, kl_max, agree / tokens
+        result.reference_nll_mean = ref_nll_sum / tokens
+        result.reference_perplexity = math.exp(result.reference_nll_mean)
+    return result

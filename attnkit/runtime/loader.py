@@ -1,0 +1,132 @@
+"""Load any supported checkpoint (folder, .safetensors, .gguf, hub id) as a causal LM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from attnkit.errors import AttnkitError, UsageError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: in eval mode, on `device`, with its tokenizer (None when the checkpoint has none)."""
+
+    model: Any
+    tokenizer: Any
+    checkpoint: Any
+    device: Any
+    dtype: Any
+
+
+def resolve_device(device: str):
+    """auto | cpu | cuda | cuda:N | mps -> torch.device (auto: CUDA, then MPS, then CPU)."""
+    import torch
+
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"unknown --device {device!r}; use auto, cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise AttnkitError(f"--device {device}: no CUDA device is available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise AttnkitError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise AttnkitError("--device mps: MPS is not available")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"unknown --device {device!r}; use auto, cpu, cuda, cuda:N or mps")
+    return dev
+
+
+def resolve_dtype(dtype: str, device, config: dict):
+    """auto: float32 on CPU, the stored 16-bit dtype (else float32) on accelerators."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise UsageError(f"unknown --dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    stored = config.get("dtype") or config.get("torch_dtype")
+    if device.type != "cpu" and stored in ("bfloat16", "float16"):
+        return getattr(torch, stored)
+    return torch.float32
+
+
+def _tokenizer(root):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(root))
+    except Exception:  # noqa: BLE001 - a checkpoint without tokenizer files is still usable with token ids
+        return None
+
+
+def _check_causal(ref: str, model_type: str | None) -> None:
+    from attnkit.archs import get_arch, supported_model_types
+
+    if model_type in supported_model_types() and not get_arch(model_type).causal:
+        raise AttnkitError(f"{ref}: {model_type} is not a causal language model")
+
+
+def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_map: str | None = None,
+               trust_remote_code: bool = False, attn_implementation: str | None = None) -> LoadedModel:
+    """Resolve `ref` and load it with AutoModelForCausalLM (GGUF files through attnkit.io.gguf_load)."""
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from attnkit.io.resolve import resolve
+
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()
+    ckpt = resolve(ref)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev, ckpt.config)
+    if ckpt.kind == "config":
+        raise AttnkitError(f"{ref}: a config file has no weights to run")
+    _check_causal(ref, ckpt.model_type)
+    if ckpt.kind == "gguf":
+        from attnkit.io.gguf_load import load_gguf_model
+
+        if device_map is not None:
+            raise UsageError("--device-map is not supported for GGUF files")
+        model, tokenizer = load_gguf_model(ckpt.gguf_file, str(torch_dtype).removeprefix("torch."))
+        model = model.to(dev)
+        if attn_implementation:
+            model.set_attn_implementation(attn_implementation)
+    else:
+        kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        if device_map is not None:
+            kwargs["device_map"] = device_map
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(ckpt.root), **kwargs)
+        except ValueError as exc:
+            if "Unrecognized configuration class" in str(exc) or "does not recognize" in str(exc):
+                raise AttnkitError(f"{ref}: {ckpt.model_type} is not a supported causal language model") from None
+            raise AttnkitError(f"{ref}: cannot load model ({exc})") from None
+        except (OSError, ImportError) as exc:
+            raise AttnkitError(f"{ref}: cannot load model ({exc})") from None
+        if device_map is None:
+            model = model.to(dev)
+        tokenizer = _tokenizer(ckpt.root)
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, checkpoint=ckpt,
+                       device=next(model.parameters()).device if device_map else dev, dtype=torch_dtype)
+
+
+def unwrap(model):
+    """The nn.Module inside a LoadedModel (or the module itself)."""
+    return model.model if isinstance(model, LoadedModel) else model
