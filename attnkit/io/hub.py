@@ -15,22 +15,17 @@ def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> AttnkitErr
 
     name = f"{repo_id}@{revision}" if revision else repo_id
     if isinstance(exc, errors.LocalEntryNotFoundError):
-        return AttnkitError(
-            f"hub model {name!r}: files are not in the local cache and the hub cannot be reached "
-            "(offline); connect, or download it first"
-        )
-    if isinstance(exc, errors.RepositoryNotFoundError):
-        return AttnkitError(f"hub model {name!r} not found (or it is private: set HF_TOKEN)")
+        why = "HF_HUB_OFFLINE=1 forbids downloads" if hub_offline() else "the hub cannot be reached"
+        return AttnkitError(f"hub model {name!r}: files are not in the local cache and {why}; download them first")
     if isinstance(exc, errors.GatedRepoError):
         return AttnkitError(f"hub model {name!r} is gated: accept its licence and set HF_TOKEN")
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        return AttnkitError(f"hub model {name!r} not found (or it is private: set HF_TOKEN)")
     if isinstance(exc, errors.RevisionNotFoundError):
         return AttnkitError(f"hub model {repo_id!r} has no revision {revision!r}")
     if isinstance(exc, errors.EntryNotFoundError):
         return AttnkitError(f"hub model {name!r} has no config.json")
-    return AttnkitError(
-        f"hub model {name!r}: files are not in the local cache and the hub cannot be reached "
-        f"({type(exc).__name__}); connect, or download it first"
-    )
+    return AttnkitError(f"hub model {name!r}: download failed ({type(exc).__name__}: {exc})")
 
 
 def hub_offline() -> bool:
@@ -58,6 +53,9 @@ def resolve_hub(ref: str, *, need_weights: bool) -> Checkpoint:
         raise _hub_error(repo_id, revision, exc) from None
     config = read_config(config_path)
     files = safetensors_files(root) if need_weights else []
+    if need_weights and not files:
+        where = "in the local cache (HF_HUB_OFFLINE=1)" if offline else "(only *.safetensors are read)"
+        raise AttnkitError(f"hub model {ref!r}: no safetensors weights {where}")
     return Checkpoint(ref, "hub", config, root=root, weight_files=files, repo_id=repo_id, revision=revision)
 
 

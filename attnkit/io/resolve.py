@@ -13,7 +13,7 @@ from attnkit.io.config import read_config
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?(@[\w.\-/]+)?$")
 INDEX_NAME = "model.safetensors.index.json"
 #: Files a command that runs the model needs besides weights.
-SIDE_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
+SIDE_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
               "vocab.*", "merges.txt", "*.model", "chat_template*"]
 
 
