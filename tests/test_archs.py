@@ -77,6 +77,7 @@ def _extra_model(name: str):
     import transformers as tf
 
     configs = {
+        "llama_bias": lambda: tf.LlamaConfig(**SMALL, num_key_value_heads=4, head_dim=8, attention_bias=True),
         "mixtral": lambda: tf.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=4, sliding_window=16),
         "qwen3_moe": lambda: tf.Qwen3MoeConfig(**SMALL, num_key_value_heads=2, head_dim=8, num_experts=4,
                                                num_experts_per_tok=2, moe_intermediate_size=32),
@@ -93,7 +94,7 @@ def _extra_model(name: str):
     return getattr(tf, _CLASSES[config.model_type])(config)
 
 
-_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+_CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
             "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
@@ -113,6 +114,7 @@ BIAS3 = {"q_bias", "k_bias", "v_bias"}
 CASES = {
     "llama": ("model.", 8, 8, 8, 8, (None, None), None, None, "none", SEP),
     "llama_gqa": ("model.", 8, 2, 8, 8, (None, None), None, None, "none", SEP),
+    "llama_bias": ("model.", 8, 4, 8, 8, (None, None), None, None, "none", SEP | BIAS3 | {"o_bias"}),
     "mistral": ("model.", 8, 4, 8, 8, (16, 16), None, None, "none", SEP),
     "mixtral": ("model.", 8, 2, 8, 8, (16, 16), None, None, "none", SEP),
     "qwen2": ("model.", 8, 4, 8, 8, (None, None), None, None, "none", SEP | BIAS3),
