@@ -1,0 +1,101 @@
+"""`attnkit probe MODEL... TEXT...`: attention-logit, log Z and entropy statistics per layer and head."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from attnkit.cli.common import FORMAT_OPTION, OutputFormat, handle_errors, stderr
+from attnkit.cli.output import Column, render
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+def _split(args: list[str]) -> tuple[list[str], list[str]]:
+    """Positional arguments ending in .txt/.jsonl (or '-') are text inputs, the others are models."""
+    texts = [a for a in args if a == "-" or a.lower().endswith(TEXT_SUFFIXES)]
+    return [a for a in args if a not in texts], texts
+
+
+def _num(v) -> str:
+    return f"{v:.4g}"
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("probe")
+    @handle_errors
+    def probe_(
+        args: List[str] = typer.Argument(..., help="Models (folder, .safetensors, .gguf, hub id), then text files "
+                                                   "(.txt, .jsonl with 'text'; '-' = stdin)."),
+        text: Optional[str] = typer.Option(None, "--text", help="Literal text (besides any files)."),
+        seq_len: int = typer.Option(512, "--seq-len", help="Tokens per window."),
+        max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="At most this many tokens per model."),
+        batch_size: int = typer.Option(1, "--batch-size", help="Windows per forward pass."),
+        threshold: float = typer.Option(100.0, "--threshold", help="Count attention logits above this value."),
+        z_lambda: float = typer.Option(1e-4, "--z-lambda", help="z-loss weight: lambda * mean((log Z)^2)."),
+        fail_if: Optional[List[str]] = typer.Option(None, "--fail-if", help="Exit 3 when crossed, e.g. 'max_logit>100' "
+                                                    "(also logz_max, entropy_min, z_loss, ...); repeatable."),
+        out: Optional[str] = typer.Option(None, "--out", help="Write per-head rows to FILE.parquet or FILE.csv."),
+        plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG: max-logit heatmap and log Z per layer."),
+        top: int = typer.Option(20, "--top", help="Heads shown in the table (worst max logit first); 0 = all."),
+        device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
+        dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16."),
+        fmt: OutputFormat = FORMAT_OPTION,
+    ) -> None:
+        """Attention logits (max, min, mean, std, share above --threshold), log Z, entropy and q/k norms per head."""
+        from attnkit.commands.probe import check_rules, parse_rule, probe
+        from attnkit.errors import UsageError
+        from attnkit.runtime import load_model, make_windows, read_texts
+        from attnkit.runtime.progress import progress_bar
+
+        models, text_files = _split(args)
+        rules = [parse_rule(r) for r in fail_if or []]
+        if not models:
+            raise UsageError("give at least one model")
+        docs = read_texts(text_files, text)
+        results = []
+        for ref in models:
+            loaded = load_model(ref, device=device, dtype=dtype)
+            windows = make_windows(loaded.tokenizer, docs, seq_len, max_tokens)
+            stderr.print(f"probing {ref}: {windows.shape[0]} window(s) of {seq_len} tokens", style="dim")
+            with progress_bar(windows.shape[0], f"probe {ref}") as advance:
+                results.append(probe(loaded, windows, threshold=threshold, z_lambda=z_lambda,
+                                     batch_size=batch_size, progress=advance, name=ref))
+            del loaded
+        if out:
+            from attnkit.commands.probe_report import write_table
+
+            write_table(results, out)
+        if plot:
+            from attnkit.commands.probe_report import plot as write_plot
+
+            write_plot(results, plot)
+        _render(results, fmt, top, threshold)
+        check_rules(results, rules)
+
+
+def _render(results, fmt: OutputFormat, top: int, threshold: float) -> None:
+    rows = [row for res in results for row in res.heads]
+    columns = [Column("model", "model", justify="left"), Column("layer", "layer"), Column("head", "head"),
+               Column("max_logit", "max logit", _num), Column("max_logit_precap", "pre-cap max", _num),
+               Column("mean_logit", "mean", _num), Column("std_logit", "std", _num),
+               Column("frac_above", f"> {threshold:g}", _num), Column("logz_mean", "logZ mean", _num),
+               Column("logz_max", "logZ max", _num), Column("entropy_mean", "entropy", _num),
+               Column("max_prob_mean", "max p", _num), Column("q_rms_max", "|q| rms max", _num),
+               Column("k_rms_max", "|k| rms max", _num)]
+    doc = {"models": [res.to_dict() for res in results]}
+    if fmt in (OutputFormat.table, OutputFormat.markdown):
+        rows = sorted(rows, key=lambda r: -(r["max_logit"] if r["max_logit"] is not None else -float("inf")))
+        rows = rows[:top] if top else rows
+        if len(results) == 1:
+            columns = columns[1:]
+        if all(r["max_logit"] == r["max_logit_precap"] for r in rows):
+            columns = [c for c in columns if c.key != "max_logit_precap"]
+    elif fmt == OutputFormat.csv:
+        columns = [Column(k, k) for k in results[0].heads[0]]
+    caption = "; ".join(f"{res.model}: final logits max {_num(res.final['final_logit_max'])}, "
+                        f"logZ mean {_num(res.final['final_logz_mean'])} std {_num(res.final['final_logz_std'])} "
+                        f"max {_num(res.final['final_logz_max'])}, z-loss {_num(res.final['z_loss'])} "
+                        f"({res.tokens} tokens)" for res in results)
+    render(rows, columns, fmt, title="attention probe (worst heads first)", json_obj=doc, caption=caption)

@@ -1,0 +1,65 @@
+"""Files from probe results: per-head tables (parquet/csv via pandas) and a PNG of max logits and log Z."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from attnkit.errors import AttnkitError, UsageError
+
+
+def write_table(results, path: str) -> None:
+    """All models' per-head rows to .parquet or .csv."""
+    import pandas as pd
+
+    frame = pd.DataFrame([row for res in results for row in res.heads])
+    suffix = Path(path).suffix.lower()
+    if suffix == ".parquet":
+        try:
+            frame.to_parquet(path, index=False)
+        except ImportError:
+            raise AttnkitError("writing parquet needs pyarrow (pip install 'attnkit[parquet]')") from None
+    elif suffix == ".csv":
+        frame.to_csv(path, index=False)
+    else:
+        raise UsageError(f"--out {path}: use a .parquet or .csv file name")
+
+
+def _grid(rows: list[dict], key: str):
+    """[layers, heads] array of `key` (NaN where missing)."""
+    import numpy as np
+
+    layers = sorted({r["layer"] for r in rows})
+    heads = max(r["head"] for r in rows) + 1
+    grid = np.full((len(layers), heads), np.nan)
+    for r in rows:
+        if r[key] is not None:
+            grid[layers.index(r["layer"]), r["head"]] = r[key]
+    return layers, grid
+
+
+def plot(results, path: str) -> None:
+    """One row per model: layer x head heatmap of the max logit, and per-layer log Z (mean and max over heads)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise AttnkitError("--plot needs matplotlib (pip install 'attnkit[plot]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(len(results), 2, figsize=(12, 4 * len(results)), squeeze=False)
+    for (heat, line), res in zip(axes, results):
+        layers, grid = _grid(res.heads, "max_logit")
+        image = heat.imshow(grid, aspect="auto", cmap="viridis", origin="lower")
+        heat.set(title=f"{res.model}: max attention logit", xlabel="head", ylabel="layer")
+        heat.set_yticks(range(len(layers)), layers if len(layers) <= 40 else None)
+        fig.colorbar(image, ax=heat)
+        _, mean = _grid(res.heads, "logz_mean")
+        _, high = _grid(res.heads, "logz_max")
+        line.plot(layers, np.nanmean(mean, axis=1), marker="o", label="log Z mean")
+        line.plot(layers, np.nanmax(high, axis=1), marker="^", label="log Z max")
+        line.set(title=f"{res.model}: attention log Z per layer", xlabel="layer", ylabel="log Z")
+        line.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
