@@ -6,6 +6,8 @@ import typer
 
 from attnkit import __version__
 from attnkit.cli import inspect_cmd, kvmem_cmd, presets_cmd
+from attnkit.cli import eval_cmd
+from attnkit.cli import probe_cmd
 
 app = typer.Typer(
     name="attnkit",
@@ -31,6 +33,8 @@ def _root(
 
 inspect_cmd.register(app)
 kvmem_cmd.register(app)
+eval_cmd.register(app)
+probe_cmd.register(app)
 presets_cmd.register(app)
 
 
