@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
+from attnkit.io.gguf_header import GGUFHeader, parse_gguf_header
 
 #: GGUF `general.architecture` -> Hugging Face `model_type`.
 GGUF_ARCH_TO_MODEL_TYPE = {
@@ -46,44 +48,47 @@ class GGUFTensor:
     quant_type: str
 
 
-def _open(path: Path):
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(str(path))
-    except FileNotFoundError:
-        raise AttnkitError(f"{path}: file not found") from None
-    except Exception as exc:  # gguf raises ValueError/struct.error/etc. on bad files
-        raise AttnkitError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
-
-
 def read_gguf(path: str | Path) -> tuple[dict, list[GGUFTensor]]:
     """A config dict (HF key names) and the tensor list of a GGUF file."""
     path = Path(path)
-    reader = _open(path)
-    fields = reader.fields
-
-    def value(key: str):
-        field = fields.get(key)
-        return None if field is None else field.contents()
-
-    arch = value("general.architecture")
+    header = parse_gguf_header(path)
+    fields = header.fields
+    arch = fields.get("general.architecture")
     if arch not in GGUF_ARCH_TO_MODEL_TYPE:
         raise AttnkitError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(GGUF_ARCH_TO_MODEL_TYPE))}"
         )
     config: dict = {"model_type": GGUF_ARCH_TO_MODEL_TYPE[arch], "gguf_architecture": arch}
     for suffix, key in GGUF_KEYS.items():
-        v = value(f"{arch}.{suffix}")
+        v = fields.get(f"{arch}.{suffix}")
         if v is not None:
             config[key] = v
-    if "vocab_size" not in config and "tokenizer.ggml.tokens" in fields:
-        config["vocab_size"] = len(fields["tokenizer.ggml.tokens"].data)
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in header.array_lengths:
+        config["vocab_size"] = header.array_lengths["tokenizer.ggml.tokens"]
     config.setdefault("num_key_value_heads", config.get("num_attention_heads"))
-    tensors = [
-        GGUFTensor(t.name, tuple(int(x) for x in t.shape), int(t.n_elements), int(t.n_bytes), t.tensor_type.name)
-        for t in reader.tensors
-    ]
+    if "head_dim" not in config and config.get("hidden_size") and config.get("num_attention_heads"):
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]  # llama.cpp's default
+    tensors = _tensors(path, header)
     names = {t.name for t in tensors}
     config["tie_word_embeddings"] = "output.weight" not in names
     return config, tensors
+
+
+def _tensors(path: Path, header: GGUFHeader) -> list[GGUFTensor]:
+    """Tensor infos with byte sizes; errors when a type is unknown or data runs past the end of the file."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = path.stat().st_size
+    tensors = []
+    for name, dims, ggml_type, offset in header.tensors:
+        try:
+            qtype = GGMLQuantizationType(ggml_type)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise AttnkitError(f"{path}: tensor {name!r} has unknown GGML type {ggml_type}") from None
+        numel = math.prod(dims)
+        nbytes = numel // block * type_size
+        if header.data_start + offset + nbytes > size:
+            raise AttnkitError(f"{path}: tensor {name!r} runs past the end of the file (truncated GGUF)")
+        tensors.append(GGUFTensor(name, tuple(dims), numel, nbytes, qtype.name))
+    return tensors

@@ -78,8 +78,10 @@ def resolve(ref: str, *, need_weights: bool = True) -> Checkpoint:
         if suffix == ".json":
             return Checkpoint(ref, "config", read_config(path), root=path.parent)
         raise AttnkitError(f"{path}: not a model file (expected a folder, .safetensors, .gguf or config.json)")
-    if path.suffix.lower() in (".gguf", ".safetensors", ".json") or "/" in ref and path.parent.exists():
+    if path.suffix.lower() in (".gguf", ".safetensors", ".json"):
         raise AttnkitError(f"{path}: file not found")
+    if ref.startswith((".", "/", "~")) or "/" in ref and path.parent.exists():
+        raise AttnkitError(f"{path}: no such file or folder")
     if looks_like_hub_id(ref):
         from attnkit.io.hub import resolve_hub
 
