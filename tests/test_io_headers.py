@@ -108,3 +108,14 @@ def test_damaged_file_gives_one_line_error_naming_it(tmp_path, damage, words):
 def test_missing_file(tmp_path):
     with pytest.raises(AttnkitError, match="file not found"):
         read_header(tmp_path / "absent.safetensors")
+
+
+def test_io_modules_import_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; import attnkit.io.safetensors_header, attnkit.io.resolve, attnkit.io.hub, "
+            "attnkit.io.config, attnkit.io.gguf_meta, attnkit.io.gguf_header, attnkit.io.reader, attnkit.io.writer; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
