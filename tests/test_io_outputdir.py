@@ -31,6 +31,16 @@ def test_refuses_non_empty_target_before_any_work(tmp_path):
     assert _leftovers(tmp_path) == [] and (target / "old.txt").read_text() == "old"
 
 
+def test_refuses_to_replace_its_input(tmp_path):
+    target = _old_target(tmp_path)
+    source_file = target / "sub" / "model.safetensors"
+    for source in (target, source_file, tmp_path / "out" / ".." / "out"):
+        with pytest.raises(AttnkitError, match="output would replace the input"):
+            OutputDir(target, overwrite=True, sources=[source])
+    with OutputDir(tmp_path / "new", sources=[target]) as out:
+        out.commit()
+
+
 def test_refuses_a_file_as_target(tmp_path):
     target = tmp_path / "out"
     target.write_text("x")

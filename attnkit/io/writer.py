@@ -9,7 +9,7 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from attnkit.errors import AttnkitError
 from attnkit.io.resolve import INDEX_NAME, SIDE_FILES, safetensors_files
@@ -34,14 +34,20 @@ class OutputDir:
     """Write into a temp folder next to `target`; `commit()` renames it into place, anything else removes it.
 
     Leaving the `with` block without `commit()` (cleanly or by any exception, Ctrl-C included)
-    deletes the temp folder and leaves `target` untouched.
+    deletes the temp folder and leaves `target` untouched. `sources` (input folders or files)
+    may not be the target or lie inside it.
     """
 
-    def __init__(self, target: Path, overwrite: bool = False):
+    def __init__(self, target: Path, overwrite: bool = False, sources: Iterable[Path] = ()):
         self.target = Path(target).expanduser().absolute()
         self.overwrite = overwrite
         self.path: Path | None = None
         self.committed = False
+        real = self.target.resolve()
+        for source in sources:
+            source = Path(source).expanduser().resolve()
+            if real == source or real in source.parents:
+                raise AttnkitError(f"{self.target}: output would replace the input {source}; choose another folder")
         self._check_target()
 
     def _check_target(self) -> None:
