@@ -105,6 +105,13 @@ def test_damaged_file_gives_one_line_error_naming_it(tmp_path, damage, words):
     assert str(path) in message and words in message and "\n" not in message
 
 
+def test_tensor_in_two_shards_is_an_error(tiny):
+    folder = tiny("llama")
+    (folder / "copy.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    with pytest.raises(AttnkitError, match=r"model.safetensors: tensor '.*' is also in copy.safetensors"):
+        read_headers(safetensors_files(folder))
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(AttnkitError, match="file not found"):
         read_header(tmp_path / "absent.safetensors")

@@ -106,33 +106,61 @@ def test_index_without_its_shards_in_cache(hf_cache, tiny_model):
         resolve("acme/half")
 
 
-def test_online_downloads_only_what_is_needed(tmp_path, tiny_model, monkeypatch):
-    """Without weights only config.json is fetched; with weights, safetensors and side files, never *.bin."""
-    _, src = tiny_model
+def _record_downloads(monkeypatch, src: Path) -> list:
+    """Replace the two huggingface_hub download functions by fakes that serve `src` and log their calls."""
+    from huggingface_hub import errors
+
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     calls = []
 
     def fake_file(repo_id, filename, revision=None, local_files_only=False):
-        calls.append(("file", repo_id, filename, revision, local_files_only))
+        calls.append(("file", filename, revision, local_files_only))
+        if not (src / filename).is_file():
+            raise errors.EntryNotFoundError(f"{filename} not in {repo_id}")
         return str(src / filename)
 
     def fake_snapshot(repo_id, revision=None, local_files_only=False, allow_patterns=None):
-        calls.append(("snapshot", repo_id, tuple(allow_patterns), revision, local_files_only))
+        calls.append(("snapshot", tuple(allow_patterns), revision, local_files_only))
         return str(src)
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_file)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    return calls
+
+
+WANTED = ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"]
+UNWANTED = ["pytorch_model.bin", "model.gguf", "original/consolidated.00.pth", "flax_model.msgpack", "README.md"]
+
+
+def test_online_config_only_fetches_config_json(tiny_model, monkeypatch):
+    calls = _record_downloads(monkeypatch, tiny_model[1])
     resolve("acme/tiny@v1", need_weights=False)
-    assert calls == [("file", "acme/tiny", "config.json", "v1", False)]
-    calls.clear()
-    resolve("acme/tiny", need_weights=True)
-    (kind, _, patterns, revision, offline), = calls
-    assert kind == "snapshot" and revision is None and not offline
-    wanted = ["config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
-              "tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"]
-    unwanted = ["pytorch_model.bin", "model.gguf", "original/consolidated.00.pth", "flax_model.msgpack", "README.md"]
-    assert all(any(fnmatch(name, p) for p in patterns) for name in wanted)
-    assert not any(fnmatch(name, p) for name in unwanted for p in patterns)
+    assert calls == [("file", "config.json", "v1", False)]
+
+
+def test_online_sharded_fetches_index_then_its_shards(tiny_model, monkeypatch):
+    _, src = tiny_model
+    shards = sorted(p.name for p in src.glob("model-*.safetensors"))
+    calls = _record_downloads(monkeypatch, src)
+    ckpt = resolve("acme/tiny")
+    assert [f.name for f in ckpt.weight_files] == shards
+    (_, index_name, _, _), (kind, patterns, revision, offline) = calls
+    assert index_name == "model.safetensors.index.json" and kind == "snapshot" and not offline
+    for name in WANTED + shards + [index_name]:
+        assert any(fnmatch(name, p) for p in patterns), name
+    for name in UNWANTED + ["consolidated.safetensors"]:
+        assert not any(fnmatch(name, p) for p in patterns), name
+
+
+def test_online_single_file_fetches_all_safetensors(tiny, monkeypatch):
+    src = tiny("llama")
+    calls = _record_downloads(monkeypatch, src)
+    ckpt = resolve("acme/single@main")
+    assert [f.name for f in ckpt.weight_files] == ["model.safetensors"]
+    (_, _, index_rev, _), (_, patterns, revision, _) = calls
+    assert index_rev == revision == "main"
+    assert any(fnmatch("model.safetensors", p) for p in patterns)
+    assert not any(fnmatch(name, p) for name in UNWANTED for p in patterns)
 
 
 @pytest.mark.parametrize("exc_name, words", [

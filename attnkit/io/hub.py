@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
 from attnkit.io.config import read_config
-from attnkit.io.resolve import SIDE_FILES, Checkpoint, safetensors_files, split_revision
+from attnkit.io.resolve import INDEX_NAME, SIDE_FILES, Checkpoint, safetensors_files, split_revision
 
 
 def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> AttnkitError:
@@ -43,12 +44,14 @@ def resolve_hub(ref: str, *, need_weights: bool) -> Checkpoint:
         if need_weights:
             root = Path(snapshot_download(
                 repo_id, revision=revision, local_files_only=offline,
-                allow_patterns=SIDE_FILES + ["*.safetensors", "*.safetensors.index.json"],
+                allow_patterns=SIDE_FILES + _weight_patterns(repo_id, revision, offline),
             ))
             config_path = root / "config.json"
         else:
             config_path = Path(hf_hub_download(repo_id, "config.json", revision=revision, local_files_only=offline))
             root = config_path.parent
+    except AttnkitError:
+        raise
     except Exception as exc:  # network, auth and cache misses from huggingface_hub
         raise _hub_error(repo_id, revision, exc) from None
     config = read_config(config_path)
@@ -57,6 +60,22 @@ def resolve_hub(ref: str, *, need_weights: bool) -> Checkpoint:
         where = "in the local cache (HF_HUB_OFFLINE=1)" if offline else "(only *.safetensors are read)"
         raise AttnkitError(f"hub model {ref!r}: no safetensors weights {where}")
     return Checkpoint(ref, "hub", config, root=root, weight_files=files, repo_id=repo_id, revision=revision)
+
+
+def _weight_patterns(repo_id: str, revision: str | None, offline: bool) -> list[str]:
+    """The index and the shards it names, so extra copies (e.g. consolidated.safetensors) are not fetched;
+    every *.safetensors file when the repo has no index."""
+    from huggingface_hub import errors, hf_hub_download
+
+    try:
+        index = Path(hf_hub_download(repo_id, INDEX_NAME, revision=revision, local_files_only=offline))
+    except errors.EntryNotFoundError:  # no index in the repo, or (offline) none cached
+        return ["*.safetensors"]
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        raise AttnkitError(f"{index}: corrupt index (no weight_map)") from None
+    return [INDEX_NAME, *shards]
 
 
 def hub_parameter_count(repo_id: str, revision: str | None) -> int | None:

@@ -84,5 +84,8 @@ def read_headers(files: list[Path]) -> dict[str, TensorInfo]:
     merged: dict[str, TensorInfo] = {}
     for file in files:
         infos, _ = read_header(file)
-        merged.update(infos)
+        for name, info in infos.items():
+            if name in merged:
+                raise AttnkitError(f"{file}: tensor {name!r} is also in {merged[name].file.name} (duplicate shards?)")
+            merged[name] = info
     return merged
