@@ -140,12 +140,15 @@ def test_verify_output_accepts_good_and_names_problems(tmp_path):
         verify_output(tmp_path, {**shapes, "a": (3, 4)})
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                   torch.float8_e5m2])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_verify_output_finds_non_finite_values_in_any_chunk(tmp_path, monkeypatch, bad):
+@pytest.mark.parametrize("where", [0, 23, 49])
+def test_verify_output_finds_non_finite_values_in_any_chunk(tmp_path, monkeypatch, bad, dtype, where):
     monkeypatch.setattr(writer_mod, "SCAN_CHUNK", 7)
-    values = torch.randn(10, 5).bfloat16()
-    values[9, 4] = bad  # in the last chunk
-    _write(tmp_path, {"ok": torch.randn(3), "bad": values}, 1 << 20)
+    values = torch.randn(50)
+    values[where] = bad  # first, middle or last chunk
+    _write(tmp_path, {"ok": torch.randn(3).to(dtype), "bad": values.to(dtype).reshape(10, 5)}, 1 << 20)
     with pytest.raises(AttnkitError, match=f"{tmp_path}: tensor 'bad' contains NaN or Inf"):
         verify_output(tmp_path, None)
 
