@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-#: Scores per block (all heads of the batch together): 4M fp32 = 16 MiB, a few temporaries of that size.
-BLOCK_ELEMENTS = 1 << 22
-KEY_BLOCK = 1024
+#: Scores per block (all heads of the batch together): 512K fp32 = 2 MiB, small enough to stay in cache.
+BLOCK_ELEMENTS = 1 << 19
+KEY_BLOCK = 256
+#: Fill for hidden scores: exp() of it is 0 and 0 * HIDDEN is 0 (no NaN, unlike -inf).
+HIDDEN = -1e38
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -52,6 +54,17 @@ class Moments:
             lo = torch.where(valid, x, math.inf).amin((0, 2))
             hi = torch.where(valid, x, -math.inf).amax((0, 2))
         self._merge(n, mean, (d * d).sum((0, 2), dtype=torch.float64), lo.double().cpu(), hi.double().cpu())
+
+    def add_rows(self, n, shift, s1, s2, lo, hi) -> None:
+        """Add groups given per row [B, H, R]: count n, sum s1 and square sum s2 of (x - shift), min, max."""
+        n, shift, s1, s2 = n.double(), shift.double(), s1.double(), s2.double()
+        mean_r = s1 / n.clamp_min(1)
+        m2_r = (s2 - s1 * mean_r).clamp_min(0)
+        total = n.sum((0, 2))
+        mean = ((shift + mean_r) * n).sum((0, 2)) / total.clamp_min(1)
+        dev = shift + mean_r - mean.view(1, -1, 1)
+        m2 = m2_r.sum((0, 2)) + (n * dev * dev).sum((0, 2))
+        self._merge(total, mean, m2, lo.amin((0, 2)).double().cpu(), hi.amax((0, 2)).double().cpu())
 
     def _merge(self, n, mean, m2, lo, hi) -> None:
         n, mean, m2 = n.cpu(), mean.cpu(), m2.cpu()
@@ -147,45 +160,69 @@ def accumulate_attention(stats: LayerStats, query: torch.Tensor, key: torch.Tens
         _query_block(stats, qg[:, :, :, a:b], kt, mask5, causal, a, b, offset, bk, cap, sinks)
 
 
+def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Row-wise dot product over the last dim: [..., n] x [..., n] -> [...] (one batched matmul)."""
+    return (x.unsqueeze(-2) @ y.unsqueeze(-1))[..., 0, 0]
+
+
+def _per_head(x: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, G, rows] -> [B, H, rows]."""
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], x.shape[3])
+
+
 def _query_block(stats, q, kt, mask5, causal, a, b, offset, bk, cap, sinks) -> None:
-    """Scan all key blocks for queries [a, b): logit moments, then per-row log Z, entropy and max probability."""
+    """Scan the key blocks for queries [a, b): logit moments per row, then log Z, entropy and max probability.
+
+    Running per-row state (online softmax, relative to the running max m): l = sum exp(s - m),
+    t = sum exp(s - m) * (s - m); then log Z = m + log l and entropy = log l - t / l.
+    """
     batch, kv_heads, groups, rows = q.shape[:4]
-    heads = kv_heads * groups
     shape = (batch, kv_heads, groups, rows)
-    m = torch.full(shape, -math.inf, device=q.device)   # running max (incl. sink)
-    l = torch.zeros(shape, device=q.device)             # running sum exp(s - m)
-    t = torch.zeros(shape, device=q.device)             # running sum exp(s - m) * s
-    kmax = torch.full(shape, -math.inf, device=q.device)  # max over keys only
+    m = torch.full(shape, -math.inf, device=q.device)
+    l = torch.zeros(shape, device=q.device)
+    t = torch.zeros(shape, device=q.device)
+    kmax = torch.full(shape, -math.inf, device=q.device)  # max over keys only (sinks excluded)
     if sinks is not None:
-        sink = sinks.float().view(1, kv_heads, groups, 1).expand(shape)
-        m, l, t = sink.clone(), torch.ones(shape, device=q.device), sink.clone()
+        m, l = sinks.float().view(1, kv_heads, groups, 1).expand(shape).clone(), torch.ones(shape, device=q.device)
     for c in range(0, kt.shape[-1], bk):
         e = min(kt.shape[-1], c + bk)
         vis = _visible(mask5, causal, a, b, c, e, offset, q.device)
         if vis is False:
             continue
-        s = q @ kt[..., c:e]  # [B, Hkv, G, bq, bk]
-        flat_vis = None if vis is None else vis.reshape(vis.shape[0], vis.shape[1] * vis.shape[2], -1)
+        s = (q.reshape(batch, kv_heads, groups * rows, -1) @ kt[:, :, 0, :, c:e]).view(*shape, e - c)  # [B, Hkv, G, bq, bk]
         if cap is not None:
-            masked = s if vis is None else torch.where(vis, s, -math.inf)
-            stats.precap_max = torch.maximum(stats.precap_max, masked.amax((0, 3, 4)).reshape(-1).double().cpu())
-            s = cap * torch.tanh(s / cap)
-        stats.logits.add(s.view(batch, heads, -1), flat_vis)  # [B, H, bq*bk]
-        over = s > stats.threshold if vis is None else (s > stats.threshold) & vis
-        stats.above += over.sum((0, 3, 4)).reshape(-1).double().cpu()
-        sm = s if vis is None else torch.where(vis, s, -math.inf)
-        block_max = sm.amax(-1)                                  # [B, Hkv, G, bq]
-        m_new = torch.maximum(m, block_max)
-        m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)  # rows that see nothing yet
-        alpha = torch.exp(m - m_safe)
-        p = torch.exp(sm - m_safe[..., None])                    # masked -> 0
-        l = l * alpha + p.sum(-1)
-        t = t * alpha + (p * s).sum(-1)
-        m, kmax = m_new, torch.maximum(kmax, block_max)
+            raw = s if vis is None else s.masked_fill(~vis, -math.inf)
+            stats.precap_max = torch.maximum(stats.precap_max, raw.amax((0, 3, 4)).reshape(-1).double().cpu())
+            s.div_(cap).tanh_().mul_(cap)
+        if vis is not None:
+            s.masked_fill_(~vis, HIDDEN)
+        row_max = s.amax(-1)                                     # [B, Hkv, G, bq]
+        seen = row_max > HIDDEN / 2                              # rows that see a key in this block
+        shift = torch.where(seen, row_max, 0.0)
+        z = s.sub_(shift[..., None])                             # s - row max: <= 0 where visible, ~HIDDEN elsewhere
+        count = torch.full_like(shift, e - c) if vis is None else vis.sum(-1).float().expand(shape)
+        z0 = z if vis is None else z * vis                       # hidden -> 0 (never below a visible min, which is <= 0)
+        s1 = z0.sum(-1)
+        stats.logits.add_rows(_per_head(count), _per_head(shift), _per_head(s1), _per_head(_dot(z0, z0)),
+                              _per_head(torch.where(seen, z0.amin(-1) + shift, math.inf)),
+                              _per_head(torch.where(seen, row_max, -math.inf)))
+        if bool((row_max > stats.threshold).any()):
+            over = (z > (stats.threshold - shift)[..., None]).sum(-1)
+            stats.above += over.sum((0, 3)).reshape(-1).double().cpu()
+        p = z.exp()                                              # exp(s - row max), hidden -> 0
+        l_blk, t_blk = p.sum(-1), _dot(p, z)
+        m_blk = torch.where(seen, row_max, -math.inf)
+        m_new = torch.maximum(m, m_blk)
+        m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
+        a_old, a_blk = torch.exp(m - m_safe), torch.exp(m_blk - m_safe)
+        d_old = torch.where(torch.isfinite(m), m - m_safe, 0.0)
+        t = a_old * (t + d_old * l) + a_blk * (t_blk + (shift - m_safe) * l_blk)
+        l = a_old * l + a_blk * l_blk
+        m, kmax = m_new, torch.maximum(kmax, m_blk)
     if cap is None:
         stats.precap_max = torch.maximum(stats.precap_max, stats.logits.max)
-    valid = torch.isfinite(kmax).view(batch, heads, rows)
+    valid = _per_head(torch.isfinite(kmax))
     logz = m + torch.log(l)  # [B, Hkv, G, bq]
-    stats.logz.add(logz.view(batch, heads, rows), valid)
-    stats.entropy.add((logz - t / l).view(batch, heads, rows), valid)
-    stats.max_prob.add(torch.exp(kmax - logz).view(batch, heads, rows), valid)
+    stats.logz.add(_per_head(logz), valid)
+    stats.entropy.add(_per_head(torch.log(l) - t / l), valid)
+    stats.max_prob.add(_per_head(torch.exp(kmax - logz)), valid)
