@@ -67,15 +67,15 @@ def merge_rows(w: torch.Tensor, cov: torch.Tensor, num_kv: int, groups: int,
 
     Per group, the shared D rows span the best rank-D subspace of S L (S: the group's stacked rows
     [r*D, n], L L^T = cov), optionally weighted by R = blockdiag(head_weights[j]^(1/2)) so that the
-    error is measured after each head's read-out (o_proj for values). Each head's mixing matrix is
-    then the least-squares fit mix_j = S_j C V^T (V C V^T)^-1 under the activation covariance.
+    error is measured after each head's read-out (o_proj for values). The subspace is the top-D
+    eigenvectors of (R S) C (R S)^T (= left singular vectors of R S L). Each head's mixing matrix is
+    the least-squares fit mix_j = S_j C V^T (V C V^T)^-1 under the activation covariance.
     w: [Hkv*D, n], cov: [n, n], head_weights: [Hkv, D, D] PSD or None.
     """
     w = w.to(torch.float64)
     d = w.shape[0] // num_kv
     r = num_kv // groups
     cov_r = regularize(cov, ridge)
-    lower = torch.linalg.cholesky(cov_r)
     shared, mixes = [], []
     for g in range(groups):
         s = w[g * r * d:(g + 1) * r * d]  # [r*D, n]
@@ -84,8 +84,8 @@ def merge_rows(w: torch.Tensor, cov: torch.Tensor, num_kv: int, groups: int,
         else:
             roots = [psd_sqrt(head_weights[g * r + j], ridge) for j in range(r)]
             weighted = torch.block_diag(*roots) @ s  # [r*D, n]
-        u, _, _ = torch.linalg.svd(weighted @ lower, full_matrices=False)  # u: [r*D, min]
-        v = u[:, :d].T @ weighted  # [D, n]
+        _, vecs = torch.linalg.eigh(weighted @ cov_r @ weighted.T)  # ascending eigenvalues
+        v = vecs[:, -d:].T @ weighted  # [D, n]
         gram = v @ cov_r @ v.T  # [D, D]
         mix = torch.linalg.solve(gram, v @ cov_r @ s.T).T  # [r*D, D]: S_j C V^T (V C V^T)^-1
         shared.append(v)
@@ -149,9 +149,7 @@ def merge_keys(w: torch.Tensor, cov: torch.Tensor, num_kv: int, groups: int, que
     d = w.shape[0] // num_kv
     rot = d if rotary_dim is None else rotary_dim
     half, r = rot // 2, num_kv // groups
-    cov_r = regularize(cov, ridge)
-    cov_c = cov_r.to(torch.complex128)
-    lower = torch.linalg.cholesky(cov_r).to(torch.complex128)
+    cov_c = regularize(cov, ridge).to(torch.complex128)
     heads = w.reshape(num_kv, d, -1)  # [Hkv, D, n]
     kc = torch.complex(heads[:, :half], heads[:, half:rot])  # [Hkv, R/2, n]
     diag = query_gram.to(torch.float64).diagonal(dim1=1, dim2=2)  # [Hkv, D]
@@ -159,13 +157,16 @@ def merge_keys(w: torch.Tensor, cov: torch.Tensor, num_kv: int, groups: int, que
     shared = torch.empty(groups, half, w.shape[1], dtype=torch.complex128)
     coef = torch.empty(num_kv, half, dtype=torch.complex128)
     for g in range(groups):
-        for i in range(half):
-            k = kc[g * r:(g + 1) * r, i]  # [r, n]
-            sw = (energy[g * r:(g + 1) * r, i] + 1e-30).sqrt().to(torch.complex128)  # [r]
-            u, _, _ = torch.linalg.svd((sw[:, None] * k) @ lower, full_matrices=False)
-            row = u[:, 0].conj() @ (sw[:, None] * k)  # [n]
-            c = (k @ cov_c @ row.conj()) / (row @ cov_c @ row.conj())  # [r] least squares
-            shared[g, i], coef[g * r:(g + 1) * r, i] = _normalize(row, c)
+        k = kc[g * r:(g + 1) * r].transpose(0, 1)  # [R/2, r, n]: per pair, the group's complex rows
+        sw = (energy[g * r:(g + 1) * r].T + 1e-30).sqrt().to(torch.complex128)[:, :, None]  # [R/2, r, 1]
+        a = sw * k  # [R/2, r, n]
+        _, vecs = torch.linalg.eigh(a @ cov_c @ a.conj().transpose(1, 2))  # [R/2, r, r] ascending
+        u = vecs[:, :, -1]  # [R/2, r]: top left singular vector of a L
+        row = torch.einsum("fr,frn->fn", u.conj(), a)  # [R/2, n]
+        kcr = k @ cov_c @ row.conj()[:, :, None]  # [R/2, r, 1]
+        c = kcr[:, :, 0] / torch.einsum("fn,nm,fm->f", row, cov_c, row.conj())[:, None]  # [R/2, r] least squares
+        shared[g], c = _normalize(row, c)
+        coef[g * r:(g + 1) * r] = c.T
     parts = [shared.real, shared.imag]
     rest = None
     if rot < d:
@@ -176,12 +177,13 @@ def merge_keys(w: torch.Tensor, cov: torch.Tensor, num_kv: int, groups: int, que
 
 
 def _normalize(row: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rescale (row, c) -> (s row, c / s) so the coefficients' sum is real positive and their rms is 1."""
-    total = c.sum()
-    phase = total / total.abs() if total.abs() > 0 else torch.ones((), dtype=c.dtype)
-    rms = (c.abs().square().mean().sqrt()).clamp_min(1e-30)
+    """Rescale per pair (row, c) -> (s row, c / s) so each pair's coefficients sum to a real positive
+    number and have rms 1.  row: [F, n], c: [F, r] complex."""
+    total = c.sum(dim=1)  # [F]
+    phase = torch.where(total.abs() > 0, total / total.abs().clamp_min(1e-300), torch.ones_like(total))
+    rms = c.abs().square().mean(dim=1).sqrt().clamp_min(1e-30)  # [F]
     s = phase * rms
-    return row * s, c / s
+    return row * s[:, None], c / s[:, None]
 
 
 def fold_coef_into_q(q_w: torch.Tensor, coef: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:

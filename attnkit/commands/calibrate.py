@@ -1,0 +1,75 @@
+"""Capture attention-input statistics E[x x^T] layer by layer, optionally converting each layer as it is reached.
+
+One forward pass over the calibration windows with a pre-hook on every attention module. When the
+pass reaches layer l, the hook hands l's input activations to a callback; in sequential mode the
+callback returns layer l's converted tensors (at the source's shapes), which are loaded into the
+model before l's attention runs, so layers l+1.. are calibrated on the converted model's activations.
+Only one layer's statistics and weights are handled at a time; the model itself is loaded by
+transformers (pass device_map="auto" to load_model for accelerate offload of large models).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from attnkit.errors import AttnkitError
+
+
+def attention_module_name(k_template: str, prefix: str, layer: int) -> str:
+    """Module path of layer `layer`'s attention from the k (or qkv) tensor template:
+    'layers.{i}.self_attn.k_proj.weight' -> 'model.layers.3.self_attn'."""
+    return prefix + k_template.format(i=layer).rsplit(".", 2)[0]
+
+
+def _tokens(hidden, augment: bool):
+    """hidden [B, T, n] -> float64 CPU rows [B*T, n], with a constant-1 column when augmenting."""
+    import torch
+
+    x = hidden.detach().reshape(-1, hidden.shape[-1]).to(device="cpu", dtype=torch.float64)  # [B*T, n]
+    if augment:
+        x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=torch.float64)], dim=1)  # [B*T, n+1]
+    return x
+
+
+def input_covariance(hidden, augment: bool):
+    """E[x x^T] over all tokens of hidden [B, T, n]: float64 on CPU, [n(+1), n(+1)]."""
+    x = _tokens(hidden, augment)
+    return x.T @ x / x.shape[0]
+
+
+def calibrate(model, windows, module_names: list[str], on_layer: Callable[[int, object], dict | None]) -> None:
+    """Run `model` once on windows [N, T]; for each layer in forward order call on_layer(l, hidden [N, T, n]).
+
+    on_layer may return {parameter name: tensor} to load into the model before that layer's
+    attention runs (sequential calibration), or None to leave the model unchanged.
+    """
+    import torch
+
+    reached: list[int] = []
+
+    def make_hook(layer: int):
+        def hook(_module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, T, n]
+            updates = on_layer(layer, hidden)
+            for name, tensor in (updates or {}).items():
+                param = model.get_parameter(name)
+                param.data.copy_(tensor.to(device=param.device, dtype=param.dtype))
+            reached.append(layer)
+
+        return hook
+
+    handles = []
+    try:
+        for layer, name in enumerate(module_names):
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                raise AttnkitError(f"calibration: the loaded model has no module {name!r}") from None
+            handles.append(module.register_forward_pre_hook(make_hook(layer), with_kwargs=True))
+        with torch.no_grad():
+            model(input_ids=windows.to(model.get_input_embeddings().weight.device), use_cache=False, logits_to_keep=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if sorted(reached) != list(range(len(module_names))):
+        raise AttnkitError(f"calibration reached {len(reached)} of {len(module_names)} attention layers")
