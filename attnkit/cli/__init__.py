@@ -8,6 +8,7 @@ from attnkit import __version__
 from attnkit.cli import inspect_cmd, kvmem_cmd, presets_cmd
 from attnkit.cli import eval_cmd
 from attnkit.cli import probe_cmd
+from attnkit.cli import convert_cmd
 
 app = typer.Typer(
     name="attnkit",
@@ -36,6 +37,7 @@ kvmem_cmd.register(app)
 eval_cmd.register(app)
 probe_cmd.register(app)
 presets_cmd.register(app)
+convert_cmd.register(app)
 
 
 def main() -> None:
