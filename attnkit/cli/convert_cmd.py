@@ -41,9 +41,7 @@ def _gqa(model: str, out: Path, kv_heads: int, method: str, calib: List[str], ca
         overwrite=overwrite, dry_run=dry_run, device=device, max_shard_bytes=int(parse_bytes(max_shard_size)),
         command=shlex.join(["attnkit", *sys.argv[1:]]),
     )
-    if not dry_run:
-        stderr.print(f"converting {model} to {kv_heads} KV head(s) with {method} ...", style="dim")
-    report = convert_gqa(req)
+    report = convert_gqa(req, log=lambda msg: stderr.print(msg, style="dim", soft_wrap=True))
     kv = report["kv_bytes_per_token"]
     caption = (f"{report['model_type']}: {report['kv_heads_before']} -> {report['kv_heads_after']} KV heads; "
                f"KV cache {kv['before']:,.0f} -> {kv['after']:,.0f} bytes/token ({kv['dtype']})")

@@ -12,6 +12,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from attnkit import __version__
 from attnkit.errors import AttnkitError, UsageError
@@ -262,8 +263,9 @@ def _parameters(req: ConvertRequest, src: Source) -> dict:
     return params
 
 
-def convert_gqa(req: ConvertRequest) -> dict:
-    """Run (or with dry_run, plan) the conversion; returns the report (see docs/convert-gqa.md)."""
+def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -> dict:
+    """Run (or with dry_run, plan) the conversion; returns the report (see docs/convert-gqa.md).
+    `log` receives one line per phase, after the request has been checked."""
     from attnkit.io.reader import LazyReader
     from attnkit.io.writer import copy_side_files, verify_output
 
@@ -279,9 +281,12 @@ def convert_gqa(req: ConvertRequest) -> dict:
     if req.dry_run:
         report["seconds"] = time.perf_counter() - started
         return report
+    log = log or (lambda _msg: None)
     plans: list = [None] * src.spec.num_layers
     if req.calib:
+        log(f"calibrating {src.spec.num_layers} layers on {req.calib_tokens} tokens ({req.method})")
         plans, report["calibration"] = _calibrate(req, src)
+    log(f"writing {req.out}: {src.spec.num_kv_heads} -> {req.kv_heads} KV heads ({req.method})")
     with _output_dir(req, Path(src.ckpt.root)) as out:
         with LazyReader(src.ckpt.weight_files) as reader:
             expected = _stream(reader, src, req, plans, out.path)
@@ -291,6 +296,7 @@ def convert_gqa(req: ConvertRequest) -> dict:
         report["error_basis"] = "activations" if req.calib else "weights"
         report["layers"] = _layer_rows(plans)
         if req.eval:
+            log("evaluating source and result")
             report["eval"] = _evaluate(req, Path(src.ckpt.root), out.path)
         manifest = {"attnkit_version": __version__, "command": req.command, "conversion": "gqa",
                     "source": {"ref": req.model, "kind": src.ckpt.kind, "repo_id": src.ckpt.repo_id,
