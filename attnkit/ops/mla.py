@@ -1,0 +1,195 @@
+"""One attention layer from MHA/GQA to DeepSeek MLA: a shared RoPE key plus a calibrated low-rank KV latent.
+
+Conventions: projections are row stacks [out, n'] in float64, n' = n (+1 when the input is augmented
+with a constant 1 to carry biases); cov = E[x x^T] over calibration inputs (augmented likewise).
+Source keys use the rotate-half layout: pair i of a head is rows (i, i + D/2), rotated by frequency i.
+Query head h reads KV head h // (H / Hkv).
+
+Method, per layer:
+1. RoPE key: per kept frequency pair, the best (query-weighted, whitened) rank-1 complex fit of the
+   KV heads' keys (attnkit.ops.headmerge.merge_keys with one group = a per-frequency PCA across
+   heads). The shared row is DeepSeek's k_pe; each head's complex coefficient is folded into its
+   queries (it commutes with the rotation), so this part keeps its position dependence.
+2. Position-free part: what is left of the keys (the other frequency pairs, and the part of kept
+   pairs the shared row misses) is stacked with the values and factored jointly to rank r by an
+   SVD of diag(key/value read-out weights)^(1/2) [K_res; V] L, L L^T = cov (whitened, so the error
+   is measured on the activations; keys weighted by E[q q^T] (logit error), values by o_proj).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnkit.ops.headmerge import head_gram, merge_keys
+from attnkit.ops.whiten import psd_sqrt, regularize, relative_error
+
+KEY_WEIGHTS = ("query", "uniform")
+VALUE_WEIGHTS = ("o_proj", "none")
+RESIDUALS = ("keep", "drop", "fade")
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    num_heads: int  # H
+    num_kv: int  # Hkv (source)
+    head_dim: int  # D (source query/key/value head dim)
+    latent_rank: int  # r: position-free latent channels (the cache holds r + 1 norm channel + P)
+    rope_dim: int  # P: shared RoPE key dims (even, <= D)
+
+    @property
+    def pairs(self) -> list[int]:
+        """Source frequency pairs the shared RoPE key keeps: the P/2 highest (pairs 0..P/2-1), which a
+        stock DeepSeek rotary embedding of P dims reproduces with theta' = theta^(P/D)."""
+        return list(range(self.rope_dim // 2))
+
+
+@dataclass
+class MLAOptions:
+    """Ablation knobs (defaults are the best measured; see docs/convert-mla.md)."""
+
+    key_weight: str = "query"  # query: key errors measured as logit errors (E[q q^T]); uniform
+    value_weight: str = "o_proj"  # o_proj: value errors measured after each head's o_proj; none
+    residual: str = "fade"  # what becomes position-free: keep it, drop it, or fade it (see position_free_scale)
+    window: int = 512  # fade: distances are taken uniform over [0, window)
+    key_balance: float = 1.0  # weight of the (scaled) logit error against the output error
+    whiten: bool = True  # False: fit on the weights alone (plain SVD, cov = I; errors still on activations)
+    ridge: float = 1e-6
+
+
+@dataclass
+class MLALayer:
+    """The converted layer in source terms (rows act on x or [x; 1]).
+
+    q_nope: [H*D, n'] and q_rope: [H*P, n'] (interleaved pairs, coefficient folded in) query rows;
+    down: [r, n'] latent rows (unit second moment each); up: [Hkv*2D, r] per KV head [k_nope (D); v (D)];
+    rope: [P, n'] shared key rows, interleaved (row 2j, 2j+1 = real, imaginary part of kept pair j).
+    """
+
+    q_nope: torch.Tensor
+    q_rope: torch.Tensor
+    down: torch.Tensor
+    up: torch.Tensor
+    rope: torch.Tensor
+    k_err: float
+    v_err: float
+    position_free: float  # fraction of the query-weighted key energy that lost its position dependence
+
+
+def _pair_rows(d: int, pairs: list[int]) -> torch.Tensor:
+    """Row indices of rotate-half pairs, interleaved: [i0, i0 + D/2, i1, i1 + D/2, ...]."""
+    return torch.tensor([r for i in pairs for r in (i, i + d // 2)], dtype=torch.long)
+
+
+def rope_split(k: torch.Tensor, cov: torch.Tensor, s: MLAShape, q_gram: torch.Tensor, ridge: float):
+    """Shared RoPE key of the kept pairs and the rest of the keys.
+
+    k: [Hkv*D, n'], q_gram: [Hkv, D, D].  Returns rope [P, n'] (interleaved), coef [Hkv, P/2] complex,
+    fitted [Hkv*D, n'] (what the rope part reproduces at the source's rows, zero on unkept pairs).
+    """
+    d, pairs = s.head_dim, s.pairs
+    km = merge_keys(k, cov, s.num_kv, 1, q_gram, d, ridge)  # all D/2 pairs; one group = PCA across heads
+    rows = _pair_rows(d, pairs)
+    rope = km.shared[rows]  # [P, n']
+    mask = torch.zeros(d, 1, dtype=torch.float64)
+    mask[rows] = 1.0
+    fitted = (km.reconstruction().reshape(s.num_kv, d, -1) * mask).reshape(k.shape)  # [Hkv*D, n']
+    return rope, km.coef[:, pairs], fitted
+
+
+def fold_query_rope(q: torch.Tensor, coef: torch.Tensor, s: MLAShape) -> torch.Tensor:
+    """Query rows of the kept pairs times conj(coef of the head's KV head), interleaved.  [H*D, n'] -> [H*P, n']."""
+    d, half = s.head_dim, s.head_dim // 2
+    heads = q.reshape(s.num_heads, d, -1)  # [H, D, n']
+    pairs = torch.tensor(s.pairs, dtype=torch.long)
+    zq = torch.complex(heads[:, pairs], heads[:, pairs + half])  # [H, P/2, n']
+    c = coef.conj().repeat_interleave(s.num_heads // s.num_kv, dim=0)[:, :, None]  # [H, P/2, 1]
+    z = zq * c
+    return torch.stack([z.real, z.imag], dim=2).reshape(s.num_heads * s.rope_dim, -1)  # [H*P, n']
+
+
+def factor_latent(rows: torch.Tensor, cov: torch.Tensor, rank: int, weight_roots: torch.Tensor,
+                  ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-`rank` fit rows ~= up @ down minimising ||weight_roots (rows - up down) L||_F, L L^T = cov.
+
+    rows: [m, n'], weight_roots: [m, m].  down: [rank, n'] (the top left singular vectors' combinations
+    of the weighted rows); up: [m, rank], the least-squares read-out rows C down^T (down C down^T)^-1.
+    """
+    cov_r = regularize(cov, ridge)
+    lower = torch.linalg.cholesky(cov_r)
+    weighted = weight_roots @ rows  # [m, n']
+    u, _, _ = torch.linalg.svd(weighted @ lower, full_matrices=False)
+    down = u[:, :rank].T @ weighted  # [rank, n']
+    gram = down @ cov_r @ down.T  # [rank, rank]
+    up = torch.linalg.solve(gram, down @ cov_r @ rows.T).T  # [m, rank]
+    return down, up
+
+
+def _block_roots(grams: torch.Tensor, ridge: float) -> torch.Tensor:
+    """blockdiag of the PSD square roots of grams [Hkv, D, D].  -> [Hkv*D, Hkv*D]"""
+    return torch.block_diag(*[psd_sqrt(g, ridge) for g in grams])
+
+
+def position_free_scale(freqs: torch.Tensor, residual: str, window: int) -> torch.Tensor:
+    """Per frequency pair, the real factor a_i that replaces the rotation exp(1j theta_i t) for key parts that
+    lose their position: keep 1, drop 0, fade E[cos(theta_i t)] = sin(theta_i W) / (theta_i W) for t
+    uniform over [0, W) (the least-squares constant: ~1 for slow pairs, ~0 for fast ones).  freqs: [D/2]."""
+    if residual == "keep":
+        return torch.ones_like(freqs, dtype=torch.float64)
+    if residual == "drop":
+        return torch.zeros_like(freqs, dtype=torch.float64)
+    x = freqs.to(torch.float64) * window
+    return torch.where(x > 0, torch.sin(x) / x.clamp_min(1e-300), torch.ones_like(x))
+
+
+def convert_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, cov: torch.Tensor,
+                  s: MLAShape, freqs: torch.Tensor, options: MLAOptions | None = None) -> MLALayer:
+    """Convert one layer.  q: [H*D, n'], k, v: [Hkv*D, n'], o: [n, H*D] (o_proj weight), cov: [n', n'],
+    freqs: [D/2] the source's rotary frequencies (radians per token)."""
+    options = options or MLAOptions()
+    q, k, v, cov = (t.to(torch.float64) for t in (q, k, v, cov))
+    d, hkv = s.head_dim, s.num_kv
+    fit = cov if options.whiten else torch.eye(cov.shape[0], dtype=torch.float64)
+    q_gram = head_gram(q, s.num_heads, hkv, fit)  # [Hkv, D, D]: sum over readers of E[q q^T]
+    if options.key_weight == "uniform":
+        q_gram = torch.eye(d, dtype=torch.float64).expand(hkv, d, d).contiguous()
+    rope, coef, fitted = rope_split(k, fit, s, q_gram, options.ridge)
+    residual = k - fitted  # [Hkv*D, n']: position-free from here on
+    fade = position_free_scale(freqs, options.residual, options.window).repeat(2)  # [D]: rows i and i + D/2
+    q_nope = (q.reshape(s.num_heads, d, -1) * fade[:, None]).reshape(q.shape)
+    nope_gram = q_gram * fade[:, None] * fade[None, :]  # E[q q^T] of the faded queries
+    k_roots = _block_roots(nope_gram * (options.key_balance / d), options.ridge)
+    if options.value_weight == "o_proj":
+        v_roots = _block_roots(head_gram(o.to(torch.float64), s.num_heads, hkv), options.ridge)
+    else:
+        v_roots = torch.eye(hkv * d, dtype=torch.float64)
+    stacked = torch.cat([residual, v])  # [2*Hkv*D, n']
+    down, up = factor_latent(stacked, fit, s.latent_rank, torch.block_diag(k_roots, v_roots), options.ridge)
+    scale = torch.einsum("ri,ij,rj->r", down, cov, down).clamp_min(1e-300).sqrt()  # unit E[c_j^2] on the data
+    down, up = down / scale[:, None], up * scale
+    rec = up @ down  # [2*Hkv*D, n']
+    k_rec = fitted + rec[: hkv * d]
+    lost = k - fitted
+    return MLALayer(
+        q_nope=q_nope, q_rope=fold_query_rope(q, coef, s), down=down,
+        up=_per_head_kv(up, hkv, d), rope=rope,
+        k_err=relative_error(k, k_rec, cov), v_err=relative_error(v, rec[hkv * d:], cov),
+        position_free=_weighted_fraction(lost, k, q_gram, cov),
+    )
+
+
+def _per_head_kv(up: torch.Tensor, hkv: int, d: int) -> torch.Tensor:
+    """[K rows of all heads; V rows of all heads] -> per KV head [k (D); v (D)].  [2*Hkv*D, r] -> same shape."""
+    k_up, v_up = up[: hkv * d].reshape(hkv, d, -1), up[hkv * d:].reshape(hkv, d, -1)
+    return torch.cat([k_up, v_up], dim=1).reshape(2 * hkv * d, -1)
+
+
+def _weighted_fraction(part: torch.Tensor, whole: torch.Tensor, q_gram: torch.Tensor, cov: torch.Tensor) -> float:
+    """E|q^T part x|^2 / E|q^T whole x|^2 summed over heads (query gram per KV head)."""
+    def energy(rows):
+        heads = rows.reshape(q_gram.shape[0], q_gram.shape[1], -1)  # [Hkv, D, n']
+        return torch.einsum("gdi,gde,ij,gej->", heads, q_gram, cov, heads).item()
+
+    total = energy(whole)
+    return energy(part) / total if total > 0 else 0.0

@@ -1,0 +1,98 @@
+"""Write a converted layer (attnkit.ops.mla.MLALayer) as stock transformers DeepseekV3 attention tensors.
+
+DeepseekV3Attention (transformers 5.x), with q_lora_rank None and attention_bias True:
+  q = q_proj(x) per head [nope | rope];  [c | k_pe] = kv_a_proj_with_mqa(x) (+bias);
+  c' = kv_a_layernorm(c) (RMSNorm, always applied; eps 1e-6); per head [k_nope | v] = kv_b_proj(c');
+  logits = (q_nope.k_nope + rope(q_pe).rope(k_pe)) * (nope + P)^-0.5;  out = o_proj(attn @ v) (+bias).
+attention_bias gives biases to kv_a_proj_with_mqa, o_proj and q_a_proj, never to q_proj or kv_b_proj.
+
+The RMSNorm is made linear with one extra latent channel whose bias is a large constant M (weight 0):
+then rms(c) ~= sqrt((M^2 + E|c|^2) / R), a known scale that kv_b_proj absorbs (relative error
+(|c|^2 - E|c|^2) / (2 M^2), about 1e-8 for M = 4096 rms(c)); its norm weight is 0, so the cache holds a 0
+there. A source q bias needs a query input with a constant: the q_lora path with the same trick
+(q_a_proj = [I; 0] with bias [0; M_q], q_b_proj = the query rows and the bias as one more column).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attnkit.ops.mla import MLALayer, MLAShape
+
+#: The constant channel's value relative to the rms of what it dominates.
+DOMINANCE = 4096.0
+#: DeepseekV3RMSNorm's default epsilon (kv_a_layernorm and q_a_layernorm do not take rms_norm_eps).
+NORM_EPS = 1e-6
+
+
+def _pow2_at_least(x: float) -> float:
+    return 2.0 ** math.ceil(math.log2(max(x, 1e-30)))
+
+
+def _pow2_near(x: float) -> float:
+    return 2.0 ** round(math.log2(max(x, 1e-30)))
+
+
+def _norm_plan(width: int, mean_sq: float) -> tuple[float, float, float]:
+    """(constant M, norm weight w of the carried channels, read-out scale) for an RMSNorm over `width`
+    channels, one of them the constant: carried channel j comes out as c_j * w / scale."""
+    big = _pow2_at_least(DOMINANCE * math.sqrt(max(mean_sq, 1e-30)))
+    rms = math.sqrt((big * big + mean_sq) / width + NORM_EPS)
+    weight = _pow2_near(big / math.sqrt(width))
+    return big, weight, rms / weight
+
+
+def query_rows(layer: MLALayer, s: MLAShape, q_scale: float) -> torch.Tensor:
+    """Per head [nope (D) | rope (P)] query rows, times q_scale (softmax-scale fold).  [H*(D+P), n']"""
+    nope = layer.q_nope.reshape(s.num_heads, s.head_dim, -1)
+    rope = layer.q_rope.reshape(s.num_heads, s.rope_dim, -1)
+    return torch.cat([nope, rope], dim=1).reshape(s.num_heads * (s.head_dim + s.rope_dim), -1) * q_scale
+
+
+def kv_tensors(layer: MLALayer, s: MLAShape, augmented: bool) -> dict[str, torch.Tensor]:
+    """kv_a_proj_with_mqa (weight, bias), kv_a_layernorm and kv_b_proj for latent rank r + 1 (norm channel)."""
+    r, d, n = s.latent_rank, s.head_dim, layer.down.shape[1] - int(augmented)
+    big, weight, readout = _norm_plan(r + 1, float(r))  # each latent channel has unit second moment
+    const = torch.zeros(1, layer.down.shape[1], dtype=torch.float64)
+    rows = torch.cat([layer.down, const, layer.rope])  # [r + 1 + P, n']
+    bias = rows[:, n].clone() if augmented else torch.zeros(rows.shape[0], dtype=torch.float64)
+    bias[r] = big
+    norm = torch.full((r + 1,), weight, dtype=torch.float64)
+    norm[r] = 0.0
+    per_kv = layer.up.reshape(s.num_kv, 2 * d, r)  # [Hkv, 2D, r]
+    per_q = per_kv.repeat_interleave(s.num_heads // s.num_kv, dim=0)  # [H, 2D, r]
+    kv_b = torch.cat([per_q * readout, torch.zeros(s.num_heads, 2 * d, 1, dtype=torch.float64)], dim=2)
+    return {"kv_a_proj_with_mqa.weight": rows[:, :n], "kv_a_proj_with_mqa.bias": bias,
+            "kv_a_layernorm.weight": norm, "kv_b_proj.weight": kv_b.reshape(s.num_heads * 2 * d, r + 1)}
+
+
+def q_lora_tensors(q: torch.Tensor, x_mean_sq: float) -> dict[str, torch.Tensor]:
+    """q_a_proj / q_a_layernorm / q_b_proj reproducing q = W x + b (q: [m, n+1] = [W | b]) through the
+    q_lora path of rank n + 1.  x_mean_sq: E|x|^2 of the attention input."""
+    m, n = q.shape[0], q.shape[1] - 1
+    big, weight, readout = _norm_plan(n + 1, x_mean_sq)
+    q_a = torch.cat([torch.eye(n, dtype=torch.float64), torch.zeros(1, n, dtype=torch.float64)])  # [n+1, n]
+    q_a_bias = torch.zeros(n + 1, dtype=torch.float64)
+    q_a_bias[n] = big
+    norm = torch.full((n + 1,), weight, dtype=torch.float64)
+    norm[n] = 1.0  # the constant comes out as M / rms: its column in q_b carries b * rms / M
+    q_b = torch.cat([q[:, :n] * readout, q[:, n:] * (readout * weight / big)], dim=1)  # [m, n+1]
+    return {"q_a_proj.weight": q_a, "q_a_proj.bias": q_a_bias, "q_a_layernorm.weight": norm,
+            "q_b_proj.weight": q_b}
+
+
+def attention_tensors(layer: MLALayer, s: MLAShape, *, q_scale: float, augmented: bool, q_bias: bool,
+                      o: torch.Tensor, o_bias: torch.Tensor | None, x_mean_sq: float) -> dict[str, torch.Tensor]:
+    """All DeepseekV3Attention tensors of one layer (names relative to self_attn), float64."""
+    q = query_rows(layer, s, q_scale)  # [H*(D+P), n']
+    out = kv_tensors(layer, s, augmented)
+    if q_bias:
+        out.update(q_lora_tensors(q, x_mean_sq))
+    else:
+        out["q_proj.weight"] = q[:, : q.shape[1] - int(augmented)]
+    out["o_proj.weight"] = o.to(torch.float64)
+    out["o_proj.bias"] = (torch.zeros(o.shape[0], dtype=torch.float64) if o_bias is None
+                          else o_bias.to(torch.float64))
+    return out

@@ -1,0 +1,130 @@
+"""attnkit.ops.mla / mla_deepseek against brute-force references (float64, random data)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnkit.ops.mla import MLAShape, convert_layer, factor_latent, position_free_scale, rope_split
+from attnkit.ops.mla_deepseek import NORM_EPS, kv_tensors, q_lora_tensors
+
+
+def _cov(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4 * n, n, generator=g, dtype=torch.float64) @ torch.randn(n, n, generator=g, dtype=torch.float64)
+    return x.T @ x / x.shape[0]  # correlated, full rank
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """DeepseekV3RMSNorm in float64."""
+    return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+
+
+def _rotate(x: torch.Tensor, freqs: torch.Tensor, t: float) -> torch.Tensor:
+    """Rotate-half RoPE of x [..., D] at position t."""
+    half = x.shape[-1] // 2
+    ang = freqs * t
+    c, s = torch.cos(ang), torch.sin(ang)
+    return torch.cat([x[..., :half] * c - x[..., half:] * s, x[..., half:] * c + x[..., :half] * s], dim=-1)
+
+
+def _rotate_interleaved(x: torch.Tensor, freqs: torch.Tensor, t: float) -> torch.Tensor:
+    ang = freqs * t
+    c, s = torch.cos(ang), torch.sin(ang)
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
+
+
+def test_factor_latent_full_rank_is_exact_and_truncation_matches_singular_values():
+    g = torch.Generator().manual_seed(1)
+    n, m = 12, 8
+    rows, cov = torch.randn(m, n, generator=g, dtype=torch.float64), _cov(n)
+    down, up = factor_latent(rows, cov, m, torch.eye(m, dtype=torch.float64), 0.0)
+    assert torch.allclose(up @ down, rows, atol=1e-9)
+    lower = torch.linalg.cholesky(cov)
+    sv = torch.linalg.svdvals(rows @ lower)
+    for rank in (2, 5):
+        down, up = factor_latent(rows, cov, rank, torch.eye(m, dtype=torch.float64), 0.0)
+        err = ((rows - up @ down) @ lower).pow(2).sum()
+        assert math.isclose(err.item(), sv[rank:].pow(2).sum().item(), rel_tol=1e-9)  # Eckart-Young, whitened
+
+
+def test_whitened_factor_beats_plain_svd_on_the_activations():
+    g = torch.Generator().manual_seed(2)
+    n, m, rank = 16, 10, 3
+    rows, cov = torch.randn(m, n, generator=g, dtype=torch.float64), _cov(n, seed=3)
+    lower = torch.linalg.cholesky(cov)
+    down, up = factor_latent(rows, cov, rank, torch.eye(m, dtype=torch.float64), 0.0)
+    u, s, vh = torch.linalg.svd(rows)
+    plain = (u[:, :rank] * s[:rank]) @ vh[:rank]
+    whitened_err = ((rows - up @ down) @ lower).pow(2).sum()
+    plain_err = ((rows - plain) @ lower).pow(2).sum()
+    assert whitened_err < plain_err
+
+
+def test_rope_split_mqa_keeps_every_kept_pair_and_the_logits_at_every_position():
+    g = torch.Generator().manual_seed(4)
+    n, d, heads = 10, 8, 2
+    s = MLAShape(num_heads=heads, num_kv=1, head_dim=d, latent_rank=4, rope_dim=d)
+    k = torch.randn(d, n, generator=g, dtype=torch.float64)
+    q = torch.randn(heads * d, n, generator=g, dtype=torch.float64)
+    cov = _cov(n, 5)
+    freqs = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    layer = convert_layer(q, k, k.clone(), torch.randn(n, heads * d, generator=g, dtype=torch.float64), cov, s, freqs)
+    rope, _, fitted = rope_split(k, cov, s, torch.eye(d, dtype=torch.float64)[None], 0.0)
+    assert torch.allclose(fitted, k, atol=1e-10)
+    x, y = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
+    for t_q, t_k in ((0, 0), (7, 3), (40, 1)):
+        for h in range(heads):
+            src = _rotate(q[h * d:(h + 1) * d] @ x, freqs, t_q) @ _rotate(k @ y, freqs, t_k)
+            qr = layer.q_rope[h * d:(h + 1) * d] @ x
+            mla = _rotate_interleaved(qr, freqs, t_q) @ _rotate_interleaved(layer.rope @ y, freqs, t_k)
+            assert math.isclose(src.item(), mla.item(), rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_position_free_scale_limits():
+    freqs = torch.tensor([1.0, 1e-3, 0.0], dtype=torch.float64)
+    assert position_free_scale(freqs, "keep", 512).tolist() == [1.0, 1.0, 1.0]
+    assert position_free_scale(freqs, "drop", 512).tolist() == [0.0, 0.0, 0.0]
+    fade = position_free_scale(freqs, "fade", 512)
+    assert math.isclose(fade[0].item(), math.sin(512.0) / 512.0, rel_tol=1e-12)
+    assert math.isclose(fade[1].item(), math.sin(0.512) / 0.512, rel_tol=1e-12)
+    assert fade[2].item() == 1.0
+
+
+def test_q_lora_path_reproduces_a_biased_projection():
+    g = torch.Generator().manual_seed(6)
+    n, m = 12, 7
+    w = torch.cat([torch.randn(m, n, generator=g, dtype=torch.float64), 3 * torch.randn(m, 1, generator=g,
+                                                                                       dtype=torch.float64)], 1)
+    x = torch.randn(20, n, generator=g, dtype=torch.float64) * 2.0
+    t = q_lora_tensors(w, float(x.pow(2).sum(1).mean()))
+    a = x @ t["q_a_proj.weight"].T + t["q_a_proj.bias"]
+    got = _rms_norm(a, t["q_a_layernorm.weight"]) @ t["q_b_proj.weight"].T
+    want = x @ w[:, :n].T + w[:, n]
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 1e-6, rel
+
+
+@pytest.mark.parametrize("augmented", [False, True])
+def test_kv_latent_norm_channel_makes_kv_a_layernorm_a_known_scale(augmented):
+    g = torch.Generator().manual_seed(7)
+    n, d, hkv, heads, r = 10, 4, 2, 4, 5
+    n1 = n + int(augmented)
+    s = MLAShape(num_heads=heads, num_kv=hkv, head_dim=d, latent_rank=r, rope_dim=2)
+    cov = _cov(n1, 8)
+    q, k, v = (torch.randn(rows, n1, generator=g, dtype=torch.float64) for rows in (heads * d, hkv * d, hkv * d))
+    layer = convert_layer(q, k, v, torch.randn(n, heads * d, generator=g, dtype=torch.float64), cov, s,
+                          10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d))
+    t = kv_tensors(layer, s, augmented)
+    x = torch.randn(30, n, generator=g, dtype=torch.float64) @ torch.linalg.cholesky(cov[:n, :n]).T
+    xa = torch.cat([x, torch.ones(30, 1, dtype=torch.float64)], 1) if augmented else x
+    a = x @ t["kv_a_proj_with_mqa.weight"].T + t["kv_a_proj_with_mqa.bias"]  # [T, r + 1 + P]
+    latent = _rms_norm(a[:, : r + 1], t["kv_a_layernorm.weight"])
+    assert latent[:, r].abs().max() == 0  # the constant channel is cached as 0
+    got = (latent @ t["kv_b_proj.weight"].T).reshape(30, heads, 2 * d)
+    want = (xa @ (layer.up @ layer.down).T).reshape(30, hkv, 2 * d).repeat_interleave(heads // hkv, dim=1)
+    assert ((got - want).norm() / want.norm()).item() < 1e-6
+    assert torch.allclose(a[:, r + 1:], xa @ layer.rope.T, atol=1e-10)
