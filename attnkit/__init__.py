@@ -1,3 +1,5 @@
 """attnkit: analyse and rewrite the attention layers of transformer checkpoints."""
 
 __version__ = "0.1.0"
+
+from attnkit.api import load_model  # noqa: E402  (no heavy imports until called)

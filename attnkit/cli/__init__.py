@@ -9,6 +9,7 @@ from attnkit.cli import inspect_cmd, kvmem_cmd, presets_cmd
 from attnkit.cli import eval_cmd
 from attnkit.cli import probe_cmd
 from attnkit.cli import convert_cmd
+from attnkit.cli import retrofit_cmd
 
 app = typer.Typer(
     name="attnkit",
@@ -38,6 +39,7 @@ eval_cmd.register(app)
 probe_cmd.register(app)
 presets_cmd.register(app)
 convert_cmd.register(app)
+app.add_typer(retrofit_cmd.app)
 
 
 def main() -> None:

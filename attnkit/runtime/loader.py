@@ -87,6 +87,7 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_ma
     from transformers.utils import logging as hf_logging
 
     from attnkit.io.resolve import resolve
+    from attnkit.runtime.softcap import apply_softcaps
 
     if not sys.stderr.isatty():
         hf_logging.disable_progress_bar()
@@ -123,6 +124,7 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_ma
             model = model.to(dev)
         tokenizer = _tokenizer(ckpt.root)
     model.eval()
+    apply_softcaps(model)  # config soft-caps that stock transformers ignores for this family
     return LoadedModel(model=model, tokenizer=tokenizer, checkpoint=ckpt,
                        device=next(model.parameters()).device if device_map else dev, dtype=torch_dtype)
 

@@ -1,0 +1,198 @@
+"""What every `attnkit retrofit` shares: source checks, calibration windows, safe writing, eval and probe summaries.
+
+Flow of a retrofit: check the source and the target -> (calibrate) -> write weights, config.json,
+side files and attnkit.json into a temp folder next to OUT -> check names/shapes/finiteness ->
+(--eval) score source and result and probe both -> rename into place. The source is only read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from attnkit import __version__
+from attnkit.errors import AttnkitError, UsageError
+
+
+@dataclass
+class RetrofitOptions:
+    """Options shared by all retrofits."""
+
+    model: str
+    out: Path
+    calib: list[str] = field(default_factory=list)
+    calib_tokens: int = 2048
+    calib_seq_len: int = 256
+    eval: list[str] = field(default_factory=list)
+    eval_tokens: int | None = 4096
+    eval_seq_len: int = 512
+    overwrite: bool = False
+    dry_run: bool = False
+    device: str = "auto"
+    max_shard_bytes: int = 2**30
+    command: str = ""
+
+
+@dataclass
+class Source:
+    """A checked source checkpoint: resolved files, architecture, attention spec, tensor prefix and names."""
+
+    ckpt: object
+    arch: object
+    spec: object
+    prefix: str
+    names: set
+
+    def tensor(self, role: str, layer: int) -> str | None:
+        """Name of `role` in `layer` when the checkpoint has it."""
+        name = self.arch.tensor_name(role, layer, self.prefix)
+        return name if name in self.names else None
+
+
+def check_options(opts: RetrofitOptions) -> None:
+    """Text files exist, the target is usable (empty, absent, or --overwrite)."""
+    from attnkit.io.writer import OutputDir
+
+    for path in [*opts.calib, *opts.eval]:
+        if path != "-" and not Path(path).is_file():
+            raise UsageError(f"{path}: file not found")
+    OutputDir(Path(opts.out), overwrite=opts.overwrite)  # checks only; creates nothing
+
+
+def open_source(ref: str) -> Source:
+    """Resolve `ref` (GGUF files are materialized to safetensors first) and match its tensor names."""
+    from attnkit.archs import get_arch
+    from attnkit.archs.spec import attention_spec
+    from attnkit.archs.tensors import find_prefix
+    from attnkit.io.resolve import resolve
+    from attnkit.io.safetensors_header import read_headers
+
+    ckpt = resolve(ref)
+    if ckpt.kind == "config":
+        raise AttnkitError(f"{ref}: a config file has no weights to retrofit")
+    arch = get_arch(ckpt.model_type)
+    if not arch.causal:
+        raise AttnkitError(f"{ref}: {ckpt.model_type} is not a causal language model")
+    if ckpt.gguf_file is not None:
+        from attnkit.io.gguf_load import gguf_cache_folder, materialize_gguf
+
+        ckpt = resolve(str(materialize_gguf(ckpt.gguf_file, gguf_cache_folder(ckpt.gguf_file))))
+    if not ckpt.weight_files and ckpt.kind == "hub":
+        from attnkit.io.hub import resolve_hub
+
+        ckpt.weight_files = resolve_hub(ckpt.ref, need_weights=True).weight_files
+    if not ckpt.weight_files:
+        raise AttnkitError(f"{ref}: no safetensors weights found")
+    names = set(read_headers(ckpt.weight_files))
+    return Source(ckpt, arch, attention_spec(ckpt.config), find_prefix(arch, names), names)
+
+
+def raw_config(src: Source) -> dict:
+    """The source's config.json as written (not the text sub-config view)."""
+    return json.loads((Path(src.ckpt.root) / "config.json").read_text(encoding="utf-8"))
+
+
+def load(ref, device: str):
+    """A model ready to run in float32 (LoadedModel), soft-caps applied (see attnkit.runtime.softcap)."""
+    from attnkit.runtime import load_model
+
+    return load_model(str(ref), device=device, dtype="float32")
+
+
+def windows(loaded, files: list[str], seq_len: int, tokens: int | None):
+    """Token windows [N, seq_len] from text files."""
+    from attnkit.runtime import make_windows, read_texts
+
+    return make_windows(loaded.tokenizer, read_texts(files), seq_len, tokens)
+
+
+def stream_weights(src: Source, folder: Path, max_shard_bytes: int,
+                   rewrite: Callable[[str, object], dict] | None = None) -> dict:
+    """Copy every tensor into new shards; rewrite(name, tensor) -> {name: tensor} replaces one tensor by others.
+
+    Returns name -> shape of everything written (for verify_output).
+    """
+    from attnkit.io.reader import LazyReader
+    from attnkit.io.writer import ShardedWriter
+
+    expected: dict[str, tuple] = {}
+    writer = ShardedWriter(folder, max_shard_bytes)
+    with LazyReader(src.ckpt.weight_files) as reader:
+        for name in reader.names():
+            tensor = reader.get(name)
+            for new_name, new in (rewrite(name, tensor) if rewrite else {name: tensor}).items():
+                writer.add(new_name, new)
+                expected[new_name] = tuple(new.shape)
+    writer.finish()
+    return expected
+
+
+def write_output(src: Source, opts: RetrofitOptions, config: dict, write_weights: Callable[[Path], dict | None],
+                 manifest: dict, report: dict, check: Callable[[Path], None] | None = None) -> None:
+    """Write weights, config, side files and attnkit.json to a temp folder; check, evaluate, then commit.
+
+    `report["eval"]` / `report["probe"]` are filled when opts.eval is set; the manifest gets them too.
+    """
+    from attnkit.io.writer import OutputDir, copy_side_files, verify_output
+
+    with OutputDir(Path(opts.out), overwrite=opts.overwrite) as out:
+        expected = write_weights(out.path)
+        (out.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        copy_side_files(Path(src.ckpt.root), out.path)
+        verify_output(out.path, expected)
+        if check is not None:
+            check(out.path)
+        if opts.eval:
+            report.update(compare(opts, Path(src.ckpt.root), out.path))
+        doc = {"attnkit_version": __version__, "command": opts.command,
+               "source": {"ref": opts.model, "kind": src.ckpt.kind, "repo_id": src.ckpt.repo_id,
+                          "revision": src.ckpt.revision, "model_type": src.spec.model_type},
+               **manifest, "eval": report.get("eval"), "probe": report.get("probe")}
+        (out.path / "attnkit.json").write_text(json.dumps(doc, indent=2) + "\n")
+        out.commit()
+
+
+def compare(opts: RetrofitOptions, source_root: Path, result_root: Path) -> dict:
+    """Perplexity and KL(source || result) on the --eval text, and both models' probe summaries side by side."""
+    from attnkit.commands.evaluate import evaluate
+    from attnkit.commands.probe import probe
+
+    source, result = load(source_root, opts.device), load(result_root, opts.device)
+    wins = windows(source, opts.eval, opts.eval_seq_len, opts.eval_tokens)
+    res = evaluate(result, wins, reference=source)
+    before, after = probe(source, wins, name="source"), probe(result, wins, name="result")
+    return {"eval": {"files": list(opts.eval), "tokens": res.tokens, "seq_len": opts.eval_seq_len,
+                     "source_perplexity": res.reference_perplexity, "perplexity": res.perplexity,
+                     "kl_mean": res.kl_mean, "kl_max": res.kl_max, "top1_agreement": res.top1_agreement},
+            "probe": probe_summary(before, after)}
+
+
+def _layer_summary(heads: list[dict]) -> dict[int, dict]:
+    layers: dict[int, dict] = {}
+    for row in heads:
+        s = layers.setdefault(row["layer"], {"max_logit": None, "logz_mean": [], "logz_max": None})
+        s["max_logit"] = _max(s["max_logit"], row["max_logit"])
+        s["logz_max"] = _max(s["logz_max"], row["logz_max"])
+        if row["logz_mean"] is not None:
+            s["logz_mean"].append(row["logz_mean"])
+    for s in layers.values():
+        s["logz_mean"] = sum(s["logz_mean"]) / len(s["logz_mean"]) if s["logz_mean"] else None
+    return layers
+
+
+def _max(a, b):
+    return b if a is None else a if b is None else max(a, b)
+
+
+def probe_summary(before, after) -> dict:
+    """Per layer: max attention logit (over heads), mean and max log Z, source vs result; final-logit stats."""
+    b, a = _layer_summary(before.heads), _layer_summary(after.heads)
+    rows = [{"layer": layer,
+             "max_logit_before": b[layer]["max_logit"], "max_logit_after": a[layer]["max_logit"],
+             "logz_mean_before": b[layer]["logz_mean"], "logz_mean_after": a[layer]["logz_mean"],
+             "logz_max_before": b[layer]["logz_max"], "logz_max_after": a[layer]["logz_max"]}
+            for layer in sorted(set(b) & set(a))]
+    keys = ("final_logit_max", "final_logz_mean", "final_logz_max", "z_loss")
+    return {"layers": rows, "final": {k: {"before": before.final.get(k), "after": after.final.get(k)} for k in keys}}

@@ -1,0 +1,184 @@
+"""`retrofit qkclip`: Kimi K2's QK-Clip applied once: heads whose max logit exceeds tau get W_q scaled by tau / max.
+
+Per head h, S_max = max over the calibration text of q_i . k_j * scaling (before any soft-cap,
+visible pairs only). If S_max > tau the head's W_q rows and q bias are multiplied by tau / S_max,
+so its logits shrink by exactly that factor (a scalar commutes with RoPE) and no other head changes.
+The whole factor goes on the query side: with GQA a key head serves several query heads, and
+scaling W_k (Kimi's sqrt split) would also shrink the unclipped siblings' logits.
+
+Layers are clipped in forward order in one batched pass: layer l is measured on inputs that already
+went through the clipped layers before it, so the written model meets tau on the calibration text.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+from attnkit.commands.retrofit_common import (RetrofitOptions, check_options, load, open_source, raw_config,
+                                              stream_weights, windows, write_output)
+from attnkit.errors import AttnkitError, UsageError
+
+
+@dataclass
+class QKClipRequest:
+    opts: RetrofitOptions
+    tau: float = 100.0
+
+
+def check_request(req: QKClipRequest):
+    if not req.tau > 0 or req.tau == float("inf"):
+        raise UsageError(f"--tau must be a positive finite number, got {req.tau}")
+    if not req.opts.calib:
+        raise UsageError("qkclip measures max logits on text: pass --calib FILE")
+    check_options(req.opts)
+    src = open_source(req.opts.model)
+    mt = src.spec.model_type
+    if src.spec.mla is not None:
+        raise AttnkitError(f"{mt}: MLA attention is not supported by retrofit qkclip")
+    if src.spec.qk_norm == "per_head":
+        raise AttnkitError(f"{mt}: its QK-norm cancels any scale of W_q, and the norm weight that survives it is "
+                           "shared by all heads of a layer, so one head cannot be clipped alone")
+    if src.spec.qk_norm != "none":
+        raise AttnkitError(f"{mt}: QK-norm over the full projection is not supported by retrofit qkclip")
+    if src.arch.qkv_layout != "separate" or not src.tensor("q", 0):
+        raise AttnkitError(f"{mt}: retrofit qkclip needs separate q_proj weights ({src.arch.qkv_layout} layout)")
+    if "sinks" in src.arch.tensors:
+        raise AttnkitError(f"{mt}: attention sinks are not supported by retrofit qkclip")
+    return src
+
+
+def _head_max(module, hidden, position_embeddings, window):
+    """Per query head max of q.k * scaling over visible causal pairs of hidden [N, T, d] -> [H] float64."""
+    import torch
+
+    rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    n, t, _ = hidden.shape
+    dim = module.head_dim
+    q = module.q_proj(hidden).view(n, t, -1, dim).transpose(1, 2)  # [N, H, T, D]
+    k = module.k_proj(hidden).view(n, t, -1, dim).transpose(1, 2)  # [N, Hkv, T, D]
+    cos, sin = position_embeddings
+    q, k = rope(q, k, cos, sin)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = (q.float() @ k.float().transpose(-1, -2)) * module.scaling  # [N, H, T, T]
+    i = torch.arange(t, device=s.device)[:, None]
+    j = torch.arange(t, device=s.device)[None, :]
+    visible = (j <= i) if window is None else (j <= i) & (i - j < window)
+    return s.masked_fill(~visible, float("-inf")).amax((0, 2, 3)).double().cpu()
+
+
+def _clip(req: QKClipRequest, src) -> tuple[list, dict]:
+    """Sequential clipping on the calibration text; returns per-layer factors [H] and calibration info."""
+    import torch
+
+    from attnkit.commands.calibrate import attention_module_name
+
+    spec = src.spec
+    loaded = load(src.ckpt.root, req.opts.device)
+    model = loaded.model
+    wins = windows(loaded, req.opts.calib, req.opts.calib_seq_len, req.opts.calib_tokens)
+    factors: list = [None] * spec.num_layers
+    seen: list = [None] * spec.num_layers
+
+    def make_hook(layer: int):
+        def hook(module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [N, T, d]
+            smax = _head_max(module, hidden, kwargs["position_embeddings"], spec.layer_windows[layer])  # [H]
+            f = torch.where(smax > req.tau, req.tau / smax, torch.ones_like(smax))  # [H]
+            seen[layer], factors[layer] = smax, f
+            if bool((f < 1).any()):
+                rows = f.repeat_interleave(spec.head_dim).to(module.q_proj.weight)  # [H * D]
+                module.q_proj.weight.data.mul_(rows[:, None])
+                if module.q_proj.bias is not None:
+                    module.q_proj.bias.data.mul_(rows)
+
+        return hook
+
+    handles = [model.get_submodule(attention_module_name(src.arch.tensors["q"], src.prefix, i))
+               .register_forward_pre_hook(make_hook(i), with_kwargs=True) for i in range(spec.num_layers)]
+    try:
+        with torch.no_grad():
+            model(input_ids=wins.to(loaded.device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    if any(f is None for f in factors):
+        raise AttnkitError("calibration did not reach every attention layer")
+    info = {"files": list(req.opts.calib), "tokens": int(wins.numel()), "seq_len": int(wins.shape[1])}
+    return [(f, s) for f, s in zip(factors, seen)], info
+
+
+def _rewriter(src, factors):
+    import torch
+
+    spec = src.spec
+    targets = {}
+    for i, (f, _) in enumerate(factors):
+        if bool((f < 1).any()):
+            for role in ("q", "q_bias"):
+                if src.tensor(role, i):
+                    targets[src.tensor(role, i)] = f.repeat_interleave(spec.head_dim)  # [H * D]
+
+    def rewrite(name, t):
+        rows = targets.get(name)
+        if rows is None:
+            return {name: t}
+        keep = rows == 1  # unclipped heads' rows stay bit for bit
+        scaled = (t.double() * (rows[:, None] if t.dim() == 2 else rows)).to(t.dtype)
+        mask = keep[:, None] if t.dim() == 2 else keep
+        return {name: torch.where(mask, t, scaled)}
+
+    return rewrite
+
+
+def _after(req, folder, src) -> list:
+    """Per-head max logits of the written model on the calibration text (attnkit's probe)."""
+    from attnkit.commands.probe import probe
+
+    loaded = load(folder, req.opts.device)
+    wins = windows(loaded, req.opts.calib, req.opts.calib_seq_len, req.opts.calib_tokens)
+    return probe(loaded, wins, name="result").heads
+
+
+def retrofit_qkclip(req: QKClipRequest) -> dict:
+    """Run (or with dry_run, plan) QK-Clip; returns the report (see docs/retrofit.md)."""
+    from attnkit.commands.probe import probe
+
+    started = time.perf_counter()
+    src = check_request(req)
+    report = {"retrofit": "qkclip", "source": req.opts.model, "output": str(req.opts.out),
+              "dry_run": req.opts.dry_run, "model_type": src.spec.model_type, "tau": req.tau,
+              "clipped_heads": None, "calibration": None, "heads": [], "warnings": [], "eval": None, "probe": None}
+    if req.opts.dry_run:
+        report["seconds"] = time.perf_counter() - started
+        return report
+    source = load(src.ckpt.root, req.opts.device)
+    before = {(r["layer"], r["head"]): r for r in
+              probe(source, windows(source, req.opts.calib, req.opts.calib_seq_len, req.opts.calib_tokens),
+                    name="source").heads}
+    del source
+    factors, report["calibration"] = _clip(req, src)
+    rows = []
+    for layer, (f, smax) in enumerate(factors):
+        for h in range(f.shape[0]):
+            rows.append({"layer": layer, "head": h, "max_logit_before": before[(layer, h)]["max_logit_precap"],
+                         "max_logit_seen": float(smax[h]), "factor": float(f[h]), "clipped": bool(f[h] < 1),
+                         "max_logit_after": None})
+    report["heads"] = rows
+    report["clipped_heads"] = sum(r["clipped"] for r in rows)
+
+    def check(folder):
+        after = {(r["layer"], r["head"]): r["max_logit_precap"] for r in _after(req, folder, src)}
+        for r in rows:
+            r["max_logit_after"] = after[(r["layer"], r["head"])]
+
+    manifest = {"retrofit": "qkclip",
+                "changes": {"weights": "q_proj rows (and q bias) of clipped heads scaled by tau / max logit"},
+                "why": "QK-Clip (Kimi K2): bound each head's max attention logit by tau",
+                "parameters": {"tau": req.tau}, "calibration": report["calibration"], "heads": rows}
+    write_output(src, req.opts, raw_config(src),
+                 lambda folder: stream_weights(src, folder, req.opts.max_shard_bytes, _rewriter(src, factors)),
+                 manifest, report, check=check)
+    report["seconds"] = time.perf_counter() - started
+    return report

@@ -1,0 +1,331 @@
+"""`retrofit qknorm`: turn a Llama, Mistral or Qwen2 checkpoint into a stock Qwen3 checkpoint (per-head QK-norm).
+
+Qwen3 = the Llama layout plus RMSNorm over head_dim on q and k before RoPE (one weight shared by
+all heads), biases on q/k/v/o when attention_bias is set. Methods (attnkit.ops.qknorm):
+- pad (default): head_dim D -> D + 2; the two extra dims of each q/k head carry a constant bias B
+  that dominates the RMS, so the norm becomes a known scale folded into its weight, which is zero on
+  the extra dims (v/o get zero rows/columns there). Exact up to |q|^2/(4 B^2); RoPE keeps the source
+  frequencies through rope_theta' = theta^((D+2)/D). KV cache grows by 2/D. No calibration needed.
+- kl, lsq, scalar, unit: keep head_dim; fit the norm weights (and pre-norm scales of W_q/W_k rows)
+  on calibration activations. Lossy: the per-token RMS of q and k cannot be expressed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from attnkit.commands.retrofit_common import (RetrofitOptions, check_options, load, open_source, raw_config,
+                                              stream_weights, windows, write_output)
+from attnkit.errors import AttnkitError, UsageError
+from attnkit.ops.qknorm import METHODS
+
+SOURCES = ("llama", "mistral", "qwen2")
+#: Bias of the pad dims, in units of the largest possible |q| (or |k|) of a head.
+PAD_RATIO = 1000.0
+FP16_MAX_PAD = 3.0e4
+#: Source config keys that Qwen3 does not have (or that the conversion rewrites).
+DROP_KEYS = ("pretraining_tp", "mlp_bias", "architectures", "model_type", "auto_map", "_name_or_path",
+             "transformers_version", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+
+
+@dataclass
+class QKNormRequest:
+    opts: RetrofitOptions
+    method: str = "pad"
+    steps: int = 150
+
+
+def check_request(req: QKNormRequest):
+    if req.method not in METHODS:
+        raise UsageError(f"unknown --method {req.method!r}; choose from {', '.join(METHODS)}")
+    if req.method in ("kl", "lsq", "scalar") and not req.opts.calib:
+        raise UsageError(f"--method {req.method} fits the norm weights on activations: pass --calib FILE")
+    check_options(req.opts)
+    src = open_source(req.opts.model)
+    mt, spec = src.spec.model_type, src.spec
+    if spec.mla is not None:
+        raise AttnkitError(f"{mt}: MLA attention has no per-head q/k to normalise; retrofit qknorm does not apply")
+    if spec.qk_norm != "none":
+        raise AttnkitError(f"{mt} already has QK-norm ({spec.qk_norm}); nothing to retrofit")
+    if src.arch.family not in SOURCES:
+        raise AttnkitError(f"retrofit qknorm supports {', '.join(SOURCES)} checkpoints, not {mt}")
+    config = src.ckpt.config
+    if config.get("mlp_bias"):
+        raise AttnkitError(f"{mt}: MLP biases (mlp_bias) have no Qwen3 equivalent")
+    if spec.partial_rotary_factor != 1.0:
+        raise AttnkitError(f"{mt}: partial RoPE ({spec.partial_rotary_factor}) has no Qwen3 equivalent")
+    if spec.head_dim % 2:
+        raise AttnkitError(f"{mt}: odd head_dim {spec.head_dim}")
+    return src
+
+
+def _qwen3_config(src, method: str, bias: bool) -> dict:
+    """The Qwen3 config.json: source keys plus head_dim, attention_bias, sliding layers and (pad) RoPE base."""
+    from attnkit.ops.qknorm import pad_theta
+
+    spec, raw = src.spec, raw_config(src)
+    config = {k: v for k, v in raw.items() if k not in DROP_KEYS}
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope.setdefault("rope_type", spec.rope_type or "default")
+    rope["rope_theta"] = spec.rope_theta
+    config.pop("rope_scaling", None)
+    config.pop("rope_theta", None)
+    dim = spec.head_dim
+    if method == "pad":
+        dim += 2
+        rope["rope_theta"] = pad_theta(spec.rope_theta, spec.head_dim)
+    windows_ = [w for w in spec.layer_windows if w is not None]
+    config.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=dim, attention_bias=bias,
+                  rope_parameters=rope, use_sliding_window=bool(windows_),
+                  sliding_window=windows_[0] if windows_ else None, max_window_layers=spec.num_layers,
+                  layer_types=["sliding_attention" if w else "full_attention" for w in spec.layer_windows])
+    if len(set(windows_)) > 1:
+        raise AttnkitError(f"{spec.model_type}: several sliding window sizes; Qwen3 has one")
+    return config
+
+
+def _rope_frequencies(config: dict):
+    """(inv_freq [D/2], attention scaling) that transformers computes for a config dict."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = AutoConfig.for_model(**config)
+    rope_type = cfg.rope_parameters.get("rope_type", "default")
+    if rope_type == "default":
+        import torch
+
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        theta = cfg.rope_parameters["rope_theta"]
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)), 1.0
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    return inv.double(), float(scale)
+
+
+def check_rope(src, config: dict) -> None:
+    """Refuse a pad conversion whose RoPE (type, scaling) would not keep the source frequencies."""
+    source_inv, source_scale = _rope_frequencies(raw_config(src))
+    new_inv, new_scale = _rope_frequencies(config)
+    half = source_inv.shape[0]
+    rel = float(((new_inv[:half] - source_inv) / source_inv).abs().max())
+    if rel > 1e-6 or abs(new_scale - source_scale) > 1e-6:
+        raise AttnkitError(f"RoPE type {config['rope_parameters'].get('rope_type')!r} does not keep its frequencies "
+                           f"when head_dim grows (relative change {rel:.2g}); use --method kl or lsq")
+
+
+class _Capture:
+    """Forward hooks on q_proj/k_proj of every layer: outputs [N, T, H*D] per layer, concatenated over windows."""
+
+    def __init__(self, model, prefix_module: str, layers: int):
+        self.q: list[list] = [[] for _ in range(layers)]
+        self.k: list[list] = [[] for _ in range(layers)]
+        self.handles = []
+        for i in range(layers):
+            attn = model.get_submodule(f"{prefix_module}layers.{i}.self_attn")
+            self.handles.append(attn.q_proj.register_forward_hook(self._grab(self.q[i])))
+            self.handles.append(attn.k_proj.register_forward_hook(self._grab(self.k[i])))
+
+    @staticmethod
+    def _grab(store):
+        def hook(_module, _args, output):
+            store.append(output.detach().float().cpu())
+
+        return hook
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _calibrate(req: QKNormRequest, src) -> tuple[list, dict]:
+    """Per-layer LayerFit from the calibration text (the source model's own activations)."""
+    import torch
+
+    from attnkit.ops.qknorm import fit_layer
+
+    spec = src.spec
+    loaded = load(src.ckpt.root, req.opts.device)
+    model = loaded.model
+    wins = windows(loaded, req.opts.calib, req.opts.calib_seq_len, req.opts.calib_tokens)
+    cap = _Capture(model, "model.", spec.num_layers)
+    try:
+        with torch.no_grad():
+            for n in range(wins.shape[0]):
+                model(input_ids=wins[n:n + 1].to(loaded.device), use_cache=False)
+    finally:
+        cap.close()
+    t = wins.shape[1]
+    positions = torch.arange(t)[None]
+    cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)  # [1, T, D]
+    cos, sin = cos[0].cpu(), sin[0].cpu()
+    eps = float(getattr(model.config, "rms_norm_eps", 1e-6))
+    fits = []
+    for i in range(spec.num_layers):
+        q = torch.cat(cap.q[i]).view(-1, t, spec.num_heads, spec.head_dim).transpose(1, 2)    # [N, H, T, D]
+        k = torch.cat(cap.k[i]).view(-1, t, spec.num_kv_heads, spec.head_dim).transpose(1, 2)  # [N, Hkv, T, D]
+        cap.q[i], cap.k[i] = None, None
+        fits.append(fit_layer(q, k, cos, sin, spec.head_dim ** -0.5, eps, req.method,
+                              window=spec.layer_windows[i], steps=req.steps))
+    info = {"files": list(req.opts.calib), "tokens": int(wins.numel()), "seq_len": t}
+    return fits, info
+
+
+def _pad_biases(src, reader_get) -> list[tuple[float, float, float]]:
+    """Per layer (B_q, B_k, worst relative error) from a bound on |q_h| and |k_h| that holds for every token.
+
+    The attention input is RMSNorm(h) * gamma, so |x| <= max|gamma| sqrt(d); |q_h| <= ||W_qh||_2 |x| + |b_h|.
+    """
+    import torch
+
+    spec = src.spec
+    dtype_name = str(src.ckpt.config.get("torch_dtype") or src.ckpt.config.get("dtype") or "float32")
+    out = []
+    for i in range(spec.num_layers):
+        gamma = reader_get(f"{src.prefix}layers.{i}.input_layernorm.weight").double()
+        x_max = float(gamma.abs().max()) * spec.hidden_size ** 0.5
+        bounds = []
+        for role, heads in (("q", spec.num_heads), ("k", spec.num_kv_heads)):
+            w = reader_get(src.tensor(role, i)).double().view(heads, spec.head_dim, -1)  # [heads, D, d]
+            norms = torch.linalg.eigvalsh(w @ w.transpose(1, 2))[:, -1].clamp_min(0).sqrt() * x_max  # [heads] ||W_h||_2
+            bias_name = src.tensor(f"{role}_bias", i)
+            if bias_name:
+                norms = norms + reader_get(bias_name).double().view(heads, -1).norm(dim=-1)
+            bounds.append(float(norms.max()))
+        b = [PAD_RATIO * max(x, 1e-6) for x in bounds]
+        if dtype_name == "float16":
+            b = [min(x, FP16_MAX_PAD) for x in b]
+        b = [float(torch.tensor(x, dtype=getattr(torch, dtype_name)).double()) for x in b]  # as stored
+        out.append((b[0], b[1], max(bounds[0] ** 2 / (4 * b[0] ** 2), bounds[1] ** 2 / (4 * b[1] ** 2))))
+    return out
+
+
+def _rewriter(src, method: str, fits: list | None, pads: list | None, bias: bool):
+    """rewrite(name, tensor) for stream_weights: per-layer q/k/v/o changes, new biases and norm weights."""
+    import torch
+
+    from attnkit.ops.qknorm import pad_columns, pad_norm_weight, pad_rows
+
+    spec = src.spec
+    h, hkv, dim, hidden = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
+    eps = float(src.ckpt.config.get("rms_norm_eps", 1e-6))
+    roles = {}
+    for i in range(spec.num_layers):
+        for role in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias"):
+            name = src.tensor(role, i)
+            if name:
+                roles[name] = (i, role)
+
+    def attn_name(i: int, leaf: str) -> str:
+        return f"{src.prefix}layers.{i}.self_attn.{leaf}"
+
+    def rewrite(name, t):
+        if name not in roles:
+            return {name: t}
+        i, role = roles[name]
+        heads = h if role in ("q", "q_bias", "o") else hkv
+        out: dict = {}
+        if method == "pad":
+            b_q, b_k, _ = pads[i]
+            fill = {"q_bias": b_q, "k_bias": b_k}.get(role, 0.0)
+            out[name] = pad_columns(t, h, dim) if role == "o" else pad_rows(t, heads, dim, fill)
+        elif role in ("q", "q_bias", "k", "k_bias"):
+            a = (fits[i].a_q if role.startswith("q") else fits[i].a_k).reshape(-1)  # [heads * D]
+            out[name] = (t.double() * (a[:, None] if t.dim() == 2 else a)).to(t.dtype)
+        else:
+            out[name] = t
+        if role == "o":  # the last tensor of the layer: add what Qwen3 needs and the source lacks
+            new_dim = dim + 2 if method == "pad" else dim
+            if bias:
+                for r, n_heads, fill in (("q", h, pads[i][0] if pads else 0.0), ("k", hkv, pads[i][1] if pads else 0.0),
+                                         ("v", hkv, 0.0)):
+                    if not src.tensor(f"{r}_bias", i):
+                        z = torch.zeros(n_heads * dim, dtype=t.dtype)
+                        out[attn_name(i, f"{r}_proj.bias")] = pad_rows(z, n_heads, dim, fill) if method == "pad" else z
+                if not src.tensor("o_bias", i):
+                    out[attn_name(i, "o_proj.bias")] = torch.zeros(hidden, dtype=t.dtype)
+            for which in ("q", "k"):
+                if method == "pad":
+                    b = pads[i][0] if which == "q" else pads[i][1]
+                    g = pad_norm_weight(dim, b, eps, ((dim + 2) / dim) ** 0.5 if which == "q" else 1.0)
+                else:
+                    g = fits[i].g_q if which == "q" else fits[i].g_k
+                assert g.shape == (new_dim,)
+                out[attn_name(i, f"{which}_norm.weight")] = g.to(t.dtype)
+        return out
+
+    return rewrite
+
+
+def _check_loads(folder) -> None:
+    """The written folder is a Qwen3 checkpoint whose tensors match what Qwen3ForCausalLM expects."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from attnkit.io.reader import LazyReader
+    from attnkit.io.resolve import safetensors_files
+
+    config = AutoConfig.from_pretrained(str(folder))
+    if config.model_type != "qwen3":
+        raise AttnkitError(f"{folder}: wrote a {config.model_type} config, expected qwen3")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    want = {n: tuple(p.shape) for n, p in model.state_dict().items()}
+    with LazyReader(safetensors_files(folder)) as reader:
+        got = {n: tuple(reader.info(n).shape) for n in reader.names()}
+    if config.tie_word_embeddings:
+        want.pop("lm_head.weight", None)
+        got.pop("lm_head.weight", None)
+    if want != got:
+        diff = sorted(set(want.items()) ^ set(got.items()))
+        raise AttnkitError(f"{folder}: tensors do not match Qwen3ForCausalLM, e.g. {diff[0]}")
+
+
+def retrofit_qknorm(req: QKNormRequest) -> dict:
+    """Run (or with dry_run, plan) the QK-norm retrofit; returns the report (see docs/retrofit.md)."""
+    from attnkit.io.reader import LazyReader
+
+    started = time.perf_counter()
+    src = check_request(req)
+    spec = src.spec
+    has_bias = any(src.tensor(r, 0) for r in ("q_bias", "k_bias", "v_bias", "o_bias"))
+    bias = has_bias or req.method == "pad"
+    config = _qwen3_config(src, req.method, bias)
+    if req.method == "pad":
+        check_rope(src, config)
+    report = {"retrofit": "qknorm", "source": req.opts.model, "output": str(req.opts.out),
+              "dry_run": req.opts.dry_run, "model_type": spec.model_type, "method": req.method,
+              "head_dim_before": spec.head_dim, "head_dim_after": config["head_dim"], "attention_bias": bias,
+              "calibration": None, "layers": [], "warnings": [], "eval": None, "probe": None}
+    if req.method == "pad":
+        report["warnings"].append(f"head_dim {spec.head_dim} -> {config['head_dim']}: the KV cache grows by "
+                                  f"{200 / spec.head_dim:.1f}%")
+    if req.opts.dry_run:
+        report["seconds"] = time.perf_counter() - started
+        return report
+    fits = pads = None
+    if req.method == "pad":
+        with LazyReader(src.ckpt.weight_files) as reader:
+            pads = _pad_biases(src, reader.get)
+        report["layers"] = [{"layer": i, "pad_bias_q": bq, "pad_bias_k": bk, "max_rel_error": err, "attention_kl": None}
+                            for i, (bq, bk, err) in enumerate(pads)]
+    elif req.method == "unit" and not req.opts.calib:
+        from attnkit.ops.qknorm import unit_fit
+
+        fits = [unit_fit(spec.num_heads, spec.num_kv_heads, spec.head_dim)] * spec.num_layers
+    else:
+        fits, report["calibration"] = _calibrate(req, src)
+        report["layers"] = [{"layer": i, "pad_bias_q": None, "pad_bias_k": None, "max_rel_error": None,
+                             "attention_kl": f.kl} for i, f in enumerate(fits)]
+    manifest = {"retrofit": "qknorm",
+                "changes": {"model_type": f"{spec.model_type} -> qwen3", "head_dim": [spec.head_dim, config["head_dim"]],
+                            "attention_bias": bias, "added": "q_norm/k_norm weights per layer"
+                            + (", zero o_proj bias" if bias and not src.tensor("o_bias", 0) else "")},
+                "why": "per-head RMSNorm on q and k (Qwen3 QK-norm) bounds attention logits",
+                "parameters": {"method": req.method, "steps": req.steps if req.method == "kl" else None},
+                "calibration": report["calibration"], "layers": report["layers"], "warnings": report["warnings"]}
+    rewrite = _rewriter(src, req.method, fits, pads, bias)
+    write_output(src, req.opts, config,
+                 lambda folder: stream_weights(src, folder, req.opts.max_shard_bytes, rewrite),
+                 manifest, report, check=_check_loads)
+    report["seconds"] = time.perf_counter() - started
+    return report

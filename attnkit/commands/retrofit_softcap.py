@@ -1,0 +1,198 @@
+"""`retrofit softcap`: write attention and/or final-logit soft-caps into a checkpoint's config.
+
+Weights are copied byte for byte; only config.json changes (attn_logit_softcapping,
+final_logit_softcapping). Stock transformers honours the attention cap only for Gemma 2 and the
+final cap only for Gemma 2/3 (see attnkit.runtime.softcap); elsewhere only attnkit applies them.
+`auto` picks a cap from the calibration text so that a chosen fraction of logits is affected
+(attnkit.ops.softcap defines "affected").
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnkit.commands.retrofit_common import (RetrofitOptions, check_options, load, open_source, raw_config,
+                                              windows, write_output)
+from attnkit.errors import AttnkitError, UsageError
+
+AUTO = "auto"
+
+
+@dataclass
+class SoftcapRequest:
+    opts: RetrofitOptions
+    attn_cap: float | str | None = None   # number, "auto" or None (leave unset)
+    final_cap: float | str | None = None
+    affect_fraction: float = 1e-4
+    affect_rel: float = 0.01
+
+
+def _check_cap(name: str, value) -> None:
+    if value is None or value == AUTO:
+        return
+    if not isinstance(value, (int, float)) or not value > 0 or value != value or value == float("inf"):
+        raise UsageError(f"{name} must be a positive finite number or 'auto', got {value!r}")
+
+
+def check_request(req: SoftcapRequest):
+    _check_cap("--attn-cap", req.attn_cap)
+    _check_cap("--final-cap", req.final_cap)
+    if req.attn_cap is None and req.final_cap is None:
+        raise UsageError("nothing to do: give --attn-cap C, --auto, or --final-cap F")
+    if not 0.0 < req.affect_fraction < 1.0:
+        raise UsageError(f"--affect-fraction must be in (0, 1), got {req.affect_fraction}")
+    if AUTO in (req.attn_cap, req.final_cap) and not req.opts.calib:
+        raise UsageError("an automatic cap needs calibration text: pass --calib FILE")
+    check_options(req.opts)
+    src = open_source(req.opts.model)
+    if "sinks" in src.arch.tensors:
+        raise AttnkitError(f"{src.spec.model_type}: attention sinks are not supported by attnkit's soft-capped attention")
+    return src
+
+
+def _attention_histogram(model, wins):
+    """|attention logit| histogram (q.k * scaling before any cap, visible pairs only) over all layers and heads."""
+    import torch
+
+    from attnkit.ops.softcap import AbsHistogram
+    from attnkit.runtime.hook import attention_hook
+
+    hist = AbsHistogram()
+
+    def on_attention(module, query, key, mask, kwargs):
+        groups = query.shape[1] // key.shape[1]
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        k = key.repeat_interleave(groups, dim=1)  # [B, H, Tk, D]
+        scores = torch.matmul(query.float(), k.float().transpose(2, 3)) * scaling  # [B, H, Tq, Tk]
+        hist.add(scores[_visible(mask, scores)])
+
+    with torch.no_grad(), attention_hook(model, on_attention):
+        for i in range(wins.shape[0]):
+            model(input_ids=wins[i:i + 1].to(model.device), use_cache=False)
+    return hist
+
+
+def _visible(mask, scores):
+    """Bool [B, H, Tq, Tk] of the pairs a row may attend to (mask None: causal, bottom-right aligned)."""
+    import torch
+
+    tq, tk = scores.shape[-2:]
+    if mask is None:
+        rows = torch.arange(tq, device=scores.device)[:, None] + (tk - tq)
+        return (torch.arange(tk, device=scores.device)[None, :] <= rows).expand(scores.shape)
+    if mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    return mask[..., :tk].expand(scores.shape)
+
+
+def _final_histogram(model, wins):
+    """|final logit| histogram before any final cap, over every position and vocabulary entry."""
+    import torch
+
+    from attnkit.ops.softcap import AbsHistogram
+    from attnkit.runtime.lm import final_hidden
+
+    hist = AbsHistogram()
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        for i in range(wins.shape[0]):
+            hidden = final_hidden(model, wins[i:i + 1])  # [1, T, d]
+            hist.add(head(hidden))  # [1, T, V]
+    return hist
+
+
+def _auto_caps(req: SoftcapRequest, src) -> dict:
+    """Pick the `auto` caps from the calibration text; returns {"attn": {...}, "final": {...}} for those chosen."""
+    from attnkit.ops.softcap import cap_for_fraction
+
+    loaded = load(src.ckpt.root, req.opts.device)
+    model = loaded.model  # as the source runs (any caps it already has applied); logits are counted before a cap
+    wins = windows(loaded, req.opts.calib, req.opts.calib_seq_len, req.opts.calib_tokens)
+    chosen = {}
+    for which, wanted, histogram in (("attn", req.attn_cap, _attention_histogram),
+                                     ("final", req.final_cap, _final_histogram)):
+        if wanted != AUTO:
+            continue
+        hist = histogram(model, wins)
+        cap, fraction = cap_for_fraction(hist, req.affect_fraction, req.affect_rel)
+        chosen[which] = {"cap": cap, "affected_fraction": fraction, "target_fraction": req.affect_fraction,
+                         "logits": int(hist.total), "max_abs_logit": hist.max}
+    chosen["calibration"] = {"files": list(req.opts.calib), "tokens": int(wins.numel()),
+                             "seq_len": req.opts.calib_seq_len}
+    return chosen
+
+
+def _copy_weights(src, folder: Path) -> dict | None:
+    """Copy the source's safetensors files (and index) unchanged."""
+    from attnkit.io.resolve import INDEX_NAME
+
+    for f in src.ckpt.weight_files:
+        shutil.copyfile(f, folder / Path(f).name)
+    index = Path(src.ckpt.weight_files[0]).parent / INDEX_NAME
+    if index.is_file() and len(src.ckpt.weight_files) > 1:
+        shutil.copyfile(index, folder / INDEX_NAME)
+    return None
+
+
+def _patched_config(src, attn_cap, final_cap) -> dict:
+    config = raw_config(src)
+    target = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+    if attn_cap is not None:
+        target["attn_logit_softcapping"] = attn_cap
+    if final_cap is not None:
+        target["final_logit_softcapping"] = final_cap
+    return config
+
+
+def warnings_for(model_type: str, attn_cap, final_cap) -> list[str]:
+    """Plain statements about who honours the written caps."""
+    from attnkit.runtime.softcap import native_support
+
+    native_attn, native_final = native_support(model_type)
+    out = []
+    ignored = [k for k, v, n in (("attn_logit_softcapping", attn_cap, native_attn),
+                                 ("final_logit_softcapping", final_cap, native_final)) if v is not None and not n]
+    if ignored:
+        out.append(f"{model_type}: stock transformers and serving engines such as vLLM and SGLang ignore "
+                   f"{' and '.join(ignored)}; only attnkit commands and attnkit.load_model apply "
+                   f"{'it' if len(ignored) == 1 else 'them'}")
+    if attn_cap is not None:
+        out.append("SDPA cannot soft-cap attention: run the capped model with eager attention "
+                   "(attnkit does this itself), flex attention or a FlashAttention kernel with softcap")
+    return out
+
+
+def retrofit_softcap(req: SoftcapRequest) -> dict:
+    """Run (or with dry_run, plan) the soft-cap retrofit; returns the report (see docs/retrofit.md)."""
+    started = time.perf_counter()
+    src = check_request(req)
+    report = {"retrofit": "softcap", "source": req.opts.model, "output": str(req.opts.out),
+              "dry_run": req.opts.dry_run, "model_type": src.spec.model_type,
+              "before": {"attn_cap": src.spec.attn_softcap, "final_cap": src.spec.final_softcap},
+              "attn_cap": req.attn_cap, "final_cap": req.final_cap, "auto": None, "warnings": [],
+              "eval": None, "probe": None}
+    if req.opts.dry_run:
+        report["warnings"] = warnings_for(src.spec.model_type, req.attn_cap, req.final_cap)
+        report["seconds"] = time.perf_counter() - started
+        return report
+    if AUTO in (req.attn_cap, req.final_cap):
+        auto = _auto_caps(req, src)
+        report["auto"] = auto
+        report["attn_cap"] = auto["attn"]["cap"] if req.attn_cap == AUTO else req.attn_cap
+        report["final_cap"] = auto["final"]["cap"] if req.final_cap == AUTO else req.final_cap
+    attn_cap, final_cap = report["attn_cap"], report["final_cap"]
+    report["warnings"] = warnings_for(src.spec.model_type, attn_cap, final_cap)
+    manifest = {"retrofit": "softcap",
+                "changes": {"config": {"attn_logit_softcapping": attn_cap, "final_logit_softcapping": final_cap},
+                            "weights": "unchanged (copied byte for byte)"},
+                "why": "soft-capping bounds attention / output logits by cap * tanh(z / cap)",
+                "parameters": {"attn_cap": req.attn_cap, "final_cap": req.final_cap,
+                               "affect_fraction": req.affect_fraction, "affect_rel": req.affect_rel},
+                "auto": report["auto"], "warnings": report["warnings"]}
+    write_output(src, req.opts, _patched_config(src, attn_cap, final_cap), lambda folder: _copy_weights(src, folder),
+                 manifest, report)
+    report["seconds"] = time.perf_counter() - started
+    return report

@@ -1,0 +1,207 @@
+"""attnkit retrofit softcap / qknorm / qkclip on tiny fixtures, and SmolLM2-135M through all three."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attnkit.cli import app
+from attnkit.ops.qknorm import fit_layer, logits, normed_logits
+from tests.test_runtime import PROSE, char_tokenizer
+
+
+@pytest.fixture
+def text(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text(PROSE * 8)
+    return str(path)
+
+
+def _tiny_text_model(tiny, family="llama_gqa", **kw):
+    return char_tokenizer(tiny(family, vocab_size=128, **kw))
+
+
+def _run(runner, *args):
+    result = runner.invoke(app, ["retrofit", *map(str, args)])
+    return result, (json.loads(result.stdout) if result.exit_code == 0 and "json" in args else None)
+
+
+def _logits(folder, ids, **kw):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), **kw).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits, model
+
+
+# ----- softcap -----
+
+def test_softcap_auto_writes_config_copies_weights_and_measures(runner, tiny, text, tmp_path):
+    src = _tiny_text_model(tiny)
+    out = tmp_path / "out"
+    res, doc = _run(runner, "softcap", src, out, "--auto", "--affect-fraction", "0.01", "--final-cap", "30",
+                    "--calib", text, "--calib-tokens", "256", "--calib-seq-len", "64",
+                    "--eval", text, "--eval-tokens", "128", "--eval-seq-len", "64", "-f", "json")
+    assert res.exit_code == 0, res.output
+    auto = doc["auto"]["attn"]
+    assert doc["attn_cap"] == auto["cap"] and 0 < auto["affected_fraction"] <= 0.01
+    config = json.loads((out / "config.json").read_text())
+    assert config["attn_logit_softcapping"] == auto["cap"] and config["final_logit_softcapping"] == 30
+    assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    manifest = json.loads((out / "attnkit.json").read_text())
+    assert manifest["retrofit"] == "softcap" and manifest["auto"]["attn"]["cap"] == auto["cap"]
+    assert doc["eval"]["kl_mean"] >= -1e-6 and doc["eval"]["tokens"] == 126
+    assert "ignore attn_logit_softcapping" in res.stderr
+    assert len(doc["probe"]["layers"]) == 2
+
+
+def test_softcap_bad_input_gives_one_line_errors(runner, tiny, tmp_path):
+    src = tiny("llama")
+    for cap, code in (("0", 2), ("-3", 2), ("nan", 2), ("abc", 2)):
+        res, _ = _run(runner, "softcap", src, tmp_path / "o", "--attn-cap", cap)
+        assert res.exit_code == code and len(res.stderr.strip().splitlines()) == 1, (cap, res.output)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    cases = [(("softcap", src, full, "--attn-cap", "5"), "not empty"),
+             (("softcap", tmp_path / "missing", tmp_path / "o", "--attn-cap", "5"), ""),
+             (("softcap", tiny("bert"), tmp_path / "o", "--attn-cap", "5"), "not a causal"),
+             (("softcap", src, tmp_path / "o", "--auto"), "--calib"),
+             (("softcap", src, tmp_path / "o"), "nothing to do")]
+    for args, words in cases:
+        res, _ = _run(runner, *args)
+        assert res.exit_code in (1, 2) and len(res.stderr.strip().splitlines()) == 1 and words in res.stderr, res.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_softcap_dry_run_writes_nothing(runner, tiny, tmp_path):
+    res, doc = _run(runner, "softcap", tiny("llama"), tmp_path / "o", "--attn-cap", "20", "--dry-run", "-f", "json")
+    assert res.exit_code == 0 and doc["dry_run"] and not (tmp_path / "o").exists()
+
+
+# ----- qknorm -----
+
+def test_lsq_is_exact_when_q_and_k_have_constant_rms():
+    torch.manual_seed(0)
+    n, h, hkv, t, d = 2, 4, 2, 16, 8
+    q = torch.randn(n, h, t, d, dtype=torch.float64)
+    k = torch.randn(n, hkv, t, d, dtype=torch.float64)
+    q = 3.0 * q / q.pow(2).mean(-1, keepdim=True).sqrt()  # RMS 3 for every token and head
+    k = 0.5 * k / k.pow(2).mean(-1, keepdim=True).sqrt()
+    pos = torch.arange(t, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
+    cos, sin = torch.cat([pos.cos()] * 2, -1), torch.cat([pos.sin()] * 2, -1)
+    fit = fit_layer(q, k, cos, sin, d ** -0.5, 0.0, "lsq")
+    want = logits(q, k, cos, sin, d ** -0.5)
+    assert (normed_logits(q, k, cos, sin, d ** -0.5, fit, 0.0) - want).abs().max() < 1e-7  # ridge 1e-9 (relative) in the solve
+    assert fit.kl < 1e-12
+    unit = fit_layer(q, k, cos, sin, d ** -0.5, 0.0, "unit")
+    assert unit.kl > 1e-4  # the unit weights lose the scale 3 * 0.5
+
+
+@pytest.mark.parametrize("family, extra", [("llama_gqa", {}), ("qwen2", {}), ("mistral", {})])
+def test_qknorm_pad_loads_as_stock_qwen3_and_is_exact(runner, tiny, tmp_path, family, extra):
+    src = tiny(family, **extra)
+    out = tmp_path / "out"
+    res, doc = _run(runner, "qknorm", src, out, "-f", "json")
+    assert res.exit_code == 0, res.output
+    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    want, _ = _logits(src, ids)
+    got, model = _logits(out, ids)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    attn = model.model.layers[0].self_attn
+    assert attn.q_norm.weight.shape == (10,) and attn.k_norm.weight.shape == (10,)
+    assert attn.o_proj.bias is not None and attn.o_proj.bias.abs().max() == 0
+    assert (got - want).abs().max() < 1e-5 * max(1.0, float(want.abs().max()))
+    if family == "mistral":
+        assert model.config.layer_types == ["sliding_attention"] * 2 and model.config.sliding_window == 16
+    if family == "qwen2":  # the source biases carry over on the real dims
+        from safetensors.torch import load_file
+
+        b = load_file(str(src / "model.safetensors"))["model.layers.0.self_attn.q_proj.bias"].view(8, 8)
+        assert torch.equal(attn.q_proj.bias.detach().view(8, 10)[:, [0, 1, 2, 3, 5, 6, 7, 8]], b)
+    assert doc["head_dim_after"] == 10 and json.loads((out / "attnkit.json").read_text())["retrofit"] == "qknorm"
+
+
+def test_qknorm_fitted_methods_keep_head_dim_and_kl_improves_on_unit(runner, tiny, text, tmp_path):
+    src = _tiny_text_model(tiny)
+    kls = {}
+    for method in ("unit", "scalar", "lsq", "kl"):
+        res, doc = _run(runner, "qknorm", src, tmp_path / method, "--method", method, "--steps", "20",
+                        "--calib", text, "--calib-tokens", "256", "--calib-seq-len", "64", "-f", "json")
+        assert res.exit_code == 0, res.output
+        assert doc["head_dim_after"] == 8 and not doc["attention_bias"]
+        kls[method] = sum(r["attention_kl"] for r in doc["layers"])
+    assert kls["kl"] <= kls["lsq"] + 1e-9 and kls["lsq"] <= kls["scalar"] + 1e-9
+
+
+def test_qknorm_refusals(runner, tiny, tmp_path):
+    for family, words in (("qwen3", "already has QK-norm"), ("olmo2", "already has QK-norm"),
+                          ("gemma2", "supports llama, mistral, qwen2")):
+        res, _ = _run(runner, "qknorm", tiny(family), tmp_path / "o")
+        assert res.exit_code == 1 and words in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.output
+    res, _ = _run(runner, "qknorm", tiny("llama"), tmp_path / "o", "--method", "lsq")
+    assert res.exit_code == 2 and "--calib" in res.stderr
+
+
+# ----- qkclip -----
+
+def test_qkclip_clips_only_heads_above_tau(runner, tiny, text, tmp_path):
+    src = _tiny_text_model(tiny)
+    calib = ("--calib", text, "--calib-tokens", "256", "--calib-seq-len", "64")
+    res, dry = _run(runner, "qkclip", src, tmp_path / "probe", "--tau", "1e9", *calib, "-f", "json")
+    assert res.exit_code == 0 and dry["clipped_heads"] == 0
+    layer0 = sorted(r["max_logit_before"] for r in dry["heads"] if r["layer"] == 0)
+    tau = (layer0[3] + layer0[4]) / 2  # clips the 4 largest heads of layer 0
+    res, doc = _run(runner, "qkclip", src, tmp_path / "out", "--tau", tau, *calib, "-f", "json")
+    assert res.exit_code == 0, res.output
+    from safetensors.torch import load_file
+
+    before = load_file(str(src / "model.safetensors"))
+    after = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for r in doc["heads"]:
+        name = f"model.layers.{r['layer']}.self_attn.q_proj.weight"
+        rows = slice(8 * r["head"], 8 * r["head"] + 8)
+        if r["clipped"]:
+            assert r["max_logit_after"] <= tau * (1 + 1e-5)
+            assert r["factor"] < 1
+        else:
+            assert torch.equal(after[name][rows], before[name][rows])
+            if r["layer"] == 0:
+                assert r["max_logit_after"] == r["max_logit_before"]
+    assert sum(r["clipped"] for r in doc["heads"] if r["layer"] == 0) == 4
+    for name in before:
+        if "q_proj" not in name:
+            assert torch.equal(before[name], after[name])
+
+
+def test_qkclip_refuses_shared_qk_norm_and_bad_tau(runner, tiny, text, tmp_path):
+    res, _ = _run(runner, "qkclip", tiny("qwen3"), tmp_path / "o", "--calib", text)
+    assert res.exit_code == 1 and "shared by all heads" in res.stderr
+    res, _ = _run(runner, "qkclip", tiny("llama"), tmp_path / "o", "--tau", "0", "--calib", text)
+    assert res.exit_code == 2 and "--tau" in res.stderr
+
+
+# ----- real model -----
+
+@pytest.mark.real_model
+def test_smollm2_through_all_three_retrofits(runner, tmp_path):
+    from tests.realmodel import smollm2_folder
+
+    src = smollm2_folder()
+    prose = "tests/data/prose/"
+    calib = ("--calib", prose + "calib.txt", "--calib-tokens", "256", "--calib-seq-len", "128")
+    ev = ("--eval", prose + "heldout.txt", "--eval-tokens", "128", "--eval-seq-len", "128", "-f", "json")
+    res, soft = _run(runner, "softcap", src, tmp_path / "s", "--attn-cap", "50", "--final-cap", "30", *ev)
+    assert res.exit_code == 0, res.output
+    res, norm = _run(runner, "qknorm", src, tmp_path / "n", *ev)
+    assert res.exit_code == 0, res.output
+    res, clip = _run(runner, "qkclip", src, tmp_path / "c", "--tau", "15", *calib, *ev)
+    assert res.exit_code == 0, res.output
+    assert norm["eval"]["kl_mean"] < 1e-4  # pad is exact up to fp32 rounding
+    assert 0 < clip["clipped_heads"] < len(clip["heads"])
+    assert all(r["max_logit_after"] <= 15 * (1 + 1e-4) for r in clip["heads"] if r["clipped"])
+    for doc in (soft, norm, clip):
+        e = doc["eval"]
+        assert e["perplexity"] > 1 and e["kl_mean"] >= -1e-6 and doc["probe"]["layers"]
