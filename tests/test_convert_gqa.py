@@ -103,7 +103,9 @@ def test_every_family_merges_losslessly_and_generates(runner, tmp_path, family):
                       "--calib-tokens", "128", "--calib-seq-len", "64")
     qk_norm = family in ("qwen3", "gemma3", "olmo2")
     assert {row["key_path"] for row in report["layers"]} == {"mean (qk-norm)" if qk_norm else "merge"}
-    assert {row["value_path"] for row in report["layers"]} == {"merge"}
+    # The o_proj refit needs plain causal attention: no QK-norm, soft-cap or window shorter than 64 tokens.
+    refit = family in ("llama", "llama_gqa", "qwen2", "gemma", "phi3")
+    assert {row["value_path"] for row in report["layers"]} == {"merge + o refit" if refit else "merge"}
     assert torch.allclose(_logits(out, IDS), _logits(src, IDS), atol=LOGIT_ATOL, rtol=0)
     model = AutoModelForCausalLM.from_pretrained(str(out))
     assert model.config.num_key_value_heads == 1

@@ -177,3 +177,58 @@ def test_merge_keys_rank1_matches_brute_force_optimum():
     sv = torch.linalg.svdvals(kc)
     expected = float((sv[1:].square().sum() / sv.square().sum()).sqrt())
     assert relative_error(k, km.reconstruction(), cov) == pytest.approx(expected, rel=1e-6)
+
+
+def _rope_tables(batch: int, t: int, rot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    ang = torch.arange(t, dtype=torch.float64)[:, None] * inv[None]
+    emb = torch.cat([ang, ang], -1).expand(batch, t, rot)
+    return emb.cos(), emb.sin()
+
+
+def test_causal_attention_matches_reference():
+    from attnkit.ops.attnweight import causal_attention
+
+    x, _ = _cov(tokens=20)
+    q, k, v = _rand(H * D, N, seed=40), _rand(HKV * D, N, seed=41), _rand(HKV * D, N, seed=42)
+    o = torch.eye(H * D, dtype=torch.float64)
+    cos, sin = _rope_tables(1, 20, D)
+    z = causal_attention((x @ q.T).reshape(1, 20, H, D), (x @ k.T).reshape(1, 20, HKV, D),
+                         (x @ v.T).reshape(1, 20, HKV, D), cos, sin, D ** -0.5)
+    assert torch.allclose(z[0], _attention(q, k, v, o, x, H, HKV), atol=1e-10)
+
+
+def test_key_token_weights_brute_force():
+    from attnkit.ops.attnweight import key_token_weights, weighted_group_covariance
+
+    t = 6
+    x, _ = _cov(tokens=t)
+    q, k = _rand(H * D, N, seed=43), _rand(HKV * D, N, seed=44)
+    cos, sin = _rope_tables(1, t, D)
+    qh, kh = (x @ q.T).reshape(1, t, H, D), (x @ k.T).reshape(1, t, HKV, D)
+    w = key_token_weights(qh, kh, cos, sin, D ** -0.5)
+    pos = torch.arange(t)
+    brute = torch.zeros(HKV, t, dtype=torch.float64)
+    for h in range(H):
+        j = h // (H // HKV)
+        qr, kr = _rope(qh[0, :, h], pos, D), _rope(kh[0, :, j], pos, D)
+        for m in range(t):
+            p = torch.softmax(qr[m] @ kr[:m + 1].T / D ** 0.5, -1)
+            brute[j, :m + 1] += p * qh[0, m, h].square().sum()
+    assert torch.allclose(w, brute, atol=1e-10)
+    cov = weighted_group_covariance(x, w, 2)
+    wg = brute[:2].sum(0) / brute[:2].sum()
+    assert torch.allclose(cov[0], (x * wg[:, None]).T @ x, atol=1e-10)
+
+
+def test_refit_o_is_the_ridge_least_squares_solution():
+    from attnkit.ops.orefit import refit_o
+
+    z_new, z_old = _rand(50, 16, seed=45), _rand(50, 16, seed=46)
+    o, prior = _rand(6, 16, seed=47), _rand(6, 16, seed=48)
+    fit = refit_o(z_new, z_old, o, prior, ridge=0.05)
+    lam = 0.05 * (z_new.T @ z_new).diagonal().mean()
+    grad = (z_new @ fit.T - z_old @ o.T).T @ z_new + lam * (fit - prior)  # gradient of the objective / 2
+    assert grad.abs().max() < 1e-8
+    exact = refit_o(z_new, z_new, o, o, ridge=0.05)  # target reachable and prior agrees: the source o_proj
+    assert torch.allclose(exact, o, atol=1e-10)

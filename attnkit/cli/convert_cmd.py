@@ -24,7 +24,7 @@ def _err(v) -> str:
 
 def _gqa(model: str, out: Path, kv_heads: int, method: str, calib: List[str], calib_tokens: int, calib_seq_len: int,
          eval_files: List[str], eval_tokens: int, eval_seq_len: int, sequential: bool, value_weight: str,
-         key_weight: str, max_shard_size: str, device: str, overwrite: bool, dry_run: bool, fmt: OutputFormat) -> None:
+         key_weight: str, o_refit: float, max_shard_size: str, device: str, overwrite: bool, dry_run: bool, fmt: OutputFormat) -> None:
     from attnkit.commands.convert_gqa import ConvertRequest, convert_gqa
     from attnkit.errors import UsageError
     from attnkit.ops.gqa import MergeOptions
@@ -32,12 +32,14 @@ def _gqa(model: str, out: Path, kv_heads: int, method: str, calib: List[str], ca
 
     if value_weight not in ("o_proj", "none"):
         raise UsageError(f"--value-weight must be o_proj or none, got {value_weight!r}")
-    if key_weight not in ("query", "uniform"):
-        raise UsageError(f"--key-weight must be query or uniform, got {key_weight!r}")
+    if key_weight not in ("query", "uniform", "attention"):
+        raise UsageError(f"--key-weight must be query, uniform or attention, got {key_weight!r}")
+    if o_refit < 0:
+        raise UsageError(f"--o-refit must be >= 0 (0 turns the refit off), got {o_refit}")
     req = ConvertRequest(
         model=model, out=out, kv_heads=kv_heads, method=method, calib=list(calib), calib_tokens=calib_tokens,
         calib_seq_len=calib_seq_len, eval=list(eval_files), eval_tokens=eval_tokens, eval_seq_len=eval_seq_len,
-        sequential=sequential, options=MergeOptions(value_weight=value_weight, key_weight=key_weight),
+        sequential=sequential, options=MergeOptions(value_weight=value_weight, key_weight=key_weight, o_refit=o_refit or None),
         overwrite=overwrite, dry_run=dry_run, device=device, max_shard_bytes=int(parse_bytes(max_shard_size)),
         command=shlex.join(["attnkit", *sys.argv[1:]]),
     )
@@ -72,7 +74,10 @@ def _options():
         sequential=typer.Option(False, "--sequential/--no-sequential",
                                 help="Calibrate each layer on the converted layers' outputs (measured worse; see docs)."),
         value_weight=typer.Option("o_proj", "--value-weight", help="merge: value error measured after o_proj (o_proj) or not (none)."),
-        key_weight=typer.Option("query", "--key-weight", help="merge: weight heads by query energy (query) or uniformly."),
+        key_weight=typer.Option("attention", "--key-weight",
+                                help="merge: weight heads by query energy (query), uniformly, or also tokens by attention."),
+        o_refit=typer.Option(0.1, "--o-refit", min=0.0,
+                             help="merge: ridge of the o_proj least-squares refit to the source attention output; 0 = off."),
         max_shard_size=typer.Option("1GiB", "--max-shard-size", help="Largest output shard (also the write buffer)."),
         device=typer.Option("auto", "--device", help="Calibration/eval device: auto, cpu, cuda, cuda:N, mps."),
         overwrite=typer.Option(False, "--overwrite", help="Replace a non-empty OUT."),
@@ -92,13 +97,13 @@ def gqa(
     method: str = _O["method"], calib: List[str] = _O["calib"], calib_tokens: int = _O["calib_tokens"],
     calib_seq_len: int = _O["calib_seq_len"], eval_files: List[str] = _O["eval_files"],
     eval_tokens: int = _O["eval_tokens"], eval_seq_len: int = _O["eval_seq_len"], sequential: bool = _O["sequential"],
-    value_weight: str = _O["value_weight"], key_weight: str = _O["key_weight"],
+    value_weight: str = _O["value_weight"], key_weight: str = _O["key_weight"], o_refit: float = _O["o_refit"],
     max_shard_size: str = _O["max_shard_size"], device: str = _O["device"], overwrite: bool = _O["overwrite"],
     dry_run: bool = _O["dry_run"], fmt: OutputFormat = FORMAT_OPTION,
 ) -> None:
     """Merge KV heads into --kv-heads groups (GQA); writes the source architecture with fewer KV heads."""
     _gqa(model, out, kv_heads, method, calib, calib_tokens, calib_seq_len, eval_files, eval_tokens, eval_seq_len,
-         sequential, value_weight, key_weight, max_shard_size, device, overwrite, dry_run, fmt)
+         sequential, value_weight, key_weight, o_refit, max_shard_size, device, overwrite, dry_run, fmt)
 
 
 @app.command("mqa")
@@ -109,13 +114,13 @@ def mqa(
     method: str = _O["method"], calib: List[str] = _O["calib"], calib_tokens: int = _O["calib_tokens"],
     calib_seq_len: int = _O["calib_seq_len"], eval_files: List[str] = _O["eval_files"],
     eval_tokens: int = _O["eval_tokens"], eval_seq_len: int = _O["eval_seq_len"], sequential: bool = _O["sequential"],
-    value_weight: str = _O["value_weight"], key_weight: str = _O["key_weight"],
+    value_weight: str = _O["value_weight"], key_weight: str = _O["key_weight"], o_refit: float = _O["o_refit"],
     max_shard_size: str = _O["max_shard_size"], device: str = _O["device"], overwrite: bool = _O["overwrite"],
     dry_run: bool = _O["dry_run"], fmt: OutputFormat = FORMAT_OPTION,
 ) -> None:
     """Merge all KV heads into one (MQA): `convert gqa --kv-heads 1`."""
     _gqa(model, out, 1, method, calib, calib_tokens, calib_seq_len, eval_files, eval_tokens, eval_seq_len,
-         sequential, value_weight, key_weight, max_shard_size, device, overwrite, dry_run, fmt)
+         sequential, value_weight, key_weight, o_refit, max_shard_size, device, overwrite, dry_run, fmt)
 
 
 def register(root: typer.Typer) -> None:
@@ -137,8 +142,8 @@ def mla(
     eval_seq_len: int = _O["eval_seq_len"], sequential: bool = _O["sequential"],
     key_weight: str = typer.Option("query", "--key-weight", help="Key error as logit error (query) or plain (uniform)."),
     value_weight: str = _O["value_weight"],
-    residual: str = typer.Option("fade", "--residual",
-                                 help="Key parts that lose RoPE: fade (by E[cos]), keep or drop them."),
+    residual: str = typer.Option("keep", "--residual",
+                                 help="Key parts that lose RoPE: keep them position-free, fade them by E[cos] or drop them."),
     weight_only: bool = typer.Option(False, "--weight-only",
                                      help="Ablation: plain SVD of the weights, no activations or read-out weights."),
     max_shard_size: str = _O["max_shard_size"], device: str = _O["device"], overwrite: bool = _O["overwrite"],

@@ -37,8 +37,9 @@ def input_covariance(hidden, augment: bool):
     return x.T @ x / x.shape[0]
 
 
-def calibrate(model, windows, module_names: list[str], on_layer: Callable[[int, object], dict | None]) -> None:
-    """Run `model` once on windows [N, T]; for each layer in forward order call on_layer(l, hidden [N, T, n]).
+def calibrate(model, windows, module_names: list[str], on_layer: Callable[..., dict | None]) -> None:
+    """Run `model` once on windows [N, T]; for each layer in forward order call
+    on_layer(l, hidden [N, T, n], position_embeddings (cos, sin) or None, the module's softmax scaling).
 
     on_layer may return {parameter name: tensor} to load into the model before that layer's
     attention runs (sequential calibration), or None to leave the model unchanged.
@@ -50,7 +51,7 @@ def calibrate(model, windows, module_names: list[str], on_layer: Callable[[int, 
     def make_hook(layer: int):
         def hook(_module, args, kwargs):
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, T, n]
-            updates = on_layer(layer, hidden)
+            updates = on_layer(layer, hidden, kwargs.get("position_embeddings"), getattr(_module, "scaling", None))
             for name, tensor in (updates or {}).items():
                 param = model.get_parameter(name)
                 param.data.copy_(tensor.to(device=param.device, dtype=param.dtype))

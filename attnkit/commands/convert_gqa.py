@@ -169,9 +169,16 @@ def _calibrate(req: ConvertRequest, src: Source) -> tuple[list, dict]:
     with LazyReader(src.ckpt.weight_files) as reader:
         augment = is_biased(_read_layer(reader, src.layer_names[0]))
 
-        def on_layer(layer: int, hidden):
+        def on_layer(layer: int, hidden, rope, scaling):
             weights = _read_layer(reader, src.layer_names[layer])
-            plans[layer] = plan_layer(weights, src.shape, req.method, input_covariance(hidden, augment), req.options)
+            key_cov = None
+            if req.method == "merge" and req.options.key_weight == "attention" and src.shape.qk_norm == "none":
+                key_cov = attention_key_covariance(weights, hidden, rope, scaling, src.shape, augment)
+            plans[layer] = plan_layer(weights, src.shape, req.method, input_covariance(hidden, augment), req.options,
+                                      key_cov)
+            if req.method == "merge" and req.options.o_refit and _plain_attention(src.spec, layer, req.calib_seq_len):
+                plans[layer].o = refit_output(weights, plans[layer], hidden, rope, scaling, src.shape, req.options.o_refit)
+                plans[layer].value_path = "merge + o refit"
             if not req.sequential:
                 return None
             expanded = expand_layer(apply_plan(weights, plans[layer], src.shape), src.shape)
@@ -181,6 +188,68 @@ def _calibrate(req: ConvertRequest, src: Source) -> tuple[list, dict]:
     info = {"tokens": int(windows.numel()), "windows": int(windows.shape[0]), "seq_len": req.calib_seq_len,
             "sequential": req.sequential, "files": list(req.calib)}
     return plans, info
+
+
+def attention_key_covariance(weights: dict, hidden, rope, scaling: float, shape: LayerShape, augment: bool):
+    """Per-group key metric from the layer's own attention (see attnkit.ops.attnweight).  -> [G, n', n']"""
+    import torch
+
+    from attnkit.commands.calibrate import _tokens
+    from attnkit.ops.attnweight import key_token_weights, weighted_group_covariance
+    from attnkit.ops.gqa import unfused
+
+    if rope is None or scaling is None:
+        raise AttnkitError("--key-weight attention needs the attention module's RoPE inputs and scaling")
+    flat = unfused(weights, shape)
+    x = hidden.detach().to(device="cpu", dtype=torch.float32)  # [B, T, n]
+    batch, t = x.shape[:2]
+
+    def project(role: str, heads: int):
+        out = x @ flat[role].to(torch.float32).T
+        if f"{role}_bias" in flat:
+            out = out + flat[f"{role}_bias"].to(torch.float32)
+        return out.reshape(batch, t, heads, shape.head_dim)  # [B, T, heads, D]
+
+    cos, sin = (r.detach().to(device="cpu", dtype=torch.float32) for r in rope)
+    w = key_token_weights(project("q", shape.num_heads), project("k", shape.num_kv), cos, sin, scaling)
+    return weighted_group_covariance(_tokens(hidden, augment), w, shape.groups)
+
+
+def _plain_attention(spec, layer: int, seq_len: int) -> bool:
+    """Whether attnkit.ops.attnweight.causal_attention computes this layer exactly: no QK-norm, no
+    soft-capping, and no sliding window shorter than the calibration windows."""
+    window = spec.layer_windows[layer]
+    return spec.qk_norm == "none" and spec.attn_softcap is None and (window is None or window >= seq_len)
+
+
+def refit_output(weights: dict, plan, hidden, rope, scaling: float, shape: LayerShape, ridge: float):
+    """o_proj refit so the converted layer's attention output matches the source's on these tokens."""
+    import torch
+
+    from attnkit.ops.attnweight import causal_attention
+    from attnkit.ops.gqa import apply_plan, expand_layer, unfused
+    from attnkit.ops.orefit import refit_o
+
+    if rope is None or scaling is None:
+        raise AttnkitError("the o_proj refit needs the attention module's RoPE inputs and scaling")
+    x = hidden.detach().to(device="cpu", dtype=torch.float32)  # [B, T, n]
+    cos, sin = (r.detach().to(device="cpu", dtype=torch.float32) for r in rope)
+
+    def outputs(layer: dict):  # -> [B*T, H*D]
+        flat = unfused(layer, shape)
+
+        def project(role: str):
+            out = x @ flat[role].to(torch.float32).T
+            if f"{role}_bias" in flat:
+                out = out + flat[f"{role}_bias"].to(torch.float32)
+            return out.reshape(*x.shape[:2], -1, shape.head_dim)  # [B, T, heads, D]
+
+        z = causal_attention(project("q"), project("k"), project("v"), cos, sin, scaling)
+        return z.reshape(-1, z.shape[-1])
+
+    converted = {**weights, **expand_layer(apply_plan(weights, plan, shape), shape)}
+    prior = unfused(converted, shape)["o"]
+    return refit_o(outputs(converted), outputs(weights), unfused(weights, shape)["o"], prior, ridge)
 
 
 def _stream(reader, src: Source, req: ConvertRequest, plans: list, folder: Path) -> dict:
@@ -259,7 +328,7 @@ def _parameters(req: ConvertRequest, src: Source) -> dict:
                       sequential=req.sequential)
     if req.method == "merge":
         params.update(value_weight=req.options.value_weight, key_weight=req.options.key_weight,
-                      ridge=req.options.ridge)
+                      ridge=req.options.ridge, o_refit=req.options.o_refit)
     return params
 
 

@@ -41,8 +41,9 @@ class MergeOptions:
     """Ablation knobs of the calibrated merge (defaults are the best measured; see docs/convert-gqa.md)."""
 
     value_weight: str = "o_proj"  # none | o_proj: measure value error after each head's o_proj read-out
-    key_weight: str = "query"  # uniform | query: weight each head by its queries' energy per frequency
+    key_weight: str = "attention"  # uniform | query | attention (query, plus tokens weighted by attention received)
     ridge: float = 1e-6
+    o_refit: float | None = 0.1  # ridge of the o_proj refit to the source attention output (None/0: no refit)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class LayerPlan:
     k_mix: torch.Tensor | None = None
     v_mix: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    o: torch.Tensor | None = None  # o_proj refit on calibration outputs, replacing the v_mix fold
     k_err: float | None = None
     v_err: float | None = None
 
@@ -97,11 +99,12 @@ def is_biased(layer: dict) -> bool:
 
 
 def plan_layer(layer: dict, s: LayerShape, method: str, cov: torch.Tensor | None = None,
-               options: MergeOptions | None = None) -> LayerPlan:
+               options: MergeOptions | None = None, key_cov: torch.Tensor | None = None) -> LayerPlan:
     """Choose the new K/V heads of one layer.
 
     cov: E[x x^T] of the attention input (augmented [x; 1] when the layer has q/k/v biases), used by
     `merge` and for the reported errors; without it errors are measured on the weights (cov = I).
+    key_cov: per-group key metric [G, n', n'] (attention-weighted tokens) replacing cov for the keys.
     QK-norm layers cannot fold key coefficients through the norm: their keys fall back to mean.
     """
     if method not in METHODS:
@@ -127,7 +130,8 @@ def plan_layer(layer: dict, s: LayerShape, method: str, cov: torch.Tensor | None
             q_gram = head_gram(_rows(layer, "q", augment), s.num_heads, s.num_kv, basis)
             if options.key_weight == "uniform":
                 q_gram = torch.eye(s.head_dim, dtype=torch.float64).expand(s.num_kv, -1, -1)
-            km = merge_keys(k, basis, s.num_kv, s.groups, q_gram, s.rotary_dim, options.ridge)
+            km = merge_keys(k, basis if key_cov is None else key_cov, s.num_kv, s.groups, q_gram, s.rotary_dim,
+                            options.ridge)
             plan.k, plan.coef, plan.key_path, k_rec = km.shared, km.coef, "merge", km.reconstruction()
             plan.k_mix = None if km.rest is None else km.rest.mix
         else:
@@ -156,7 +160,9 @@ def apply_plan(layer: dict, plan: LayerPlan, s: LayerShape) -> dict:
         out[role] = rows[:, :-1] if augment else rows
         if f"{role}_bias" in flat:
             out[f"{role}_bias"] = rows[:, -1]
-    if plan.v_mix is not None:
+    if plan.o is not None:
+        out["o"] = plan.o
+    elif plan.v_mix is not None:
         out["o"] = fold_mix_into_o(flat["o"], plan.v_mix, s.num_heads)
     if plan.k_norm is not None:
         out["k_norm"] = plan.k_norm

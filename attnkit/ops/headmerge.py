@@ -143,13 +143,14 @@ def merge_keys(w: torch.Tensor, cov: torch.Tensor, num_kv: int, groups: int, que
     Per group and pair i, K: [r, n] complex rows (row i + 1j * row i + R/2); weight each head by its
     queries' energy at that pair, w_j = sum_h E|q_h,i|^2, take the best rank-1 fit of diag(w)^(1/2) K L,
     and re-fit each head's coefficient by least squares under the activation covariance.
-    w: [Hkv*D, n], cov: [n, n], query_gram: [Hkv, D, D] (head_gram of q_proj), rotary_dim: R <= D.
+    w: [Hkv*D, n], cov: [n, n] or one per group [G, n, n], query_gram: [Hkv, D, D] (head_gram of
+    q_proj), rotary_dim: R <= D.
     """
     w = w.to(torch.float64)
     d = w.shape[0] // num_kv
     rot = d if rotary_dim is None else rotary_dim
     half, r = rot // 2, num_kv // groups
-    cov_c = regularize(cov, ridge).to(torch.complex128)
+    covs = cov if cov.dim() == 3 else cov.expand(groups, *cov.shape)  # [G, n, n]: one metric per group
     heads = w.reshape(num_kv, d, -1)  # [Hkv, D, n]
     kc = torch.complex(heads[:, :half], heads[:, half:rot])  # [Hkv, R/2, n]
     diag = query_gram.to(torch.float64).diagonal(dim1=1, dim2=2)  # [Hkv, D]
@@ -157,6 +158,7 @@ def merge_keys(w: torch.Tensor, cov: torch.Tensor, num_kv: int, groups: int, que
     shared = torch.empty(groups, half, w.shape[1], dtype=torch.complex128)
     coef = torch.empty(num_kv, half, dtype=torch.complex128)
     for g in range(groups):
+        cov_c = regularize(covs[g], ridge).to(torch.complex128)
         k = kc[g * r:(g + 1) * r].transpose(0, 1)  # [R/2, r, n]: per pair, the group's complex rows
         sw = (energy[g * r:(g + 1) * r].T + 1e-30).sqrt().to(torch.complex128)[:, :, None]  # [R/2, r, 1]
         a = sw * k  # [R/2, r, n]
@@ -170,7 +172,7 @@ def merge_keys(w: torch.Tensor, cov: torch.Tensor, num_kv: int, groups: int, que
     parts = [shared.real, shared.imag]
     rest = None
     if rot < d:
-        rest = merge_rows(heads[:, rot:].reshape(num_kv * (d - rot), -1), cov, num_kv, groups,
+        rest = merge_rows(heads[:, rot:].reshape(num_kv * (d - rot), -1), covs.mean(0), num_kv, groups,
                           query_gram[:, rot:, rot:], ridge)
         parts.append(rest.shared.reshape(groups, d - rot, -1))
     return KeyMerge(torch.cat(parts, dim=1).reshape(groups * d, -1), coef, rest)

@@ -1,0 +1,202 @@
+"""Benchmark `convert gqa|mqa`: streaming speed and memory on a multi-GB checkpoint, quality on SmolLM2.
+
+Usage: python benchmarks/bench_convert_gqa.py [--speed] [--quality] [--only REGEX] [--write]
+  --speed    builds a random Llama-like bf16 checkpoint (about 2.2 GB, 3 shards) in a temp dir under
+             /tmp (removed afterwards), times `cp -r` of its folder and `attnkit convert gqa --method
+             mean` (a subprocess each, same run), and reads each one's peak RSS.
+  --quality  converts SmolLM2-135M-Instruct (GQA-3) to MQA with first, mean, merge and merge ablations,
+             calibrating on tests/data/prose/calib.txt (2048 tokens) and scoring up to 4096 tokens of
+             tests/data/prose/heldout.txt (windows of 512) against the source.
+  --write    replaces the "## convert gqa/mqa" section of docs/benchmarks.md with the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CALIB = str(ROOT / "tests/data/prose/calib.txt")
+HELDOUT = str(ROOT / "tests/data/prose/heldout.txt")
+SECTION = "## convert gqa/mqa"
+#: A Llama-like ~1.1B model: 16 layers, hidden 2048, 32 heads, 8 KV heads, head_dim 64.
+SPEED_CONFIG = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=64, intermediate_size=8192, vocab_size=32000, max_position_embeddings=4096,
+                    tie_word_embeddings=False)
+#: (label, method, options): every merge variant differs from the default in the named knob only.
+QUALITY = [
+    ("first", "first", {}),
+    ("mean", "mean", {}),
+    ("merge (default: attention-weighted keys, o_proj-weighted values, o_proj refit 0.1)", "merge", {}),
+    ("merge, query-energy keys", "merge", {"key_weight": "query"}),
+    ("merge, no refit", "merge", {"o_refit": None}),
+    ("merge, no refit, query-energy keys (BACKGROUND.md section 2)", "merge", {"o_refit": None, "key_weight": "query"}),
+    ("merge, no refit, query-energy keys, values unweighted", "merge",
+     {"o_refit": None, "key_weight": "query", "value_weight": "none"}),
+    ("merge, no refit, uniform key weights", "merge", {"o_refit": None, "key_weight": "uniform"}),
+    ("merge, no refit, query-energy keys, sequential", "merge", {"o_refit": None, "key_weight": "query", "sequential": True}),
+    ("merge, sequential", "merge", {"sequential": True}),
+    ("merge, refit ridge 0.3", "merge", {"o_refit": 0.3}),
+    ("merge, refit ridge 0.01", "merge", {"o_refit": 0.01}),
+]
+
+
+def build_checkpoint(folder: Path) -> dict:
+    """Random bf16 weights with the shapes of SPEED_CONFIG, written as HF shards of at most 1 GiB."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnkit.io.writer import ShardedWriter
+
+    config = LlamaConfig(**SPEED_CONFIG, dtype="bfloat16")
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in LlamaForCausalLM(config).state_dict().items()}
+    folder.mkdir(parents=True)
+    config.save_pretrained(folder)
+    writer = ShardedWriter(folder, 2**30)
+    gen = torch.Generator().manual_seed(0)
+    for name, shape in shapes.items():
+        writer.add(name, (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
+    writer.finish()
+    attn = sum(2 * _numel(s) for n, s in shapes.items() if ".layers.0.self_attn." in n)
+    layer = sum(2 * _numel(s) for n, s in shapes.items() if ".layers.0." in n)
+    return {"bytes": sum(2 * _numel(s) for s in shapes.values()), "layer0_attention_bytes": attn,
+            "layer0_bytes": layer, "largest_tensor_bytes": max(2 * _numel(s) for s in shapes.values())}
+
+
+def _numel(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def _timed(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of a subprocess; RSS via a wrapper that reports its child's rusage."""
+    probe = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
+             "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
+             "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
+    out = subprocess.run([sys.executable, "-c", probe, *cmd], check=True, capture_output=True, text=True).stdout
+    wall, rss = out.split()
+    return float(wall), int(rss)
+
+
+def speed() -> dict:
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="bench-gqa-") as tmp:
+        src = Path(tmp) / "src"
+        sizes = build_checkpoint(src)
+        attnkit = str(Path(sys.executable).parent / "attnkit")
+        subprocess.run(["sync"], check=True)
+        cp1 = _timed(["cp", "-r", str(src), str(Path(tmp) / "copy1")])
+        conv = _timed([attnkit, "convert", "gqa", str(src), str(Path(tmp) / "out"), "--kv-heads", "2", "--method",
+                       "mean", "--format", "json"])
+        cp2 = _timed(["cp", "-r", str(src), str(Path(tmp) / "copy2")])
+        out_bytes = sum(p.stat().st_size for p in (Path(tmp) / "out").glob("*.safetensors"))
+    cp_wall = min(cp1[0], cp2[0])
+    return {**sizes, "output_bytes": out_bytes, "cp_seconds": [cp1[0], cp2[0]], "convert_seconds": conv[0],
+            "ratio": conv[0] / cp_wall, "convert_peak_rss": conv[1], "cp_peak_rss": max(cp1[1], cp2[1])}
+
+
+def quality(only: str | None) -> list[dict]:
+    from attnkit.commands.convert_gqa import ConvertRequest, convert_gqa
+    from attnkit.ops.gqa import MergeOptions
+    from tests.realmodel import smollm2_folder
+
+    model = smollm2_folder()
+    rows = []
+    for label, method, opts in QUALITY:
+        if only and not re.search(only, label):
+            continue
+        opts = dict(opts)
+        sequential = opts.pop("sequential", False)
+        with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+            req = ConvertRequest(model=str(model), out=Path(tmp) / "out", kv_heads=1, method=method,
+                                 calib=[CALIB] if method == "merge" else [], eval=[HELDOUT], eval_tokens=4096,
+                                 sequential=sequential, options=MergeOptions(**opts), device="cpu")
+            started = time.perf_counter()
+            rep = convert_gqa(req)
+        e, layers = rep["eval"], rep["layers"]
+        row = {"variant": label, "ppl": e["perplexity"], "source_ppl": e["source_perplexity"], "kl": e["kl_mean"],
+               "top1": e["top1_agreement"], "k_err": sum(r["k_err"] for r in layers) / len(layers),
+               "v_err": sum(r["v_err"] for r in layers) / len(layers), "error_basis": rep["error_basis"],
+               "seconds": time.perf_counter() - started}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def markdown(sp: dict | None, rows: list[dict]) -> str:
+    lines = [SECTION, "", "Produced by `python benchmarks/bench_convert_gqa.py --speed --quality --write` "
+             "(CPU only, 2 cores shared with other jobs: absolute seconds are noisy, ratios less so).", ""]
+    if sp:
+        gib = 2**30
+        lines += [
+            "**Streaming speed** (`convert gqa --kv-heads 2 --method mean`, random Llama-like bf16 checkpoint "
+            "with 16 layers, hidden 2048, 32 heads, 8 KV heads, 3 shards of <= 1 GiB; `cp -r` of the same folder "
+            "timed before and after in the same run):", "",
+            "| checkpoint | output | cp -r (s) | convert (s) | convert / cp | peak RSS convert | peak RSS cp | "
+            "one layer's attention | one layer | largest tensor |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            f"| {sp['bytes'] / gib:.2f} GiB | {sp['output_bytes'] / gib:.2f} GiB | "
+            f"{sp['cp_seconds'][0]:.1f} / {sp['cp_seconds'][1]:.1f} | {sp['convert_seconds']:.1f} | "
+            f"{sp['ratio']:.2f}x | {sp['convert_peak_rss'] / gib:.2f} GiB | {sp['cp_peak_rss'] / 2**20:.0f} MiB | "
+            f"{sp['layer0_attention_bytes'] / 2**20:.0f} MiB | {sp['layer0_bytes'] / 2**20:.0f} MiB | "
+            f"{sp['largest_tensor_bytes'] / 2**20:.0f} MiB |", "",
+            "Peak RSS is the Python/torch runtime plus the writer's shard buffer (`--max-shard-size`, default "
+            "1 GiB) plus one layer's attention tensors; it does not grow with the number of layers.", ""]
+    if rows:
+        lines += [
+            "**Quality**, SmolLM2-135M-Instruct GQA-3 -> MQA (KV cache 46,080 -> 15,360 bytes/token in fp32), "
+            "calibration 2048 tokens of calib.txt, evaluation 4088 predicted tokens of heldout.txt in windows "
+            "of 512; KL is KL(source || result) per token; k_err/v_err are mean relative reconstruction errors "
+            "per layer (on calibration activations for merge, on weights for first/mean):", "",
+            "| variant | perplexity | source | KL | top-1 agree | k_err | v_err | seconds |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r['variant']} | {r['ppl']:.1f} | {r['source_ppl']:.2f} | {r['kl']:.3f} | "
+                         f"{r['top1']:.3f} | {r['k_err']:.3f} | {r['v_err']:.3f} | {r['seconds']:.0f} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def write_section(text: str) -> None:
+    """Replace (or append) this benchmark's section of docs/benchmarks.md, leaving other sections alone."""
+    path = ROOT / "docs" / "benchmarks.md"
+    doc = path.read_text() if path.exists() else "# Benchmarks\n\n"
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    doc = pattern.sub(lambda _m: text, doc) if pattern.search(doc) else doc.rstrip("\n") + "\n\n" + text
+    path.write_text(doc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--speed", action="store_true")
+    ap.add_argument("--quality", action="store_true")
+    ap.add_argument("--only", default=None, help="regex on quality variant labels")
+    ap.add_argument("--write", action="store_true")
+    ap.add_argument("--json", default=None, help="also save the raw results here")
+    args = ap.parse_args()
+    sp = speed() if args.speed else None
+    if sp:
+        print(json.dumps(sp), flush=True)
+    rows = quality(args.only) if args.quality else []
+    text = markdown(sp, rows)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"speed": sp, "quality": rows}, indent=1))
+    if args.write:
+        write_section(text)
+
+
+if __name__ == "__main__":
+    main()
