@@ -8,6 +8,7 @@ Usage: python benchmarks/bench_convert_gqa.py [--speed] [--quality] [--only REGE
              calibrating on tests/data/prose/calib.txt (2048 tokens) and scoring up to 4096 tokens of
              tests/data/prose/heldout.txt (windows of 512) against the source.
   --write    replaces the "## convert gqa/mqa" section of docs/benchmarks.md with the tables.
+  --json PATH saves raw results; --from-json PATH renders saved results without running.
 """
 
 from __future__ import annotations
@@ -185,11 +186,16 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="regex on quality variant labels")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--json", default=None, help="also save the raw results here")
+    ap.add_argument("--from-json", default=None, help="render (and --write) results saved by --json instead of running")
     args = ap.parse_args()
-    sp = speed() if args.speed else None
-    if sp:
-        print(json.dumps(sp), flush=True)
-    rows = quality(args.only) if args.quality else []
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        sp, rows = saved["speed"], saved["quality"]
+    else:
+        sp = speed() if args.speed else None
+        if sp:
+            print(json.dumps(sp), flush=True)
+        rows = quality(args.only) if args.quality else []
     text = markdown(sp, rows)
     print(text)
     if args.json:

@@ -171,12 +171,13 @@ def _calibrate(req: ConvertRequest, src: Source) -> tuple[list, dict]:
 
         def on_layer(layer: int, hidden, rope, scaling):
             weights = _read_layer(reader, src.layer_names[layer])
+            plain = req.method == "merge" and _plain_attention(src, layer, req.calib_seq_len, rope, scaling)
             key_cov = None
-            if req.method == "merge" and req.options.key_weight == "attention" and src.shape.qk_norm == "none":
+            if plain and req.options.key_weight == "attention":
                 key_cov = attention_key_covariance(weights, hidden, rope, scaling, src.shape, augment)
             plans[layer] = plan_layer(weights, src.shape, req.method, input_covariance(hidden, augment), req.options,
                                       key_cov)
-            if req.method == "merge" and req.options.o_refit and _plain_attention(src.spec, layer, req.calib_seq_len):
+            if plain and req.options.o_refit:
                 plans[layer].o = refit_output(weights, plans[layer], hidden, rope, scaling, src.shape, req.options.o_refit)
                 plans[layer].value_path = "merge + o refit"
             if not req.sequential:
@@ -198,8 +199,6 @@ def attention_key_covariance(weights: dict, hidden, rope, scaling: float, shape:
     from attnkit.ops.attnweight import key_token_weights, weighted_group_covariance
     from attnkit.ops.gqa import unfused
 
-    if rope is None or scaling is None:
-        raise AttnkitError("--key-weight attention needs the attention module's RoPE inputs and scaling")
     flat = unfused(weights, shape)
     x = hidden.detach().to(device="cpu", dtype=torch.float32)  # [B, T, n]
     batch, t = x.shape[:2]
@@ -215,11 +214,15 @@ def attention_key_covariance(weights: dict, hidden, rope, scaling: float, shape:
     return weighted_group_covariance(_tokens(hidden, augment), w, shape.groups)
 
 
-def _plain_attention(spec, layer: int, seq_len: int) -> bool:
-    """Whether attnkit.ops.attnweight.causal_attention computes this layer exactly: no QK-norm, no
-    soft-capping, and no sliding window shorter than the calibration windows."""
-    window = spec.layer_windows[layer]
-    return spec.qk_norm == "none" and spec.attn_softcap is None and (window is None or window >= seq_len)
+def _plain_attention(src: Source, layer: int, seq_len: int, rope, scaling) -> bool:
+    """Whether attnkit.ops.attnweight's reference causal attention equals this layer's: no QK-norm,
+    soft-capping or attention sinks, no sliding window shorter than the calibration windows, and
+    rotate-half RoPE tables covering the rotary dims. Else attention key weights fall back to query
+    energies and the o_proj refit is skipped."""
+    spec, window = src.spec, src.spec.layer_windows[layer]
+    return (spec.qk_norm == "none" and spec.attn_softcap is None and "sinks" not in src.arch.tensors
+            and (window is None or window >= seq_len) and rope is not None and scaling is not None
+            and rope[0].shape[-1] == src.shape.rotary_dim)
 
 
 def refit_output(weights: dict, plan, hidden, rope, scaling: float, shape: LayerShape, ridge: float):
@@ -230,8 +233,6 @@ def refit_output(weights: dict, plan, hidden, rope, scaling: float, shape: Layer
     from attnkit.ops.gqa import apply_plan, expand_layer, unfused
     from attnkit.ops.orefit import refit_o
 
-    if rope is None or scaling is None:
-        raise AttnkitError("the o_proj refit needs the attention module's RoPE inputs and scaling")
     x = hidden.detach().to(device="cpu", dtype=torch.float32)  # [B, T, n]
     cos, sin = (r.detach().to(device="cpu", dtype=torch.float32) for r in rope)
 
@@ -260,6 +261,8 @@ def _stream(reader, src: Source, req: ConvertRequest, plans: list, folder: Path)
     """
     import dataclasses
 
+    import torch
+
     from attnkit.archs.tensors import role_shape
     from attnkit.io.writer import ShardedWriter
     from attnkit.ops.gqa import apply_plan, plan_layer
@@ -282,12 +285,27 @@ def _stream(reader, src: Source, req: ConvertRequest, plans: list, folder: Path)
         if plans[layer] is None:
             plans[layer] = plan_layer(weights, src.shape, req.method)
         converted = apply_plan(weights, plans[layer], src.shape)
+        for role, tensor in converted.items():
+            if not torch.isfinite(tensor).all():
+                raise AttnkitError(f"layer {layer}: the converted {role} tensor has NaN or Inf")
         for role in sorted(roles, key=ROLE_ORDER.index):
             writer.add(roles[role], converted.get(role, weights[role]))
             expected[roles[role]] = role_shape(src.arch, new_spec, role)
         written.add(layer)
     writer.finish()
     return expected
+
+
+def _verify(folder: Path, expected: dict) -> None:
+    """Names and shapes of the written shards (headers only) against the new config's. Copied tensors
+    are the source's bytes; rewritten ones were checked for NaN/Inf before writing."""
+    from attnkit.io.resolve import safetensors_files
+    from attnkit.io.safetensors_header import read_headers
+
+    written = {name: tuple(info.shape) for name, info in read_headers(safetensors_files(folder)).items()}
+    if written != {name: tuple(shape) for name, shape in expected.items()}:
+        bad = sorted(set(written) ^ set(expected)) or sorted(n for n in written if written[n] != tuple(expected[n]))
+        raise AttnkitError(f"{folder}: written tensors do not match the converted config (e.g. {bad[0]!r})")
 
 
 def _write_config(src: Source, groups: int, folder: Path) -> None:
@@ -320,6 +338,13 @@ def _evaluate(req: ConvertRequest, source_root: Path, result_root: Path) -> dict
             "kl_mean": res.kl_mean, "kl_max": res.kl_max, "top1_agreement": res.top1_agreement}
 
 
+def _revision(ckpt) -> str | None:
+    """The requested revision, else the commit of a hub snapshot folder (snapshots/<commit>)."""
+    if ckpt.revision or ckpt.kind != "hub":
+        return ckpt.revision
+    return Path(ckpt.root).name
+
+
 def _parameters(req: ConvertRequest, src: Source) -> dict:
     params = {"kv_heads_before": src.spec.num_kv_heads, "kv_heads": req.kv_heads, "method": req.method,
               "max_shard_bytes": req.max_shard_bytes}
@@ -336,7 +361,7 @@ def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -
     """Run (or with dry_run, plan) the conversion; returns the report (see docs/convert-gqa.md).
     `log` receives one line per phase, after the request has been checked."""
     from attnkit.io.reader import LazyReader
-    from attnkit.io.writer import copy_side_files, verify_output
+    from attnkit.io.writer import copy_side_files
 
     started = time.perf_counter()
     src = check_request(req)
@@ -361,7 +386,7 @@ def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -
             expected = _stream(reader, src, req, plans, out.path)
         _write_config(src, req.kv_heads, out.path)
         copy_side_files(Path(src.ckpt.root), out.path)
-        verify_output(out.path, expected)
+        _verify(out.path, expected)
         report["error_basis"] = "activations" if req.calib else "weights"
         report["layers"] = _layer_rows(plans)
         if req.eval:
@@ -369,7 +394,7 @@ def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -
             report["eval"] = _evaluate(req, Path(src.ckpt.root), out.path)
         manifest = {"attnkit_version": __version__, "command": req.command, "conversion": "gqa",
                     "source": {"ref": req.model, "kind": src.ckpt.kind, "repo_id": src.ckpt.repo_id,
-                               "revision": src.ckpt.revision, "model_type": src.spec.model_type},
+                               "revision": _revision(src.ckpt), "model_type": src.spec.model_type},
                     "method": req.method, "parameters": report["parameters"],
                     "calibration": report["calibration"], "error_basis": report["error_basis"],
                     "layers": report["layers"], "eval": report["eval"]}

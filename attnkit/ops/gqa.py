@@ -115,7 +115,7 @@ def plan_layer(layer: dict, s: LayerShape, method: str, cov: torch.Tensor | None
     layer = unfused(layer, s)
     augment = is_biased(layer)
     k, v = _rows(layer, "k", augment), _rows(layer, "v", augment)  # [Hkv*D, n']
-    basis = torch.eye(k.shape[1], dtype=torch.float64) if cov is None else cov.to(torch.float64)
+    basis = None if cov is None else cov.to(torch.float64)  # None: errors on the weights (identity metric)
     pool = "first" if method == "first" else "mean"
     k_norm = layer.get("k_norm") if s.qk_norm == "full" else None
     plan = LayerPlan(key_path=pool, value_path=pool, k=pool_heads(k, s.num_kv, s.groups, pool),

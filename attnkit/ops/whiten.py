@@ -26,14 +26,17 @@ def psd_sqrt(mat: torch.Tensor, ridge: float = DEFAULT_RIDGE) -> torch.Tensor:
     return (vecs * vals.clamp_min(0).sqrt()) @ vecs.T
 
 
-def energy(rows: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
-    """E||rows x||^2 = tr(rows cov rows^H), real.  rows: [m, n] real or complex, cov: [n, n]."""
+def energy(rows: torch.Tensor, cov: torch.Tensor | None) -> torch.Tensor:
+    """E||rows x||^2 = tr(rows cov rows^H), real (cov None: identity).  rows: [m, n] real or complex, cov: [n, n]."""
+    if cov is None:
+        flat = rows.reshape(-1)
+        return torch.vdot(flat, flat).real
     cov = cov.to(torch.float64).to(rows.dtype) if rows.is_complex() else cov.to(rows.dtype)
-    return torch.einsum("mi,ij,mj->", rows, cov, rows.conj()).real
+    return ((rows @ cov) * rows.conj()).sum().real
 
 
-def relative_error(old: torch.Tensor, new: torch.Tensor, cov: torch.Tensor) -> float:
-    """sqrt(E||(old - new) x||^2 / E||old x||^2) for row stacks old, new: [m, n] and cov: [n, n]."""
+def relative_error(old: torch.Tensor, new: torch.Tensor, cov: torch.Tensor | None) -> float:
+    """sqrt(E||(old - new) x||^2 / E||old x||^2) for row stacks old, new: [m, n] and cov: [n, n] (None: identity)."""
     old, new = old.to(torch.float64), new.to(torch.float64)
     denom = float(energy(old, cov))
     if denom <= 0:
