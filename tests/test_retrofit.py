@@ -191,8 +191,8 @@ def test_smollm2_through_all_three_retrofits(runner, tmp_path):
 
     src = smollm2_folder()
     prose = "tests/data/prose/"
-    calib = ("--calib", prose + "calib.txt", "--calib-tokens", "256", "--calib-seq-len", "128")
-    ev = ("--eval", prose + "heldout.txt", "--eval-tokens", "128", "--eval-seq-len", "128", "-f", "json")
+    calib = ("--calib", prose + "calib.txt", "--calib-tokens", "128", "--calib-seq-len", "64")
+    ev = ("--eval", prose + "heldout.txt", "--eval-tokens", "64", "--eval-seq-len", "64", "-f", "json")
     res, soft = _run(runner, "softcap", src, tmp_path / "s", "--attn-cap", "50", "--final-cap", "30", *ev)
     assert res.exit_code == 0, res.output
     res, norm = _run(runner, "qknorm", src, tmp_path / "n", *ev)
