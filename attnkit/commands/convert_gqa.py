@@ -156,7 +156,10 @@ def _read_layer(reader, roles: dict) -> dict:
 
 def _calibrate(req: ConvertRequest, src: Source) -> tuple[list, dict]:
     """Per-layer plans from calibration (sequential: each layer sees the converted layers before it)."""
-    from attnkit.commands.calibrate import attention_module_name, calibrate, input_covariance
+    from attnkit.commands.calibrate import (
+        attention_key_covariance, attention_module_name, calibrate, input_covariance, reference_attention_ok,
+        refit_output,
+    )
     from attnkit.io.reader import LazyReader
     from attnkit.ops.gqa import apply_plan, expand_layer, is_biased, plan_layer
     from attnkit.runtime import load_model, make_windows, read_texts
@@ -171,7 +174,8 @@ def _calibrate(req: ConvertRequest, src: Source) -> tuple[list, dict]:
 
         def on_layer(layer: int, hidden, rope, scaling):
             weights = _read_layer(reader, src.layer_names[layer])
-            plain = req.method == "merge" and _plain_attention(src, layer, req.calib_seq_len, rope, scaling)
+            plain = req.method == "merge" and reference_attention_ok(
+                src.spec, layer, req.calib_seq_len, rope, scaling, "sinks" in src.arch.tensors)
             key_cov = None
             if plain and req.options.key_weight == "attention":
                 key_cov = attention_key_covariance(weights, hidden, rope, scaling, src.shape, augment)
@@ -189,68 +193,6 @@ def _calibrate(req: ConvertRequest, src: Source) -> tuple[list, dict]:
     info = {"tokens": int(windows.numel()), "windows": int(windows.shape[0]), "seq_len": req.calib_seq_len,
             "sequential": req.sequential, "files": list(req.calib)}
     return plans, info
-
-
-def attention_key_covariance(weights: dict, hidden, rope, scaling: float, shape: LayerShape, augment: bool):
-    """Per-group key metric from the layer's own attention (see attnkit.ops.attnweight).  -> [G, n', n']"""
-    import torch
-
-    from attnkit.commands.calibrate import _tokens
-    from attnkit.ops.attnweight import key_token_weights, weighted_group_covariance
-    from attnkit.ops.gqa import unfused
-
-    flat = unfused(weights, shape)
-    x = hidden.detach().to(device="cpu", dtype=torch.float32)  # [B, T, n]
-    batch, t = x.shape[:2]
-
-    def project(role: str, heads: int):
-        out = x @ flat[role].to(torch.float32).T
-        if f"{role}_bias" in flat:
-            out = out + flat[f"{role}_bias"].to(torch.float32)
-        return out.reshape(batch, t, heads, shape.head_dim)  # [B, T, heads, D]
-
-    cos, sin = (r.detach().to(device="cpu", dtype=torch.float32) for r in rope)
-    w = key_token_weights(project("q", shape.num_heads), project("k", shape.num_kv), cos, sin, scaling)
-    return weighted_group_covariance(_tokens(hidden, augment), w, shape.groups)
-
-
-def _plain_attention(src: Source, layer: int, seq_len: int, rope, scaling) -> bool:
-    """Whether attnkit.ops.attnweight's reference causal attention equals this layer's: no QK-norm,
-    soft-capping or attention sinks, no sliding window shorter than the calibration windows, and
-    rotate-half RoPE tables covering the rotary dims. Else attention key weights fall back to query
-    energies and the o_proj refit is skipped."""
-    spec, window = src.spec, src.spec.layer_windows[layer]
-    return (spec.qk_norm == "none" and spec.attn_softcap is None and "sinks" not in src.arch.tensors
-            and (window is None or window >= seq_len) and rope is not None and scaling is not None
-            and rope[0].shape[-1] == src.shape.rotary_dim)
-
-
-def refit_output(weights: dict, plan, hidden, rope, scaling: float, shape: LayerShape, ridge: float):
-    """o_proj refit so the converted layer's attention output matches the source's on these tokens."""
-    import torch
-
-    from attnkit.ops.attnweight import causal_attention
-    from attnkit.ops.gqa import apply_plan, expand_layer, unfused
-    from attnkit.ops.orefit import refit_o
-
-    x = hidden.detach().to(device="cpu", dtype=torch.float32)  # [B, T, n]
-    cos, sin = (r.detach().to(device="cpu", dtype=torch.float32) for r in rope)
-
-    def outputs(layer: dict):  # -> [B*T, H*D]
-        flat = unfused(layer, shape)
-
-        def project(role: str):
-            out = x @ flat[role].to(torch.float32).T
-            if f"{role}_bias" in flat:
-                out = out + flat[f"{role}_bias"].to(torch.float32)
-            return out.reshape(*x.shape[:2], -1, shape.head_dim)  # [B, T, heads, D]
-
-        z = causal_attention(project("q"), project("k"), project("v"), cos, sin, scaling)
-        return z.reshape(-1, z.shape[-1])
-
-    converted = {**weights, **expand_layer(apply_plan(weights, plan, shape), shape)}
-    prior = unfused(converted, shape)["o"]
-    return refit_o(outputs(converted), outputs(weights), unfused(weights, shape)["o"], prior, ridge)
 
 
 def _stream(reader, src: Source, req: ConvertRequest, plans: list, folder: Path) -> dict:
