@@ -128,3 +128,22 @@ def test_table_and_markdown_output(runner, src, tmp_path):
     assert result.exit_code == 0, result.output
     assert "| layer | keys | values | K rel. error | V rel. error |" in result.stdout
     assert "2 -> 1 KV heads" in result.stdout
+
+
+def test_merge_knobs_reach_the_report_and_manifest(runner, src, tmp_path):
+    calib = tmp_path / "calib.txt"
+    calib.write_text("The river ran quietly past the mill, and the miller counted sacks of grain. " * 20)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", "mqa", str(src), str(out), "--method", "merge", "--calib", str(calib),
+                                 "--calib-tokens", "256", "--calib-seq-len", "64", "--o-refit", "0",
+                                 "--key-weight", "uniform", "--value-weight", "none", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert {row["value_path"] for row in report["layers"]} == {"merge"}  # refit off
+    assert report["calibration"] == {"tokens": 256, "windows": 4, "seq_len": 64, "sequential": False,
+                                     "files": [str(calib)]}
+    params = json.loads((out / "attnkit.json").read_text())["parameters"]
+    assert (params["o_refit"], params["key_weight"], params["value_weight"]) == (None, "uniform", "none")
+    bad = runner.invoke(app, ["convert", "mqa", str(src), str(tmp_path / "x"), "--method", "merge", "--calib",
+                              str(calib), "--key-weight", "loud"])
+    _one_line_error(bad, 2, "--key-weight must be query, uniform or attention")
