@@ -74,9 +74,10 @@ def test_gqa_converts_loads_in_stock_deepseek_and_caches_the_latent(runner, tmp_
                       "--eval-tokens", "256", "--eval-seq-len", "128")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert (report["kv_lora_rank"], report["rope_dim"]) == (12, 4)  # 16 = 12 + 4: the budget split
+    assert (report["kv_lora_rank"], report["rope_dim"]) == (12, 4)  # 16 = 12 + 4: P = even(16 // 3)
     assert report["kv_bytes_per_token"]["elements_after"] == 16
     assert len(report["layers"]) == 2 and all(0 < r["k_err"] < 1 and 0 < r["v_err"] < 1 for r in report["layers"])
+    assert all(0 < r["position_free"] < 1 for r in report["layers"])  # P = 4 < D = 8: slow pairs lose RoPE
     assert report["eval"]["cache"]["values_per_token_layer"] == 16
     assert report["eval"]["kl_mean"] > 0 and report["eval"]["perplexity"] > 1
     assert _digest(src) == before  # input untouched

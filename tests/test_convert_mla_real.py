@@ -1,0 +1,44 @@
+"""`convert mla` on SmolLM2-135M-Instruct at half the KV cache (short calibration and evaluation windows)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from attnkit.commands.convert_mla import MLARequest, cache_check, convert_mla
+from attnkit.ops.mla import MLAOptions
+from tests.realmodel import smollm2_folder
+
+PROSE = Path(__file__).parent / "data" / "prose"
+
+
+def _convert(out: Path, options: MLAOptions, sequential: bool = True) -> dict:
+    req = MLARequest(model=str(smollm2_folder()), out=out, kv_budget=0.5, calib=[str(PROSE / "calib.txt")],
+                     calib_tokens=256, calib_seq_len=256, eval=[str(PROSE / "heldout.txt")], eval_tokens=256,
+                     eval_seq_len=256, sequential=sequential, options=options, device="cpu")
+    return convert_mla(req)
+
+
+@pytest.mark.real_model
+def test_smollm2_half_cache_loads_generates_and_beats_weight_only_svd(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3ForCausalLM
+
+    calibrated = _convert(tmp_path / "whitened", MLAOptions())
+    kv = calibrated["kv_bytes_per_token"]
+    assert kv["elements_before"] == 384 and kv["elements_after"] == 192
+    assert calibrated["eval"]["cache"]["values_per_token_layer"] == 192
+    plain = _convert(tmp_path / "plain", MLAOptions(whiten=False, key_weight="uniform", value_weight="none"),
+                     sequential=False)  # a weight-only fit does not use the activations
+    ppl, plain_ppl = calibrated["eval"]["perplexity"], plain["eval"]["perplexity"]
+    source_ppl = calibrated["eval"]["source_perplexity"]
+    assert source_ppl < ppl < plain_ppl, (source_ppl, ppl, plain_ppl)
+    assert calibrated["eval"]["kl_mean"] < plain["eval"]["kl_mean"]
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "whitened")
+    assert type(model) is DeepseekV3ForCausalLM
+    tok = AutoTokenizer.from_pretrained(tmp_path / "whitened")
+    ids = tok("The river ran past the old mill and", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 8
+    assert cache_check(model)["key_shape"][-1] == calibrated["kv_lora_rank"]
