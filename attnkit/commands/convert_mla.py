@@ -268,20 +268,69 @@ def convert_one(src: Source, weights: dict, cov, freqs, options: MLAOptions, dty
     return {name: t.to(dtype) for name, t in tensors.items()}, row
 
 
-def _sequential_hook(config, layer: int, tensors: dict, device):
-    """A forward hook that replaces a source attention module's output by the converted layer's."""
+def _deepseek_attention(config, layer: int, tensors: dict, device):
+    """The converted layer as a stock DeepseekV3Attention (sdpa, fp32) and its rotary embedding."""
     import torch
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
     config._attn_implementation = "sdpa"
     attn = DeepseekV3Attention(config, layer).to(device=device, dtype=torch.float32)
     attn.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=True)
-    rotary = DeepseekV3RotaryEmbedding(config).to(device)
+    return attn, DeepseekV3RotaryEmbedding(config).to(device)
+
+
+def _run(attn, rotary, hidden):
+    """(output, input of o_proj [B*T, H*D]) of the converted attention on hidden [B, T, n] (no padding)."""
+    import torch
+
+    captured = {}
+    handle = attn.o_proj.register_forward_pre_hook(lambda _m, args: captured.update(z=args[0]))
+    try:
+        pos = torch.arange(hidden.shape[1], device=hidden.device)[None]
+        out, _ = attn(hidden_states=hidden, position_embeddings=rotary(hidden, pos), attention_mask=None)
+    finally:
+        handle.remove()
+    return out, captured["z"].reshape(-1, captured["z"].shape[-1])
+
+
+def _source_attention_inputs(weights: dict, hidden, rope, scaling: float, s: MLAShape):
+    """The source layer's attention output before o_proj on hidden [B, T, n].  -> [B*T, H*D] float32"""
+    import torch
+
+    from attnkit.ops.attnweight import causal_attention
+
+    x = hidden.detach().to(torch.float32)
+
+    def project(role):  # [B, T, heads, D]
+        out = x @ weights[role].to(x).T
+        if f"{role}_bias" in weights:
+            out = out + weights[f"{role}_bias"].to(x)
+        return out.reshape(*x.shape[:2], -1, s.head_dim)
+
+    cos, sin = (r.detach().to(x) for r in rope)
+    z = causal_attention(project("q"), project("k"), project("v"), cos, sin, scaling)
+    return z.reshape(-1, z.shape[-1])
+
+
+def _refit_o(config, layer: int, tensors: dict, weights: dict, hidden, rope, scaling, s: MLAShape, ridge: float,
+             device):
+    """o_proj refit (attnkit.ops.orefit) so the converted layer's output matches the source's on these tokens."""
+    from attnkit.ops.orefit import refit_o
+
+    attn, rotary = _deepseek_attention(config, layer, tensors, device)
+    _, z_new = _run(attn, rotary, hidden.detach().to(device).float())
+    z_old = _source_attention_inputs(weights, hidden.to(device), rope, scaling, s)
+    o = weights["o"]
+    return refit_o(z_new.cpu(), z_old.cpu(), o, o, ridge).to(tensors["o_proj.weight"].dtype)
+
+
+def _sequential_hook(config, layer: int, tensors: dict, device):
+    """A forward hook that replaces a source attention module's output by the converted layer's."""
+    attn, rotary = _deepseek_attention(config, layer, tensors, device)
 
     def hook(_module, args, kwargs, output):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, T, n]
-        pos = torch.arange(hidden.shape[1], device=hidden.device)[None]  # calibration windows: no padding
-        out, _ = attn(hidden_states=hidden, position_embeddings=rotary(hidden, pos), attention_mask=None)
+        out, _ = _run(attn, rotary, hidden)
         return (out,) + tuple(output[1:])
 
     return hook
@@ -303,11 +352,16 @@ def _calibrate_and_convert(req: MLARequest, src: Source, config, writer, expecte
         dtype = reader.get(src.layer_names[0]["o"]).dtype
         freqs = source_freqs(src)
 
-        def on_layer(layer: int, hidden, *_context):  # extra context (rope, scaling) is not needed here
+        def on_layer(layer: int, hidden, rope=None, scaling=None):
             cov = input_covariance(hidden, augmented)  # [n(+1), n(+1)]
             weights = _layer_weights(reader, src.layer_names[layer])
             tensors, rows[layer] = convert_one(src, weights, cov, freqs, req.options, dtype,
                                                   config.q_lora_rank is not None)
+            if req.options.o_refit > 0:
+                if rope is None or scaling is None:
+                    raise AttnkitError("o_proj refit needs the source's rotary embedding and softmax scale")
+                tensors["o_proj.weight"] = _refit_o(config, layer, tensors, weights, hidden, rope, scaling,
+                                                    src.shape, req.options.o_refit, loaded.device)
             rows[layer]["layer"] = layer
             for name, t in tensors.items():
                 full = f"model.layers.{layer}.self_attn.{name}"
@@ -398,6 +452,7 @@ def _parameters(req: MLARequest, src: Source) -> dict:
             "calib": list(req.calib), "calib_tokens": req.calib_tokens, "calib_seq_len": req.calib_seq_len,
             "sequential": req.sequential, "key_weight": o.key_weight, "value_weight": o.value_weight,
             "residual": o.residual, "fade_window": o.window, "key_balance": o.key_balance, "ridge": o.ridge,
+            "o_refit": o.o_refit, "whiten": o.whiten,
             "max_shard_bytes": req.max_shard_bytes}
 
 

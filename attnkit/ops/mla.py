@@ -55,6 +55,7 @@ class MLAOptions:
     window: int = 512  # fade: distances are taken uniform over [0, window)
     key_balance: float = 1.0  # weight of the (scaled) logit error against the output error
     whiten: bool = True  # False: fit on the weights alone (plain SVD, cov = I; errors still on activations)
+    o_refit: float = 0.1  # ridge of the o_proj refit to the source attention output (0: no refit)
     ridge: float = 1e-6
 
 
