@@ -8,9 +8,14 @@ import torch
 from attnkit.ops.headmerge import (
     expand_heads, fold_coef_into_q, fold_mix_into_o, fold_mix_into_q, head_gram, merge_keys, merge_rows, pool_heads,
 )
-from attnkit.ops.whiten import relative_error, whitening_factor
+from attnkit.ops.whiten import regularize, relative_error
 
 H, HKV, D, N = 8, 4, 8, 12  # query heads, KV heads, head dim, input width
+
+
+def whitening_factor(cov: torch.Tensor, ridge: float) -> torch.Tensor:
+    """Reference whitening: L with L L^T = cov + ridge (the merges' optimality is stated in this metric)."""
+    return torch.linalg.cholesky(regularize(cov, ridge))
 
 
 def _cov(n: int = N, tokens: int = 200, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

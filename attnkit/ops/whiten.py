@@ -15,11 +15,6 @@ def regularize(cov: torch.Tensor, ridge: float = DEFAULT_RIDGE) -> torch.Tensor:
     return cov + ridge * scale * torch.eye(cov.shape[0], dtype=torch.float64)
 
 
-def whitening_factor(cov: torch.Tensor, ridge: float = DEFAULT_RIDGE) -> torch.Tensor:
-    """Lower-triangular L with L L^T = regularize(cov): ||A L||_F^2 = E||A x||^2.  [n, n] float64."""
-    return torch.linalg.cholesky(regularize(cov, ridge))
-
-
 def psd_sqrt(mat: torch.Tensor, ridge: float = DEFAULT_RIDGE) -> torch.Tensor:
     """Symmetric square root of a PSD matrix (eigenvalues floored by the ridge).  [n, n] float64."""
     vals, vecs = torch.linalg.eigh(regularize(mat, ridge))
