@@ -15,8 +15,7 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Argument(..., help="Folder, .safetensors, .gguf, config.json, hub id[@rev] or preset name."),
         fmt: OutputFormat = FORMAT_OPTION,
     ) -> None:
-        """Print layers, heads, KV heads, head dim, variant, RoPE, sliding windows, caps, QK-norm,
-        parameter count and KV bytes per token."""
+        """Attention layout from config and headers: heads, KV heads, head dim, variant, RoPE, windows, caps."""
         from attnkit.commands.inspect import inspect_model
 
         report = inspect_model(model)
