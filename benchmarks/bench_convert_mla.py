@@ -48,21 +48,21 @@ def row(label: str, rep: dict) -> dict:
     return {"variant": label, "R": rep["kv_lora_rank"], "P": rep["rope_dim"], "values": kv["elements_after"],
             "fraction": kv["elements_after"] / kv["elements_before"], "ppl": e["perplexity"],
             "source_ppl": e["source_perplexity"], "kl": e["kl_mean"], "top1": e["top1_agreement"],
-            "k_err": sum(r["k_err"] for r in layers) / len(layers), "v_err": sum(r["v_err"] for r in layers) / len(layers),
+            "k_err": sum(r["k_err"] for r in layers) / len(layers),
+            "v_err": sum(r["v_err"] for r in layers) / len(layers),
             "position_free": sum(r["position_free"] for r in layers) / len(layers),
             "cache": e["cache"]["values_per_token_layer"], "seconds": rep["wall"], "peak_rss": rep["peak_rss_bytes"]}
 
 
+NO_REFIT = {"o_refit": 0.0}
+WEIGHT_ONLY = {"whiten": False, "key_weight": "uniform", "value_weight": "none", "o_refit": 0.0}
+#: label, R, P, options; "ablation" rows ran first (before the o_proj refit existed, so without it).
 PLANS = {
-    "sweep": [("192 P=64", 128, 64, {}), ("192 P=32 weight-only SVD", 160, 32, {"whiten": False, "key_weight": "uniform", "value_weight": "none"}),
-              ("128 P=32", 96, 32, {}), ("96 P=16", 80, 16, {}), ("128 P=16", 112, 16, {}), ("192 P=16", 176, 16, {}),
-              ("96 P=32", 64, 32, {}), ("192 P=32 not sequential", 160, 32, {"sequential": False})],
-    "split": [("128 P=64", 64, 64, {}), ("128 P=32", 96, 32, {}), ("96 P=64", 32, 64, {}), ("96 P=32", 64, 32, {}),
-              ("192 P=64 not sequential", 128, 64, {"sequential": False}),
-              ("192 P=64 key balance 4", 128, 64, {"key_balance": 4.0}),
-              ("192 P=64 key balance 0.25", 128, 64, {"key_balance": 0.25})],
-    "budgets": [(f"attnkit {t} (R={t - p}, P={p})", t - p, p, {}) for t in (192, 128, 96) for p in (16, 32, 48, 64)
-                if p < t // 2],
+    "ablation": [("192 P=32 keep", 160, 32, NO_REFIT), ("192 P=32 fade", 160, 32, {**NO_REFIT, "residual": "fade"}),
+                 ("192 P=64", 128, 64, NO_REFIT), ("192 P=32 weight-only SVD", 160, 32, WEIGHT_ONLY),
+                 ("128 P=64", 64, 64, NO_REFIT), ("128 P=32", 96, 32, NO_REFIT), ("96 P=64", 32, 64, NO_REFIT)],
+    "refit": [("128 P=32 + o refit", 96, 32, {}), ("192 P=64 + o refit", 128, 64, {}),
+              ("96 P=32 + o refit", 64, 32, {}), ("96 P=16 + o refit", 80, 16, {})],
 }
 
 
@@ -101,7 +101,7 @@ def write_section(path: Path, section: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--plan", default="budgets")
+    ap.add_argument("--plan", default="refit", choices=sorted(PLANS))
     ap.add_argument("--only", default=None, help="regex on variant labels")
     ap.add_argument("--json", default=None, help="also save the rows here")
     ap.add_argument("--from-json", default=None, help="render saved rows instead of running")
@@ -119,6 +119,7 @@ def main() -> None:
     for label, rank, rope, opts in PLANS[args.plan]:
         if args.only and not re.search(args.only, label):
             continue
+        opts = dict(opts)
         seq = opts.pop("sequential", True)
         r = row(label, run(model, rank, rope, sequential=seq, **opts))
         print(json.dumps(r), flush=True)

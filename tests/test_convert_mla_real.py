@@ -28,8 +28,8 @@ def test_smollm2_half_cache_loads_generates_and_beats_weight_only_svd(tmp_path):
     kv = calibrated["kv_bytes_per_token"]
     assert kv["elements_before"] == 384 and kv["elements_after"] == 192
     assert calibrated["eval"]["cache"]["values_per_token_layer"] == 192
-    plain = _convert(tmp_path / "plain", MLAOptions(whiten=False, key_weight="uniform", value_weight="none", o_refit=0.0),
-                     sequential=False)  # a weight-only fit does not use the activations
+    weight_only = MLAOptions(whiten=False, key_weight="uniform", value_weight="none", o_refit=0.0)
+    plain = _convert(tmp_path / "plain", weight_only, sequential=False)  # no activations used
     ppl, plain_ppl = calibrated["eval"]["perplexity"], plain["eval"]["perplexity"]
     source_ppl = calibrated["eval"]["source_perplexity"]
     assert source_ppl < ppl < plain_ppl, (source_ppl, ppl, plain_ppl)

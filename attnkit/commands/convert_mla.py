@@ -70,9 +70,12 @@ class Source:
 
 
 def budget_split(total: int, head_dim: int) -> tuple[int, int]:
-    """(R, P) for `total` cached values per token per layer: P = the largest even number <= total/3 and
-    <= D (at least 2), R = total - P (the rule measured best on SmolLM2; docs/convert-mla.md)."""
-    rope = min(head_dim, max(2, (total // 3) // 2 * 2))
+    """(R, P) for `total` cached values per token per layer: P = the largest power of two <= total / 3 and
+    <= D (at least 2), R = total - P (measured on SmolLM2, docs/benchmarks.md: RoPE dims help while the
+    latent keeps about two thirds of the budget)."""
+    rope = 2
+    while rope * 2 <= min(head_dim, total // 3):
+        rope *= 2
     return total - rope, rope
 
 
