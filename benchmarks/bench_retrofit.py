@@ -23,7 +23,7 @@ def _variants(args) -> list[tuple[str, str, dict]]:
     """(retrofit, label, request arguments) to run."""
     runs = []
     if "qknorm" in args.only:
-        for method in ("pad", "kl", "lsq", "scalar", "unit"):
+        for method in args.qknorm_methods.split(","):
             runs.append(("qknorm", f"method {method}", {"method": method, "steps": args.kl_steps}))
     if "qkclip" in args.only:
         for tau in (15.0, 10.0):
@@ -97,6 +97,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--kl-steps", type=int, default=60)
     parser.add_argument("--only", default="softcap,qknorm,qkclip")
+    parser.add_argument("--qknorm-methods", default="pad,kl,lsq,scalar,unit", help="qknorm methods to run, in order.")
     parser.add_argument("--write", default=None, help="Markdown file whose '## retrofit' section is rewritten.")
     args = parser.parse_args()
     args.only = set(args.only.split(","))
