@@ -18,11 +18,6 @@ KEY_BLOCK = 256
 HIDDEN = -1e38
 
 
-def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """cap * tanh(x / cap) (Gemma 2 soft-capping)."""
-    return cap * torch.tanh(x / cap)
-
-
 def z_loss(logits: torch.Tensor, lam: float = 1e-4) -> torch.Tensor:
     """PaLM z-loss lambda * mean((log Z)^2) over all rows of logits [..., V]."""
     return lam * torch.logsumexp(logits.double(), -1).pow(2).mean()
