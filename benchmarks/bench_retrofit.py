@@ -1,7 +1,8 @@
 """Quality cost of every retrofit on SmolLM2-135M-Instruct: perplexity and KL vs the source on held-out prose.
 
 Usage: python benchmarks/bench_retrofit.py [--eval-tokens 2048] [--seq-len 256] [--kl-steps 60]
-                                           [--only softcap,qknorm,qkclip] [--write docs/benchmarks.md]
+                                           [--only softcap,qknorm,qkclip] [--qknorm-methods pad,kl,lsq,scalar,unit]
+                                           [--write docs/benchmarks.md]
 Calibration: tests/data/prose/calib.txt; evaluation: tests/data/prose/heldout.txt (disjoint).
 """
 
