@@ -242,26 +242,16 @@ def _layer_weights(reader, roles: dict) -> dict:
     return {role: reader.get(name) for role, name in roles.items()}
 
 
-def _augmented_rows(w: dict, role: str, augmented: bool):
-    import torch
-
-    rows = w[role].to(torch.float64)
-    if not augmented:
-        return rows
-    bias = w.get(f"{role}_bias")
-    col = torch.zeros(rows.shape[0], 1, dtype=torch.float64) if bias is None else bias.to(torch.float64)[:, None]
-    return torch.cat([rows, col], dim=1)
-
-
 def convert_one(src: Source, weights: dict, cov, freqs, options: MLAOptions, dtype,
                 q_lora: bool) -> tuple[dict, dict]:
     """(DeepseekV3 attention tensors of one layer in `dtype`, report row) from its source tensors and cov."""
+    from attnkit.ops.gqa import augmented_rows
     from attnkit.ops.mla import convert_layer
     from attnkit.ops.mla_deepseek import attention_tensors
 
     s = src.shape
     augmented = cov.shape[0] == src.spec.hidden_size + 1
-    q, k, v = (_augmented_rows(weights, r, augmented) for r in ("q", "k", "v"))
+    q, k, v = (augmented_rows(weights, r, augmented) for r in ("q", "k", "v"))
     layer = convert_layer(q, k, v, weights["o"], cov, s, freqs, options)
     n = src.spec.hidden_size
     tensors = attention_tensors(layer, s, q_scale=math.sqrt((s.head_dim + s.rope_dim) / s.head_dim),

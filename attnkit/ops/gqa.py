@@ -73,7 +73,7 @@ def split_fused(qkv: torch.Tensor, s: LayerShape) -> tuple[torch.Tensor, torch.T
     return qkv[:q_rows], qkv[q_rows:q_rows + kv_rows], qkv[q_rows + kv_rows:]
 
 
-def _rows(layer: dict, role: str, augment: bool) -> torch.Tensor:
+def augmented_rows(layer: dict, role: str, augment: bool) -> torch.Tensor:
     """Weight rows of `role` as float64, with the bias (or zeros) as a last column when augmenting.  [out, n(+1)]"""
     w = layer[role].to(torch.float64)
     if not augment:
@@ -114,7 +114,7 @@ def plan_layer(layer: dict, s: LayerShape, method: str, cov: torch.Tensor | None
     options = options or MergeOptions()
     layer = unfused(layer, s)
     augment = is_biased(layer)
-    k, v = _rows(layer, "k", augment), _rows(layer, "v", augment)  # [Hkv*D, n']
+    k, v = augmented_rows(layer, "k", augment), augmented_rows(layer, "v", augment)  # [Hkv*D, n']
     basis = None if cov is None else cov.to(torch.float64)  # None: errors on the weights (identity metric)
     pool = "first" if method == "first" else "mean"
     k_norm = layer.get("k_norm") if s.qk_norm == "full" else None
@@ -127,7 +127,7 @@ def plan_layer(layer: dict, s: LayerShape, method: str, cov: torch.Tensor | None
         vm = merge_rows(v, basis, s.num_kv, s.groups, o_gram, options.ridge)
         plan.v, plan.v_mix, plan.value_path, v_rec = vm.shared, vm.mix, "merge", vm.reconstruction()
         if s.qk_norm == "none":
-            q_gram = head_gram(_rows(layer, "q", augment), s.num_heads, s.num_kv, basis)
+            q_gram = head_gram(augmented_rows(layer, "q", augment), s.num_heads, s.num_kv, basis)
             if options.key_weight == "uniform":
                 q_gram = torch.eye(s.head_dim, dtype=torch.float64).expand(s.num_kv, -1, -1)
             km = merge_keys(k, basis if key_cov is None else key_cov, s.num_kv, s.groups, q_gram, s.rotary_dim,
@@ -149,7 +149,7 @@ def apply_plan(layer: dict, plan: LayerPlan, s: LayerShape) -> dict:
     augment = is_biased(flat)
     new = {"k": plan.k, "v": plan.v}  # [G*D, n(+1)]
     if fused or plan.coef is not None or plan.k_mix is not None:
-        q = _rows(flat, "q", augment)  # [H*D, n(+1)]
+        q = augmented_rows(flat, "q", augment)  # [H*D, n(+1)]
         if plan.coef is not None:
             q = fold_coef_into_q(q, plan.coef, s.num_heads, s.head_dim)
         if plan.k_mix is not None:
