@@ -52,13 +52,17 @@ def _gqa(model: str, out: Path, kv_heads: int, method: str, calib: List[str], ca
     else:
         caption += f"; errors on {report['error_basis']}; wrote {report['output']} in {report['seconds']:.1f}s"
     if report["eval"]:
-        e = report["eval"]
-        caption += (f"; perplexity {e['source_perplexity']:.3f} -> {e['perplexity']:.3f}, "
-                    f"KL {e['kl_mean']:.4f}, top-1 agreement {e['top1_agreement']:.3f}")
+        caption += _eval_caption(report["eval"])
     columns = [Column("layer", "layer"), Column("key_path", "keys", justify="left"),
                Column("value_path", "values", justify="left"), Column("k_err", "K rel. error", _err),
                Column("v_err", "V rel. error", _err)]
     render(report["layers"], columns, fmt, title=f"convert gqa: {model}", json_obj=report, caption=caption)
+
+
+def _eval_caption(e: dict) -> str:
+    """The quality part of a convert caption: perplexity of source and result, KL, top-1 agreement."""
+    return (f"; perplexity {e['source_perplexity']:.3f} -> {e['perplexity']:.3f}, KL {e['kl_mean']:.4f}, "
+            f"top-1 agreement {e['top1_agreement']:.3f}")
 
 
 def _options():
@@ -175,8 +179,7 @@ def mla(
         caption += f"; wrote {report['output']} in {report['seconds']:.1f}s, peak RSS {report['peak_rss_bytes'] / 2**20:,.0f} MiB"
     if report["eval"]:
         e = report["eval"]
-        caption += (f"; perplexity {e['source_perplexity']:.3f} -> {e['perplexity']:.3f}, KL {e['kl_mean']:.4f}, "
-                    f"top-1 agreement {e['top1_agreement']:.3f}; cache holds {e['cache']['values_per_token_layer']} "
+        caption += (_eval_caption(e) + f"; cache holds {e['cache']['values_per_token_layer']} "
                     "values per token and layer")
     for note in report["notes"]:
         stderr.print(f"note: {note}", style="yellow")
