@@ -160,3 +160,27 @@ def test_disk_full_leaves_no_partial_output(tmp_path, monkeypatch):
             out.commit()
     assert budget["shards"] < 0  # the first shard was written, the second hit the full disk
     assert [p.name for p in target.iterdir()] == ["old.txt"] and _leftovers(tmp_path) == []
+
+
+def test_commit_fsyncs_every_file_before_the_rename(tmp_path, monkeypatch):
+    target = tmp_path / "out"
+    synced, renamed_at = [], []
+    real_fsync = writer_mod.os.fsync
+
+    def fsync(fd):
+        synced.append(writer_mod.os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(writer_mod.os, "fsync", fsync)
+    with OutputDir(target) as out:
+        (out.path / "sub").mkdir()
+        (out.path / "a.bin").write_bytes(b"a")
+        (out.path / "sub" / "b.bin").write_bytes(b"b")
+        temp = out.path
+        real_rename = type(temp).rename
+        monkeypatch.setattr(type(temp), "rename", lambda p, t: (renamed_at.append(len(synced)), real_rename(p, t))[1])
+        out.commit()
+    before = set(synced[: renamed_at[0]])
+    assert {str(temp / "a.bin"), str(temp / "sub" / "b.bin"), str(temp / "sub"), str(temp)} <= before
+    assert synced[-1] == str(tmp_path)  # the folder holding the renamed target, after the rename
+    assert (target / "sub" / "b.bin").read_bytes() == b"b"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import fnmatch
 import json
+import os
 import shutil
 import struct
 import tempfile
@@ -28,6 +29,26 @@ SCAN_CHUNK = 1 << 24
 
 def _disk_full(exc: BaseException | None) -> bool:
     return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+
+
+def _fsync_path(path: Path) -> None:
+    """Flush one file's or folder's data to disk (folders: their entries; skipped where the OS cannot)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some filesystems refuse fsync on folders
+        if not (path.is_dir() and exc.errno in (errno.EINVAL, errno.EBADF)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def sync_tree(folder: Path) -> None:
+    """fsync every file under `folder`, then the folders themselves, deepest first."""
+    for root, dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            _fsync_path(Path(root, name))
+        _fsync_path(Path(root))
 
 
 class OutputDir:
@@ -73,6 +94,7 @@ class OutputDir:
             raise AttnkitError(f"{self.target}: commit() needs an open, uncommitted OutputDir")
         if verifier is not None:
             verifier(self.path)
+        sync_tree(self.path)  # the data is on disk before the rename makes it visible
         self._check_target()  # the target may have changed while we worked
         if self.target.is_dir():
             old = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.attnkit-old-", dir=self.target.parent))
@@ -88,6 +110,7 @@ class OutputDir:
         else:
             self.path.rename(self.target)
             self.committed = True
+        _fsync_path(self.target.parent)  # and the rename itself
         return self.target
 
 
