@@ -116,7 +116,7 @@ def main() -> None:
         f"torch {torch.__version__}; "
         "no GPU in this measurement.",
         "",
-        "Aim: probe <= 1.5x the forward. The statistics pass is eager PyTorch (one score matmul, one exp and a few reductions per visible score) next to sdpa's fused kernel, so the ratio grows with the window; timings come from a 2-core machine shared with other jobs (1 torch thread to limit OpenMP contention).",
+        "Aim: probe <= 1.5x the forward. The statistics pass is eager PyTorch (one score matmul, one exp and a few reductions per visible score) next to sdpa's fused kernel, so the ratio grows with the window; timings come from the 2-core development machine (1 torch thread to limit OpenMP contention).",
         "", *lines])
     print()
     print(body)

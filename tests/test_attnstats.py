@@ -66,6 +66,16 @@ def test_causal_gqa_matches_full_matrix(blocks, cap, monkeypatch):
     assert st.logits.n.tolist() == [2 * 37 * 38 / 2] * 8
 
 
+def test_logits_hundreds_apart_match_full_matrix(monkeypatch):
+    """Scores far below the row max (exp underflows; the pass clamps exp inputs at EXP_FLOOR) stay exact."""
+    torch.manual_seed(4)
+    q, k = torch.randn(1, 4, 40, 8) * 20, torch.randn(1, 2, 40, 8) * 10
+    st = _run(q, k, scaling=8 ** -0.5, blocks=(96, 8), monkeypatch=monkeypatch)
+    ref = _brute(q, k, torch.ones(40, 40).tril().bool(), 8 ** -0.5)
+    assert (ref["max"] - ref["min"]).min() > 4 * -A.EXP_FLOOR  # the case is real: spreads of hundreds
+    _check(st, ref)
+
+
 def test_sliding_window_and_padding_mask(monkeypatch):
     torch.manual_seed(1)
     q, k = torch.randn(2, 4, 30, 8) * 2, torch.randn(2, 4, 30, 8) * 2

@@ -14,8 +14,12 @@ import torch
 #: Scores per block (all heads of the batch together): 512K fp32 = 2 MiB, small enough to stay in cache.
 BLOCK_ELEMENTS = 1 << 19
 KEY_BLOCK = 256
-#: Fill for hidden scores: exp() of it is 0 and 0 * HIDDEN is 0 (no NaN, unlike -inf).
+#: Fill for hidden scores: 0 * HIDDEN is 0 (no NaN, unlike -inf).
 HIDDEN = -1e38
+#: exp() inputs are clamped here: CPU exp is ~10x slower where it underflows. exp(-80) = 1.8e-35 (also what a
+#: hidden score gets), and a row's block sum is >= 1 (its max contributes exp(0)), so the clamp changes
+#: nothing fp32 can represent; a row with no visible key in a block gets weight exp(-inf) = 0 in the merge.
+EXP_FLOOR = -80.0
 
 
 def z_loss(logits: torch.Tensor, lam: float = 1e-4) -> torch.Tensor:
@@ -150,14 +154,10 @@ def accumulate_attention(stats: LayerStats, query: torch.Tensor, key: torch.Tens
     mask5 = _mask5(mask, batch, kv_heads, groups)
     bk = min(tk, KEY_BLOCK)
     bq = max(1, min(tq, BLOCK_ELEMENTS // (batch * heads * bk)))
+    buffers = [torch.empty(batch * heads * bq * bk, device=query.device) for _ in range(2)]  # scores, exp(scores)
     for a in range(0, tq, bq):
         b = min(tq, a + bq)
-        _query_block(stats, qg[:, :, :, a:b], kt, mask5, causal, a, b, offset, bk, cap, sinks)
-
-
-def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Row-wise dot product over the last dim: [..., n] x [..., n] -> [...] (one batched matmul)."""
-    return (x.unsqueeze(-2) @ y.unsqueeze(-1))[..., 0, 0]
+        _query_block(stats, qg[:, :, :, a:b], kt, mask5, causal, a, b, offset, bk, cap, sinks, buffers)
 
 
 def _per_head(x: torch.Tensor) -> torch.Tensor:
@@ -165,8 +165,11 @@ def _per_head(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], x.shape[3])
 
 
-def _query_block(stats, q, kt, mask5, causal, a, b, offset, bk, cap, sinks) -> None:
+def _query_block(stats, q, kt, mask5, causal, a, b, offset, bk, cap, sinks, buffers) -> None:
     """Scan the key blocks for queries [a, b): logit moments per row, then log Z, entropy and max probability.
+
+    `buffers`: two flat float tensors of at least one block's scores each, reused for every block (scores;
+    then squares, then exp): an allocation per block costs as much as the exp itself on CPU.
 
     Running per-row state (online softmax, relative to the running max m): l = sum exp(s - m),
     t = sum exp(s - m) * (s - m); then log Z = m + log l and entropy = log l - t / l.
@@ -184,7 +187,10 @@ def _query_block(stats, q, kt, mask5, causal, a, b, offset, bk, cap, sinks) -> N
         vis = _visible(mask5, causal, a, b, c, e, offset, q.device)
         if vis is False:
             continue
-        s = (q.reshape(batch, kv_heads, groups * rows, -1) @ kt[:, :, 0, :, c:e]).view(*shape, e - c)  # [B, Hkv, G, bq, bk]
+        size = batch * kv_heads * groups * rows * (e - c)
+        s = buffers[0][:size].view(batch, kv_heads, groups * rows, e - c)
+        torch.matmul(q.reshape(batch, kv_heads, groups * rows, -1), kt[:, :, 0, :, c:e], out=s)
+        s = s.view(*shape, e - c)                                # [B, Hkv, G, bq, bk]
         if cap is not None:
             raw = s if vis is None else s.masked_fill(~vis, -math.inf)
             stats.precap_max = torch.maximum(stats.precap_max, raw.amax((0, 3, 4)).reshape(-1).double().cpu())
@@ -198,14 +204,16 @@ def _query_block(stats, q, kt, mask5, causal, a, b, offset, bk, cap, sinks) -> N
         count = torch.full_like(shift, e - c) if vis is None else vis.sum(-1).float().expand(shape)
         z0 = z if vis is None else z * vis                       # hidden -> 0 (never below a visible min, which is <= 0)
         s1 = z0.sum(-1)
-        stats.logits.add_rows(_per_head(count), _per_head(shift), _per_head(s1), _per_head(_dot(z0, z0)),
+        s2 = torch.mul(z0, z0, out=buffers[1][:size].view_as(z0)).sum(-1)
+        stats.logits.add_rows(_per_head(count), _per_head(shift), _per_head(s1), _per_head(s2),
                               _per_head(torch.where(seen, z0.amin(-1) + shift, math.inf)),
                               _per_head(torch.where(seen, row_max, -math.inf)))
         if bool((row_max > stats.threshold).any()):
             over = (z > (stats.threshold - shift)[..., None]).sum(-1)
             stats.above += over.sum((0, 3)).reshape(-1).double().cpu()
-        p = z.exp()                                              # exp(s - row max), hidden -> 0
-        l_blk, t_blk = p.sum(-1), _dot(p, z)
+        p = torch.clamp(z, min=EXP_FLOOR, out=buffers[1][:size].view_as(z)).exp_()  # exp(s - row max)
+        l_blk = p.sum(-1)
+        t_blk = p.mul_(z0).sum(-1)                               # hidden: p = exp(EXP_FLOOR) and z0 = 0
         m_blk = torch.where(seen, row_max, -math.inf)
         m_new = torch.maximum(m, m_blk)
         m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
