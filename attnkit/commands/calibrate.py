@@ -4,8 +4,8 @@ One forward pass over the calibration windows with a pre-hook on every attention
 pass reaches layer l, the hook hands l's input activations to a callback; in sequential mode the
 callback returns layer l's converted tensors (at the source's shapes), which are loaded into the
 model before l's attention runs, so layers l+1.. are calibrated on the converted model's activations.
-Only one layer's statistics and weights are handled at a time; the model itself is loaded by
-transformers (pass device_map="auto" to load_model for accelerate offload of large models).
+Only one layer's statistics and weights are handled at a time; callers pass a model from
+attnkit.runtime.streaming.load_for_calibration, which keeps only the running decoder layer resident.
 Also here: the per-layer helpers that need a layer's activations (attention-weighted key metric,
 o_proj refit against the source attention output).
 """

@@ -162,9 +162,10 @@ def _calibrate(req: ConvertRequest, src: Source) -> tuple[list, dict]:
     )
     from attnkit.io.reader import LazyReader
     from attnkit.ops.gqa import apply_plan, expand_layer, is_biased, plan_layer
-    from attnkit.runtime import load_model, make_windows, read_texts
+    from attnkit.runtime import make_windows, read_texts
+    from attnkit.runtime.streaming import load_for_calibration
 
-    loaded = load_model(str(src.ckpt.root), device=req.device, dtype="float32")
+    loaded = load_for_calibration(str(src.ckpt.root), req.device)  # decoder layers streamed when possible
     windows = make_windows(loaded.tokenizer, read_texts(req.calib), req.calib_seq_len, req.calib_tokens)
     template = src.arch.tensors.get("k") or src.arch.tensors["qkv"]
     modules = [attention_module_name(template, src.prefix, i) for i in range(src.spec.num_layers)]

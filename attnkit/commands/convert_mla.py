@@ -317,29 +317,32 @@ def _refit_o(config, layer: int, tensors: dict, weights: dict, hidden, rope, sca
     return refit_o(z_new.cpu(), z_old.cpu(), o, o, ridge).to(tensors["o_proj.weight"].dtype)
 
 
-def _sequential_hook(config, layer: int, tensors: dict, device):
-    """A forward hook that replaces a source attention module's output by the converted layer's."""
-    attn, rotary = _deepseek_attention(config, layer, tensors, device)
+def _replace_output_once(module, config, layer: int, tensors: dict, device) -> None:
+    """Hook `module` (a source attention) so that its next output is the converted layer's; the hook then
+    removes itself, freeing the converted module (calibration is one forward pass)."""
+    converted = {"modules": _deepseek_attention(config, layer, tensors, device)}
 
     def hook(_module, args, kwargs, output):
+        attn, rotary = converted.pop("modules")
+        handle.remove()
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, T, n]
         out, _ = _run(attn, rotary, hidden)
         return (out,) + tuple(output[1:])
 
-    return hook
+    handle = module.register_forward_hook(hook, with_kwargs=True)
 
 
 def _calibrate_and_convert(req: MLARequest, src: Source, config, writer, expected: dict) -> tuple[list, dict]:
     """One pass over the calibration windows; each layer is converted (and written) when reached."""
     from attnkit.commands.calibrate import attention_module_name, calibrate, input_covariance
     from attnkit.io.reader import LazyReader
-    from attnkit.runtime import load_model, make_windows, read_texts
+    from attnkit.runtime import make_windows, read_texts
+    from attnkit.runtime.streaming import load_for_calibration
 
-    loaded = load_model(str(src.ckpt.root), device=req.device, dtype="float32")
+    loaded = load_for_calibration(str(src.ckpt.root), req.device)  # decoder layers streamed when possible
     windows = make_windows(loaded.tokenizer, read_texts(req.calib), req.calib_seq_len, req.calib_tokens)
     modules = [attention_module_name(src.arch.tensors["k"], src.prefix, i) for i in range(src.spec.num_layers)]
     rows: list = [None] * src.spec.num_layers
-    handles = []
     with LazyReader(src.ckpt.weight_files) as reader:
         augmented = any(r in src.layer_names[0] for r in ("q_bias", "k_bias", "v_bias"))
         dtype = reader.get(src.layer_names[0]["o"]).dtype
@@ -362,16 +365,11 @@ def _calibrate_and_convert(req: MLARequest, src: Source, config, writer, expecte
                     raise AttnkitError(f"internal: {full} is not a DeepseekV3 tensor")
                 writer.add(full, t)
             if req.sequential:
-                module = loaded.model.get_submodule(modules[layer])
-                handles.append(module.register_forward_hook(
-                    _sequential_hook(config, layer, tensors, loaded.device), with_kwargs=True))
+                _replace_output_once(loaded.model.get_submodule(modules[layer]), config, layer, tensors,
+                                     loaded.device)
             return None
 
-        try:
-            calibrate(loaded.model, windows, modules, on_layer)
-        finally:
-            for h in handles:
-                h.remove()
+        calibrate(loaded.model, windows, modules, on_layer)
     info = {"tokens": int(windows.numel()), "windows": int(windows.shape[0]), "seq_len": req.calib_seq_len,
             "sequential": req.sequential, "files": list(req.calib)}
     return [{"layer": r.pop("layer"), **r} for r in rows], info
