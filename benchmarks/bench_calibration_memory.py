@@ -17,6 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.docsection import replace_section  # noqa: E402
 CALIB = str(ROOT / "tests/data/prose/calib.txt")
 MODES = ("full", "streamed")
 SETUP = """\
@@ -101,15 +102,6 @@ def _measure(mode: str, command: str, model: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _write_section(path: Path, body: str) -> None:
-    """Replace (or append) the '## calibration memory' section of `path`."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = "## calibration memory\n\n" + body.strip() + "\n"
-    pattern = re.compile(r"^## calibration memory\n.*?(?=^## |\Z)", re.S | re.M)
-    text = pattern.sub(section + "\n", text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--write", default=None, help="markdown file whose '## calibration memory' section is rewritten")
@@ -150,7 +142,7 @@ def main() -> None:
     print()
     print(body)
     if args.write:
-        _write_section(Path(args.write), body)
+        replace_section(Path(args.write), "## calibration memory\n\n" + body)
 
 
 if __name__ == "__main__":

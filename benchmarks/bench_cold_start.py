@@ -37,8 +37,8 @@ def main() -> None:
         for name, cmd in COMMANDS.items():  # interleaved, so drift hits all commands alike
             samples[name].append(timed(cmd))
     base = statistics.median(samples["python -c pass"])
-    print(f"| command | median (s) | ratio to `python -c pass` |")
-    print(f"|---|---:|---:|")
+    print("| command | median (s) | ratio to `python -c pass` |")
+    print("|---|---:|---:|")
     for name, values in samples.items():
         med = statistics.median(values)
         print(f"| `{name}` | {med:.3f} | {med / base:.2f}x |")

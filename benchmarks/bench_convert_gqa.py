@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.docsection import replace_section  # noqa: E402
 
 CALIB = str(ROOT / "tests/data/prose/calib.txt")
 HELDOUT = str(ROOT / "tests/data/prose/heldout.txt")
@@ -191,15 +190,6 @@ def markdown(sp: dict | None, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(text: str) -> None:
-    """Replace (or append) this benchmark's section of docs/benchmarks.md, leaving other sections alone."""
-    path = ROOT / "docs" / "benchmarks.md"
-    doc = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    doc = pattern.sub(lambda _m: text, doc) if pattern.search(doc) else doc.rstrip("\n") + "\n\n" + text
-    path.write_text(doc)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--speed", action="store_true")
@@ -222,7 +212,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"speed": sp, "quality": rows}, indent=1))
     if args.write:
-        write_section(text)
+        replace_section(ROOT / "docs" / "benchmarks.md", text)
 
 
 if __name__ == "__main__":

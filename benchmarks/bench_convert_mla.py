@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.docsection import replace_section  # noqa: E402
 
 from attnkit.commands.convert_mla import MLARequest, convert_mla  # noqa: E402
 from attnkit.ops.mla import MLAOptions  # noqa: E402
@@ -147,14 +148,6 @@ def markdown(rows: list[dict], transmla: list[dict], commit: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace (or append) the "## convert mla" section of `path`."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## convert mla\n.*?(?=^## |\Z)", re.S | re.M)
-    text = pattern.sub(section + "\n", text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plan", default="refit", choices=sorted(PLANS))
@@ -172,7 +165,7 @@ def main() -> None:
         section = markdown(rows, transmla, args.transmla_commit)
         print(section)
         if args.write:
-            write_section(ROOT / "docs" / "benchmarks.md", section)
+            replace_section(ROOT / "docs" / "benchmarks.md", section)
         return
     model = smollm2_folder()
     rows = []

@@ -17,6 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.realmodel locates the SmolLM2 model
+from benchmarks.docsection import replace_section  # noqa: E402
 TEXTS = [ROOT / "tests/data/prose/heldout.txt", ROOT / "tests/data/prose/calib.txt"]
 MODES = ("forward", "probe")
 
@@ -67,16 +68,6 @@ def _measure(mode: str, model_dir: str, seq_len: int, threads: int | None) -> di
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _write_section(path: Path, body: str) -> None:
-    """Replace (or add) the '## probe' section of `path`, leaving other sections alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = "## probe\n\n" + body.strip() + "\n"
-    match = re.search(r"^## probe\n.*?(?=^## |\Z)", text, re.M | re.S)
-    text = text[:match.start()] + section + ("\n" + text[match.end():] if text[match.end():] else "") if match \
-        else text.rstrip() + "\n\n" + section
-    path.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seq-lens", default="512,2048")
@@ -121,7 +112,7 @@ def main() -> None:
     print()
     print(body)
     if args.write:
-        _write_section(Path(args.write), body)
+        replace_section(Path(args.write), "## probe\n\n" + body)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ Calibration: tests/data/prose/calib.txt; evaluation: tests/data/prose/heldout.tx
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import tempfile
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.docsection import replace_section  # noqa: E402
 PROSE = ROOT / "tests" / "data" / "prose"
 
 
@@ -78,17 +78,6 @@ def _detail(kind: str, report: dict) -> str:
     return f"{report['clipped_heads']} of {len(report['heads'])} heads clipped"
 
 
-def _write_section(path: Path, body: str) -> None:
-    """Replace (or add) the '## retrofit' section of `path`, leaving other sections alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = "## retrofit\n\n" + body.strip() + "\n"
-    if re.search(r"^## retrofit\n", text, re.M):
-        text = re.sub(r"^## retrofit\n.*?(?=^## |\Z)", lambda _: section + "\n", text, flags=re.M | re.S)
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.write_text(text)
-
-
 def main() -> None:
     import torch
 
@@ -129,7 +118,7 @@ def main() -> None:
         "| retrofit | variant | source ppl | ppl | KL | top-1 agree | detail | s |\n"
         "|---|---|---:|---:|---:|---:|---|---:|\n" + "\n".join(rows))
     if args.write:
-        _write_section(Path(args.write), body)
+        replace_section(Path(args.write), "## retrofit\n\n" + body)
         print(f"wrote the '## retrofit' section of {args.write}")
 
 
