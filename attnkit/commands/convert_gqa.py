@@ -16,30 +16,20 @@ from typing import Callable
 
 from attnkit import __version__
 from attnkit.errors import AttnkitError, UsageError
+from attnkit.commands.rewrite import RewriteRequest
 from attnkit.ops.gqa import KV_ROLES, METHODS, LayerShape, MergeOptions
 
 ROLE_ORDER = ("q", "q_bias", "k", "k_bias", "v", "v_bias", "qkv", "qkv_bias", "o", "k_norm")
 
 
-@dataclass
-class ConvertRequest:
-    model: str
-    out: Path
+@dataclass(kw_only=True)
+class ConvertRequest(RewriteRequest):
+    """convert gqa|mqa: the target KV head count and the pooling method."""
+
     kv_heads: int
     method: str = "mean"
-    calib: list[str] = field(default_factory=list)
-    calib_tokens: int = 2048
-    calib_seq_len: int = 512
-    eval: list[str] = field(default_factory=list)
-    eval_tokens: int | None = 4096
-    eval_seq_len: int = 512
     sequential: bool = False
     options: MergeOptions = field(default_factory=MergeOptions)
-    overwrite: bool = False
-    dry_run: bool = False
-    device: str = "auto"
-    max_shard_bytes: int = 2**30
-    command: str = ""
 
 
 @dataclass

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from attnkit import __version__
 from attnkit.errors import AttnkitError, UsageError
+from attnkit.commands.rewrite import RewriteRequest
 from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, VALUE_WEIGHTS, MLAOptions, MLAShape
 
 #: Families whose attention maps onto DeepseekV3 (the rest are refused with the reason in REFUSED).
@@ -36,26 +37,15 @@ ROPE_TYPES = ("default", "linear", "llama3")  # frequency rules that depend only
 ATTN_ROLES = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias")
 
 
-@dataclass
-class MLARequest:
-    model: str
-    out: Path
+@dataclass(kw_only=True)
+class MLARequest(RewriteRequest):
+    """convert mla: the cache budget (R and P, or a fraction) and the factorization options."""
+
     kv_lora_rank: int | None = None  # R: cached latent values per token per layer (incl. the norm channel)
     rope_dim: int | None = None  # P
     kv_budget: float | None = None  # fraction of the source's KV elements per token
-    calib: list[str] = field(default_factory=list)
-    calib_tokens: int = 2048
-    calib_seq_len: int = 512
-    eval: list[str] = field(default_factory=list)
-    eval_tokens: int | None = 4096
-    eval_seq_len: int = 512
     sequential: bool = True
     options: MLAOptions = field(default_factory=MLAOptions)
-    overwrite: bool = False
-    dry_run: bool = False
-    device: str = "auto"
-    max_shard_bytes: int = 2**30
-    command: str = ""
 
 
 @dataclass

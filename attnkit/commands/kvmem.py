@@ -19,7 +19,6 @@ def kvmem_rows(info: ModelInfo, variants: list[str], dtypes: list[str], contexts
                batches: list[int], gpu: GpuBudget | None, weight_dtype: str | None) -> list[dict]:
     """One row per (variant, dtype, context, batch)."""
     rows = []
-    tp = gpu.tp if gpu else 1
     weights = info.weights_bytes_as(weight_dtype)
     max_positions = _max_positions(info)
     for variant in variants:

@@ -8,31 +8,20 @@ side files and attnkit.json into a temp folder next to OUT -> check names/shapes
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from attnkit import __version__
+from attnkit.commands.rewrite import RewriteRequest
 from attnkit.errors import AttnkitError, UsageError
 
 
-@dataclass
-class RetrofitOptions:
-    """Options shared by all retrofits."""
+@dataclass(kw_only=True)
+class RetrofitOptions(RewriteRequest):
+    """Options shared by all retrofits (shorter calibration windows by default)."""
 
-    model: str
-    out: Path
-    calib: list[str] = field(default_factory=list)
-    calib_tokens: int = 2048
     calib_seq_len: int = 256
-    eval: list[str] = field(default_factory=list)
-    eval_tokens: int | None = 4096
-    eval_seq_len: int = 512
-    overwrite: bool = False
-    dry_run: bool = False
-    device: str = "auto"
-    max_shard_bytes: int = 2**30
-    command: str = ""
 
 
 @dataclass

@@ -71,7 +71,7 @@ def kv_tensors(layer: MLALayer, s: MLAShape, augmented: bool) -> dict[str, torch
 def q_lora_tensors(q: torch.Tensor, x_mean_sq: float) -> dict[str, torch.Tensor]:
     """q_a_proj / q_a_layernorm / q_b_proj reproducing q = W x + b (q: [m, n+1] = [W | b]) through the
     q_lora path of rank n + 1.  x_mean_sq: E|x|^2 of the attention input."""
-    m, n = q.shape[0], q.shape[1] - 1
+    n = q.shape[1] - 1
     big, weight, readout = _norm_plan(n + 1, x_mean_sq)
     q_a = torch.cat([torch.eye(n, dtype=torch.float64), torch.zeros(1, n, dtype=torch.float64)])  # [n+1, n]
     q_a_bias = torch.zeros(n + 1, dtype=torch.float64)

@@ -82,7 +82,6 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_ma
     """Resolve `ref` and load it with AutoModelForCausalLM (GGUF files through attnkit.io.gguf_load)."""
     import sys
 
-    import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
