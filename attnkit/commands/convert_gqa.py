@@ -16,7 +16,7 @@ from typing import Callable
 
 from attnkit import __version__
 from attnkit.errors import AttnkitError, UsageError
-from attnkit.commands.rewrite import RewriteRequest
+from attnkit.commands.rewrite import CheckedSource, RewriteRequest
 from attnkit.ops.gqa import KV_ROLES, METHODS, LayerShape, MergeOptions
 
 ROLE_ORDER = ("q", "q_bias", "k", "k_bias", "v", "v_bias", "qkv", "qkv_bias", "o", "k_norm")
@@ -33,13 +33,9 @@ class ConvertRequest(RewriteRequest):
 
 
 @dataclass
-class Source:
-    """The checked source: checkpoint, architecture, tensor prefix and layer shape."""
+class Source(CheckedSource):
+    """The checked source and its layer shape."""
 
-    ckpt: object
-    arch: object
-    spec: object
-    prefix: str
     shape: LayerShape
     layer_names: list[dict]  # per layer: role -> tensor name (roles the conversion reads)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from attnkit import __version__
 from attnkit.errors import AttnkitError, UsageError
-from attnkit.commands.rewrite import RewriteRequest
+from attnkit.commands.rewrite import CheckedSource, RewriteRequest
 from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, VALUE_WEIGHTS, MLAOptions, MLAShape
 
 #: Families whose attention maps onto DeepseekV3 (the rest are refused with the reason in REFUSED).
@@ -49,11 +49,9 @@ class MLARequest(RewriteRequest):
 
 
 @dataclass
-class Source:
-    ckpt: object
-    arch: object
-    spec: object
-    prefix: str
+class Source(CheckedSource):
+    """The checked source, its layer shape and RoPE parameters."""
+
     shape: MLAShape
     layer_names: list[dict]  # per layer: role -> tensor name
     rope: dict  # the source's rope_parameters (rope_type, rope_theta, ...)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from attnkit import __version__
-from attnkit.commands.rewrite import RewriteRequest
+from attnkit.commands.rewrite import CheckedSource, RewriteRequest
 from attnkit.errors import AttnkitError, UsageError
 
 
@@ -25,13 +25,9 @@ class RetrofitOptions(RewriteRequest):
 
 
 @dataclass
-class Source:
-    """A checked source checkpoint: resolved files, architecture, attention spec, tensor prefix and names."""
+class Source(CheckedSource):
+    """A checked source and the names of its tensors."""
 
-    ckpt: object
-    arch: object
-    spec: object
-    prefix: str
     names: set
 
     def tensor(self, role: str, layer: int) -> str | None:

@@ -23,3 +23,14 @@ class RewriteRequest:
     device: str = "auto"
     max_shard_bytes: int = 2**30
     command: str = ""  # the command line, recorded in attnkit.json
+
+
+@dataclass
+class CheckedSource:
+    """A source checkpoint that passed a command's checks: resolved files, architecture, attention spec and the
+    prefix in front of its tensor names."""
+
+    ckpt: object
+    arch: object
+    spec: object
+    prefix: str
