@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Callable
 
 from attnkit import __version__
-from attnkit.errors import AttnkitError, UsageError
 from attnkit.commands.rewrite import CheckedSource, RewriteRequest
+from attnkit.errors import AttnkitError, UsageError
 from attnkit.ops.gqa import KV_ROLES, METHODS, LayerShape, MergeOptions
 
 ROLE_ORDER = ("q", "q_bias", "k", "k_bias", "v", "v_bias", "qkv", "qkv_bias", "o", "k_norm")

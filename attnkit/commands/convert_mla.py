@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnkit import __version__
-from attnkit.errors import AttnkitError, UsageError
 from attnkit.commands.rewrite import CheckedSource, RewriteRequest
+from attnkit.errors import AttnkitError, UsageError
 from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, VALUE_WEIGHTS, MLAOptions, MLAShape
 
 #: Families whose attention maps onto DeepseekV3 (the rest are refused with the reason in REFUSED).

@@ -32,12 +32,18 @@ def _disk_full(exc: BaseException | None) -> bool:
 
 
 def _fsync_path(path: Path) -> None:
-    """Flush one file's or folder's data to disk (folders: their entries; skipped where the OS cannot)."""
-    fd = os.open(path, os.O_RDONLY)
+    """Flush one file's data, or one folder's entries, to disk. Folders are skipped where the OS or the
+    filesystem cannot open or fsync them (Windows, some network filesystems); file errors pass through."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if path.is_dir():
+            return
+        raise
     try:
         os.fsync(fd)
-    except OSError as exc:  # some filesystems refuse fsync on folders
-        if not (path.is_dir() and exc.errno in (errno.EINVAL, errno.EBADF)):
+    except OSError:
+        if not path.is_dir():
             raise
     finally:
         os.close(fd)
@@ -45,7 +51,7 @@ def _fsync_path(path: Path) -> None:
 
 def sync_tree(folder: Path) -> None:
     """fsync every file under `folder`, then the folders themselves, deepest first."""
-    for root, dirs, files in os.walk(folder, topdown=False):
+    for root, _subfolders, files in os.walk(folder, topdown=False):
         for name in files:
             _fsync_path(Path(root, name))
         _fsync_path(Path(root))

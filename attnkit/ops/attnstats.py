@@ -154,7 +154,8 @@ def accumulate_attention(stats: LayerStats, query: torch.Tensor, key: torch.Tens
     mask5 = _mask5(mask, batch, kv_heads, groups)
     bk = min(tk, KEY_BLOCK)
     bq = max(1, min(tq, BLOCK_ELEMENTS // (batch * heads * bk)))
-    buffers = [torch.empty(batch * heads * bq * bk, device=query.device) for _ in range(2)]  # scores, exp(scores)
+    buffers = [torch.empty(batch * heads * bq * bk, dtype=torch.float32, device=query.device)  # scores, exp
+               for _ in range(2)]
     for a in range(0, tq, bq):
         b = min(tq, a + bq)
         _query_block(stats, qg[:, :, :, a:b], kt, mask5, causal, a, b, offset, bk, cap, sinks, buffers)
