@@ -61,7 +61,8 @@ def resolve_dtype(dtype: str, device, config: dict):
     return torch.float32
 
 
-def _tokenizer(root):
+def load_tokenizer(root):
+    """The checkpoint folder's tokenizer, or None when it has none."""
     from transformers import AutoTokenizer
 
     try:
@@ -70,7 +71,8 @@ def _tokenizer(root):
         return None
 
 
-def _check_causal(ref: str, model_type: str | None) -> None:
+def check_causal(ref: str, model_type: str | None) -> None:
+    """Refuse registry families that are not causal language models (e.g. BERT)."""
     from attnkit.archs import get_arch, supported_model_types
 
     if model_type in supported_model_types() and not get_arch(model_type).causal:
@@ -95,7 +97,7 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_ma
     torch_dtype = resolve_dtype(dtype, dev, ckpt.config)
     if ckpt.kind == "config":
         raise AttnkitError(f"{ref}: a config file has no weights to run")
-    _check_causal(ref, ckpt.model_type)
+    check_causal(ref, ckpt.model_type)
     if ckpt.kind == "gguf":
         from attnkit.io.gguf_load import load_gguf_model
 
@@ -121,7 +123,7 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_ma
             raise AttnkitError(f"{ref}: cannot load model ({exc})") from None
         if device_map is None:
             model = model.to(dev)
-        tokenizer = _tokenizer(ckpt.root)
+        tokenizer = load_tokenizer(ckpt.root)
     model.eval()
     apply_softcaps(model)  # config soft-caps that stock transformers ignores for this family
     return LoadedModel(model=model, tokenizer=tokenizer, checkpoint=ckpt,

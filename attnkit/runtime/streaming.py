@@ -28,13 +28,13 @@ def load_streaming(ref: str, device: str = "auto"):
 
     from attnkit.io.reader import LazyReader
     from attnkit.io.resolve import resolve
-    from attnkit.runtime.loader import LoadedModel, _check_causal, _tokenizer, resolve_device
+    from attnkit.runtime.loader import LoadedModel, check_causal, load_tokenizer, resolve_device
     from attnkit.runtime.softcap import apply_softcaps
 
     ckpt = resolve(ref)
     if not ckpt.weight_files:
         raise StreamingUnsupported(f"{ref}: only safetensors checkpoints can be streamed, not {ckpt.kind}")
-    _check_causal(ref, ckpt.model_type)
+    check_causal(ref, ckpt.model_type)
     dev = resolve_device(device)
     try:
         config = AutoConfig.from_pretrained(str(ckpt.root))
@@ -46,18 +46,18 @@ def load_streaming(ref: str, device: str = "auto"):
     with LazyReader(files) as reader:
         stored = set(reader.names())
         layers = _decoder_layers(model)
-        layer_names = {id(p) for _, layer in layers for p in layer.parameters()}
+        layer_param_ids = {id(p) for _, layer in layers for p in layer.parameters()}
         for name, param in model.named_parameters():
-            if id(param) not in layer_names and name in stored:
+            if id(param) not in layer_param_ids and name in stored:
                 _set(model, name, reader.get(name, dtype=torch.float32), dev)
     model.tie_weights()  # a tied head follows the embeddings just loaded
-    _check_names(ref, model, layers, layer_names, stored)
+    _check_names(ref, model, layers, layer_param_ids, stored)
     for prefix, layer in layers:
         layer.register_forward_pre_hook(_loader(files, prefix, dev), with_kwargs=True)
         layer.register_forward_hook(_dropper, with_kwargs=True)
     model.eval()
     apply_softcaps(model)
-    return LoadedModel(model=model, tokenizer=_tokenizer(ckpt.root), checkpoint=ckpt, device=dev,
+    return LoadedModel(model=model, tokenizer=load_tokenizer(ckpt.root), checkpoint=ckpt, device=dev,
                        dtype=torch.float32)
 
 
@@ -83,9 +83,9 @@ def _decoder_layers(model) -> list[tuple[str, object]]:
     return [(f"{prefix}.{i}", layer) for i, layer in enumerate(layers)]
 
 
-def _check_names(ref: str, model, layers, layer_names: set[int], stored: set[str]) -> None:
+def _check_names(ref: str, model, layers, layer_param_ids: set[int], stored: set[str]) -> None:
     """Every non-layer parameter loaded, every layer parameter present in the checkpoint under its own name."""
-    left = [n for n, p in model.named_parameters() if id(p) not in layer_names and p.is_meta]
+    left = [n for n, p in model.named_parameters() if id(p) not in layer_param_ids and p.is_meta]
     missing = [f"{prefix}.{n}" for prefix, layer in layers for n, _ in layer.named_parameters()
                if f"{prefix}.{n}" not in stored]
     if left or missing:
