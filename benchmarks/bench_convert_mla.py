@@ -1,6 +1,7 @@
 """Benchmark `convert mla` on SmolLM2-135M-Instruct: held-out perplexity and KL for KV budgets and ablations.
 
 Usage: python benchmarks/bench_convert_mla.py [--plan sweep|budgets] [--only REGEX] [--json rows.json]
+       python benchmarks/bench_convert_mla.py ... --swap   (calibrate on heldout.txt, evaluate on calib.txt)
        python benchmarks/bench_convert_mla.py --from-json rows.json[,more.json] [--transmla t.jsonl] [--write]
 Prints one JSON row per run; --from-json renders rows as markdown and --write replaces/appends the
 "## convert mla" section of docs/benchmarks.md. --transmla adds the rows that
@@ -31,10 +32,11 @@ CALIB = str(ROOT / "tests/data/prose/calib.txt")
 HELDOUT = str(ROOT / "tests/data/prose/heldout.txt")
 
 
-def run(model: Path, rank: int, rope: int, *, sequential: bool = True, **opts) -> dict:
+def run(model: Path, rank: int, rope: int, *, calib: str = CALIB, heldout: str = HELDOUT, sequential: bool = True,
+        **opts) -> dict:
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         req = MLARequest(model=str(model), out=Path(tmp) / "out", kv_lora_rank=rank, rope_dim=rope,
-                         calib=[CALIB], calib_tokens=2048, calib_seq_len=512, eval=[HELDOUT], eval_tokens=4096,
+                         calib=[calib], calib_tokens=2048, calib_seq_len=512, eval=[heldout], eval_tokens=4096,
                          eval_seq_len=512, sequential=sequential, options=MLAOptions(**opts), device="cpu")
         started = time.perf_counter()
         rep = convert_mla(req)
@@ -157,6 +159,8 @@ def main() -> None:
     ap.add_argument("--transmla", default=None, help="rows printed by transmla_side_by_side.py (JSON lines)")
     ap.add_argument("--transmla-commit", default="9c0d254", help="the TransMLA commit those rows came from")
     ap.add_argument("--write", action="store_true", help="write the section into docs/benchmarks.md")
+    ap.add_argument("--swap", action="store_true",
+                    help="calibrate on heldout.txt and evaluate on calib.txt (a second split, for robustness)")
     args = ap.parse_args()
     if args.from_json:
         rows = [r for f in args.from_json.split(",") for r in json.loads(Path(f).read_text())]
@@ -174,7 +178,8 @@ def main() -> None:
             continue
         opts = dict(opts)
         seq = opts.pop("sequential", True)
-        r = row(label, run(model, rank, rope, sequential=seq, **opts))
+        texts = {"calib": HELDOUT, "heldout": CALIB} if args.swap else {}
+        r = row(label, run(model, rank, rope, sequential=seq, **texts, **opts))
         print(json.dumps(r), flush=True)
         rows.append(r)
     if args.json:

@@ -16,6 +16,7 @@ Same tokens as bench_convert_mla.py: calibration = the first 2048 tokens of test
 Grid: TransMLA's rope dim (qk_mqa_dim) 64 / 32 / 16 x every freqfold it accepts x budgets of 192 / 128 / 96
 cached values per token and layer (kv_lora_rank = budget - rope dim); TransMLA's defaults otherwise
 (no q low rank, balance_kv_ratio 1, no kv norm). One JSON row per line on stdout.
+--swap calibrates on heldout.txt and evaluates on calib.txt (5 windows); --settings 64:2,32:4 limits the grid.
 """
 
 from __future__ import annotations
@@ -69,7 +70,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--transmla", required=True, type=Path, help="a TransMLA checkout")
     ap.add_argument("--model", required=True, type=Path, help="SmolLM2 fp32 folder (tests.realmodel.smollm2_folder)")
+    ap.add_argument("--swap", action="store_true",
+                    help="calibrate on heldout.txt and evaluate on calib.txt (a second split, for robustness)")
+    ap.add_argument("--settings", default=None,
+                    help="only these rope-dim:freqfold pairs, e.g. 64:2,32:4 (default: the whole grid)")
     args = ap.parse_args()
+    only = {tuple(int(v) for v in pair.split(":")) for pair in args.settings.split(",")} if args.settings else None
     sys.path.insert(0, str(args.transmla / "transmla" / "transmla"))
     from lora_qkv import low_rank_qkv  # TransMLA's code, from its checkout
     from partial_rope import PartialRope
@@ -82,7 +88,8 @@ def main() -> None:
         tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{folder}/tokenizer.json")
         source = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="sdpa")
     source.eval()
-    calib, heldout = windows(tokenizer, PROSE / "calib.txt", 2048), windows(tokenizer, PROSE / "heldout.txt", 4096)
+    calib_file, heldout_file = ("heldout.txt", "calib.txt") if args.swap else ("calib.txt", "heldout.txt")
+    calib, heldout = windows(tokenizer, PROSE / calib_file, 2048), windows(tokenizer, PROSE / heldout_file, 4096)
     loader = [{"input_ids": calib, "attention_mask": torch.ones_like(calib), "labels": calib}]
     source_ppl = perplexity(source, heldout)
     print(json.dumps({"variant": "source", "ppl": source_ppl}), flush=True)
@@ -94,6 +101,9 @@ def main() -> None:
         collapse = head_dim // rope
         freqfold = collapse
         while freqfold <= head_dim // 2:
+            if only is not None and (rope, freqfold) not in only:
+                freqfold *= 2
+                continue
             started = time.perf_counter()
             partial = deepcopy(source)
             for i, layer in enumerate(partial.model.layers):
