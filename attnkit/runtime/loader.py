@@ -102,7 +102,7 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_ma
         from attnkit.io.gguf_load import load_gguf_model
 
         if device_map is not None:
-            raise UsageError("--device-map is not supported for GGUF files")
+            raise UsageError("device_map is not supported for GGUF files (they are dequantized into memory whole)")
         model, tokenizer = load_gguf_model(ckpt.gguf_file, str(torch_dtype).removeprefix("torch."))
         model = model.to(dev)
         if attn_implementation:
