@@ -42,6 +42,9 @@ class OutputFormat(str, Enum):
 FORMAT_OPTION = typer.Option(
     OutputFormat.table, "--format", "-f", help="Output format: table, json, csv or markdown."
 )
+#: --device and --dtype of the commands that run a model (eval, probe).
+DEVICE_OPTION = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps.")
+DTYPE_OPTION = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16.")
 
 
 def debug_enabled() -> bool:

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, handle_errors, stderr
+from attnkit.cli.common import DEVICE_OPTION, DTYPE_OPTION, FORMAT_OPTION, OutputFormat, handle_errors, stderr
 from attnkit.cli.output import Column, render
 
 
@@ -21,8 +21,8 @@ def register(app: typer.Typer) -> None:
         seq_len: int = typer.Option(512, "--seq-len", help="Tokens per window."),
         max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="At most this many tokens in all (whole windows)."),
         batch_size: int = typer.Option(1, "--batch-size", help="Windows per forward pass."),
-        device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
-        dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16."),
+        device: str = DEVICE_OPTION,
+        dtype: str = DTYPE_OPTION,
         fmt: OutputFormat = FORMAT_OPTION,
     ) -> None:
         """Token-level perplexity on text windows; with --reference also KL(ref || model) and top-1 agreement."""

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, handle_errors, stderr
+from attnkit.cli.common import DEVICE_OPTION, DTYPE_OPTION, FORMAT_OPTION, OutputFormat, handle_errors, stderr
 from attnkit.cli.output import Column, render
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -39,8 +39,8 @@ def register(app: typer.Typer) -> None:
         out: Optional[str] = typer.Option(None, "--out", help="Write per-head rows to FILE.parquet or FILE.csv."),
         plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG: max-logit heatmap and log Z per layer."),
         top: int = typer.Option(20, "--top", help="Heads shown in the table (worst max logit first); 0 = all."),
-        device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
-        dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16."),
+        device: str = DEVICE_OPTION,
+        dtype: str = DTYPE_OPTION,
         fmt: OutputFormat = FORMAT_OPTION,
     ) -> None:
         """Attention logits (max, min, mean, std, share above --threshold), log Z, entropy and q/k norms per head."""
