@@ -62,14 +62,14 @@ def _child(mode: str, command: str, model: str) -> dict:
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         out = Path(tmp) / "out"
         if command == "mla":
-            from attnkit.commands.convert_mla import MLARequest, convert_mla
+            from attnkit.commands.convert.mla import MLARequest, convert_mla
             from attnkit.ops.mla import MLAOptions
 
             convert_mla(MLARequest(model=model, out=out, kv_lora_rank=128, rope_dim=64, calib=[CALIB],
                                    calib_tokens=2048, calib_seq_len=512, sequential=True, options=MLAOptions(),
                                    device="cpu", max_shard_bytes=64 << 20))
         else:
-            from attnkit.commands.convert_gqa import ConvertRequest, convert_gqa
+            from attnkit.commands.convert.gqa import ConvertRequest, convert_gqa
 
             convert_gqa(ConvertRequest(model=model, out=out, kv_heads=1, method="merge", calib=[CALIB],
                                        calib_tokens=2048, calib_seq_len=512, device="cpu",

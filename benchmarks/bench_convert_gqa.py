@@ -125,7 +125,7 @@ def speed() -> dict:
 
 
 def quality(only: str | None) -> list[dict]:
-    from attnkit.commands.convert_gqa import ConvertRequest, convert_gqa
+    from attnkit.commands.convert.gqa import ConvertRequest, convert_gqa
     from attnkit.ops.gqa import MergeOptions
     from tests.realmodel import smollm2_folder
 

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.docsection import replace_section  # noqa: E402
 
-from attnkit.commands.convert_mla import MLARequest, convert_mla  # noqa: E402
+from attnkit.commands.convert.mla import MLARequest, convert_mla  # noqa: E402
 from attnkit.ops.mla import MLAOptions  # noqa: E402
 from tests.realmodel import smollm2_folder  # noqa: E402
 

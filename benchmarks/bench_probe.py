@@ -34,7 +34,7 @@ def _child(mode: str, model_dir: str, seq_len: int, threads: int | None) -> dict
     if threads:
         torch.set_num_threads(threads)
 
-    from attnkit.commands.probe import probe
+    from attnkit.commands.analyse.probe import probe
     from attnkit.runtime import load_model, make_windows, read_texts
 
     loaded = load_model(model_dir, device="cpu", dtype="float32")
@@ -99,7 +99,7 @@ def main() -> None:
     body = "\n".join([
         "`python benchmarks/bench_probe.py --write docs/benchmarks.md`: SmolLM2-135M-Instruct, fp32, CPU, batch 1, "
         "one window per run (text: tests/data/prose). *forward* is a plain `model(ids)` with the default sdpa "
-        "attention and full logits; *probe* is `attnkit.commands.probe.probe` on the same tokens (the same sdpa "
+        "attention and full logits; *probe* is `attnkit.commands.analyse.probe.probe` on the same tokens (the same sdpa "
         "forward plus the blockwise statistics pass and the chunked final-logit statistics). Best of "
         f"{args.repeat} fresh-process runs each; *extra* = peak RSS minus RSS before the run (model loaded).",
         "",

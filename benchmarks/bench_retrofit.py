@@ -40,27 +40,27 @@ def _variants(args) -> list[tuple[str, str, dict]]:
 
 def _run(kind: str, kwargs: dict, src: str, out: Path, args) -> dict:
     """The retrofit without --eval (its probe pass is measured elsewhere); scored by _score."""
-    from attnkit.commands.retrofit_common import RetrofitOptions
+    from attnkit.commands.retrofit.common import RetrofitOptions
 
     opts = RetrofitOptions(model=src, out=out, calib=[str(PROSE / "calib.txt")], calib_tokens=args.calib_tokens,
                            calib_seq_len=args.seq_len, device="cpu")
     if kind == "softcap":
-        from attnkit.commands.retrofit_softcap import SoftcapRequest, retrofit_softcap
+        from attnkit.commands.retrofit.softcap import SoftcapRequest, retrofit_softcap
 
         return retrofit_softcap(SoftcapRequest(opts, **kwargs))
     if kind == "qknorm":
-        from attnkit.commands.retrofit_qknorm import QKNormRequest, retrofit_qknorm
+        from attnkit.commands.retrofit.qknorm import QKNormRequest, retrofit_qknorm
 
         return retrofit_qknorm(QKNormRequest(opts, **kwargs))
-    from attnkit.commands.retrofit_qkclip import QKClipRequest, retrofit_qkclip
+    from attnkit.commands.retrofit.qkclip import QKClipRequest, retrofit_qkclip
 
     return retrofit_qkclip(QKClipRequest(opts, **kwargs))
 
 
 def _score(source, folder: Path, wins) -> dict:
     """Perplexity of source and result, KL(source || result) and top-1 agreement on the held-out windows."""
-    from attnkit.commands.evaluate import evaluate
-    from attnkit.commands.retrofit_common import load
+    from attnkit.commands.analyse.evaluate import evaluate
+    from attnkit.commands.retrofit.common import load
 
     return evaluate(load(folder, "cpu"), wins, reference=source).to_dict()
 
@@ -93,7 +93,7 @@ def main() -> None:
     args.only = set(args.only.split(","))
     from tests.realmodel import smollm2_folder
 
-    from attnkit.commands.retrofit_common import load, windows
+    from attnkit.commands.retrofit.common import load, windows
 
     src = str(smollm2_folder())
     source = load(src, "cpu")

@@ -271,8 +271,8 @@ def test_gemma3_multimodal_config_reads_text_config(tmp_path):
 # ---------------------------------------------------------------- real checkpoints
 
 def test_real_minilm_bert_through_inspect():
-    from attnkit.commands.inspect import inspect_model
-    from attnkit.commands.modelinfo import model_info
+    from attnkit.commands.analyse.inspect import inspect_model
+    from attnkit.commands.analyse.modelinfo import model_info
     from tests.realmodel import minilm_folder
 
     folder = minilm_folder()
@@ -291,8 +291,8 @@ def test_real_minilm_bert_through_inspect():
 
 
 def test_real_smollm2_through_inspect():
-    from attnkit.commands.inspect import inspect_model
-    from attnkit.commands.modelinfo import model_info
+    from attnkit.commands.analyse.inspect import inspect_model
+    from attnkit.commands.analyse.modelinfo import model_info
     from attnkit.io.safetensors_header import read_headers
     from tests.realmodel import smollm2_folder
 

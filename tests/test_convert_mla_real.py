@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from attnkit.commands.convert_mla import MLARequest, cache_check, convert_mla
+from attnkit.commands.convert.mla import MLARequest, cache_check, convert_mla
 from attnkit.ops.mla import MLAOptions
 from tests.realmodel import smollm2_folder
 

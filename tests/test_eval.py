@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnkit.cli import app
-from attnkit.commands.evaluate import evaluate
+from attnkit.commands.analyse.evaluate import evaluate
 from tests.test_runtime import PROSE, char_tokenizer
 from tests.tiny import build_model
 

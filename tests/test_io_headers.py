@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from attnkit.errors import AttnkitError
 from attnkit.io.safetensors_header import read_header, read_headers
-from attnkit.io.resolve import safetensors_files
+from attnkit.io.checkpoint import safetensors_files
 
 
 def test_headers_match_torch_on_sharded_checkpoint(tiny):

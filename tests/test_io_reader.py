@@ -10,7 +10,8 @@ import torch
 
 from attnkit.errors import AttnkitError
 from attnkit.io.reader import LazyReader, open_checkpoint
-from attnkit.io.resolve import resolve, safetensors_files
+from attnkit.io.checkpoint import safetensors_files
+from attnkit.io.resolve import resolve
 from tests.tiny import build_model, save_model
 
 

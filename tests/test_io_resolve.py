@@ -11,7 +11,8 @@ import pytest
 
 from attnkit.errors import AttnkitError
 from attnkit.io.gguf_meta import read_gguf
-from attnkit.io.resolve import INDEX_NAME, resolve
+from attnkit.io.checkpoint import INDEX_NAME
+from attnkit.io.resolve import resolve
 
 
 def _write_gguf(path, arch, **fields):

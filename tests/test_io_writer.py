@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from attnkit.errors import AttnkitError
 from attnkit.io import writer as writer_mod
 from attnkit.io.reader import LazyReader
-from attnkit.io.resolve import safetensors_files
+from attnkit.io.checkpoint import safetensors_files
 from attnkit.io.safetensors_header import read_header
 from attnkit.io.writer import ShardedWriter, copy_side_files, verify_output
 from tests.tiny import build_model

@@ -8,7 +8,7 @@ import pytest
 
 from attnkit import kvcache
 from attnkit.archs.spec import attention_spec
-from attnkit.commands.modelinfo import WEIGHT_DTYPE_BYTES
+from attnkit.commands.analyse.modelinfo import WEIGHT_DTYPE_BYTES
 from attnkit.presets import all_presets, find_preset
 
 BF16 = kvcache.cache_dtype("bf16")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attnkit.cli import app
-from attnkit.commands.probe import parse_rule, probe
+from attnkit.commands.analyse.probe import parse_rule, probe
 from attnkit.errors import UsageError
 from attnkit.runtime.hook import attention_hook
 from tests.test_runtime import PROSE, char_tokenizer

@@ -25,7 +25,7 @@ def _err(v) -> str:
 def _gqa(model: str, out: Path, kv_heads: int, method: str, calib: List[str], calib_tokens: int, calib_seq_len: int,
          eval_files: List[str], eval_tokens: int, eval_seq_len: int, sequential: bool, value_weight: str,
          key_weight: str, o_refit: float, max_shard_size: str, device: str, overwrite: bool, dry_run: bool, fmt: OutputFormat) -> None:
-    from attnkit.commands.convert_gqa import ConvertRequest, convert_gqa
+    from attnkit.commands.convert.gqa import ConvertRequest, convert_gqa
     from attnkit.errors import UsageError
     from attnkit.ops.gqa import MergeOptions
     from attnkit.units import parse_bytes
@@ -156,7 +156,7 @@ def mla(
     dry_run: bool = _O["dry_run"], fmt: OutputFormat = FORMAT_OPTION,
 ) -> None:
     """Rewrite an MHA/GQA model as a stock DeepseekV3 (MLA) checkpoint: a calibrated KV latent plus a shared RoPE key."""
-    from attnkit.commands.convert_mla import MLARequest, convert_mla
+    from attnkit.commands.convert.mla import MLARequest, convert_mla
     from attnkit.ops.mla import MLAOptions
     from attnkit.units import parse_bytes
 

@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
         fmt: OutputFormat = FORMAT_OPTION,
     ) -> None:
         """Token-level perplexity on text windows; with --reference also KL(ref || model) and top-1 agreement."""
-        from attnkit.commands.evaluate import evaluate
+        from attnkit.commands.analyse.evaluate import evaluate
         from attnkit.runtime import load_model, make_windows, read_texts
         from attnkit.runtime.progress import progress_bar
 

@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
         fmt: OutputFormat = FORMAT_OPTION,
     ) -> None:
         """Attention layout from config and headers: heads, KV heads, head dim, variant, RoPE, windows, caps."""
-        from attnkit.commands.inspect import inspect_model
+        from attnkit.commands.analyse.inspect import inspect_model
 
         report = inspect_model(model)
         rows = [{"field": k, "value": v} for k, v in report["summary"].items()]

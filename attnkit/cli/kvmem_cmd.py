@@ -31,8 +31,8 @@ def register(app: typer.Typer) -> None:
         fmt: OutputFormat = FORMAT_OPTION,
     ) -> None:
         """KV-cache bytes per token and in total, and with --gpu-mem what fits on each GPU."""
-        from attnkit.commands.kvmem import GpuBudget, kvmem_rows
-        from attnkit.commands.modelinfo import WEIGHT_DTYPE_BYTES, model_info
+        from attnkit.commands.analyse.kvmem import GpuBudget, kvmem_rows
+        from attnkit.commands.analyse.modelinfo import WEIGHT_DTYPE_BYTES, model_info
         from attnkit.errors import UsageError
         from attnkit.units import parse_bytes, parse_list, parse_positive_int, parse_tokens
 

@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
         fmt: OutputFormat = FORMAT_OPTION,
     ) -> None:
         """Attention logits (max, min, mean, std, share above --threshold), log Z, entropy and q/k norms per head."""
-        from attnkit.commands.probe import check_rules, parse_rule, probe
+        from attnkit.commands.analyse.probe import check_rules, parse_rule, probe
         from attnkit.errors import UsageError
         from attnkit.runtime import load_model, make_windows, read_texts
         from attnkit.runtime.progress import progress_bar
@@ -64,11 +64,11 @@ def register(app: typer.Typer) -> None:
                                      batch_size=batch_size, progress=advance, name=ref))
             del loaded
         if out:
-            from attnkit.commands.probe_report import write_table
+            from attnkit.commands.analyse.probe_report import write_table
 
             write_table(results, out)
         if plot:
-            from attnkit.commands.probe_report import plot as write_plot
+            from attnkit.commands.analyse.probe_report import plot as write_plot
 
             write_plot(results, plot)
         _render(results, fmt, top, threshold)

@@ -40,7 +40,7 @@ _O = _common()
 
 def _options(model, out, calib, calib_tokens, calib_seq_len, eval_files, eval_tokens, eval_seq_len,
              max_shard_size, device, overwrite, dry_run):
-    from attnkit.commands.retrofit_common import RetrofitOptions
+    from attnkit.commands.retrofit.common import RetrofitOptions
     from attnkit.units import parse_bytes
 
     return RetrofitOptions(model=model, out=out, calib=list(calib), calib_tokens=calib_tokens,
@@ -107,7 +107,7 @@ def softcap(
     overwrite: bool = _O["overwrite"], dry_run: bool = _O["dry_run"], fmt: OutputFormat = FORMAT_OPTION,
 ) -> None:
     """Write attn_logit_softcapping / final_logit_softcapping into the config (weights unchanged)."""
-    from attnkit.commands.retrofit_softcap import SoftcapRequest, retrofit_softcap
+    from attnkit.commands.retrofit.softcap import SoftcapRequest, retrofit_softcap
     from attnkit.errors import UsageError
 
     if auto and attn_cap is not None:
@@ -145,7 +145,7 @@ def qknorm(
     overwrite: bool = _O["overwrite"], dry_run: bool = _O["dry_run"], fmt: OutputFormat = FORMAT_OPTION,
 ) -> None:
     """Turn a Llama, Mistral or Qwen2 checkpoint into a stock Qwen3 checkpoint with per-head QK-norm."""
-    from attnkit.commands.retrofit_qknorm import QKNormRequest, retrofit_qknorm
+    from attnkit.commands.retrofit.qknorm import QKNormRequest, retrofit_qknorm
 
     req = QKNormRequest(opts=_options(model, out, calib, calib_tokens, calib_seq_len, eval_files, eval_tokens,
                                       eval_seq_len, max_shard_size, device, overwrite, dry_run),
@@ -170,7 +170,7 @@ def qkclip(
     overwrite: bool = _O["overwrite"], dry_run: bool = _O["dry_run"], fmt: OutputFormat = FORMAT_OPTION,
 ) -> None:
     """QK-Clip once: scale W_q of every head whose max logit on --calib text exceeds --tau by tau / max."""
-    from attnkit.commands.retrofit_qkclip import QKClipRequest, retrofit_qkclip
+    from attnkit.commands.retrofit.qkclip import QKClipRequest, retrofit_qkclip
 
     req = QKClipRequest(opts=_options(model, out, calib, calib_tokens, calib_seq_len, eval_files, eval_tokens,
                                       eval_seq_len, max_shard_size, device, overwrite, dry_run), tau=tau)

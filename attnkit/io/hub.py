@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
+from attnkit.io.checkpoint import INDEX_NAME, SIDE_FILES, Checkpoint, safetensors_files, split_revision
 from attnkit.io.config import read_config
-from attnkit.io.resolve import INDEX_NAME, SIDE_FILES, Checkpoint, safetensors_files, split_revision
 
 
 def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> AttnkitError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
-from attnkit.io.resolve import Checkpoint
+from attnkit.io.checkpoint import Checkpoint
 from attnkit.io.safetensors_header import TensorInfo, read_headers
 
 
@@ -93,7 +93,7 @@ def open_checkpoint(ckpt: Checkpoint, cache_dir: Path | None = None) -> LazyRead
     """
     if ckpt.gguf_file is not None:
         from attnkit.io.gguf_load import gguf_cache_folder, materialize_gguf
-        from attnkit.io.resolve import safetensors_files
+        from attnkit.io.checkpoint import safetensors_files
 
         folder = materialize_gguf(ckpt.gguf_file, gguf_cache_folder(ckpt.gguf_file, cache_dir))
         return LazyReader(safetensors_files(folder))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from attnkit.errors import AttnkitError
-from attnkit.io.resolve import INDEX_NAME, SIDE_FILES, safetensors_files
+from attnkit.io.checkpoint import INDEX_NAME, SIDE_FILES, safetensors_files
 
 SINGLE_NAME = "model.safetensors"
 #: torch dtype name -> safetensors dtype code.

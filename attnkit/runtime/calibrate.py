@@ -6,8 +6,6 @@ callback returns layer l's converted tensors (at the source's shapes), which are
 model before l's attention runs, so layers l+1.. are calibrated on the converted model's activations.
 Only one layer's statistics and weights are handled at a time; callers pass a model from
 attnkit.runtime.streaming.load_for_calibration, which keeps only the running decoder layer resident.
-Also here: the per-layer helpers that need a layer's activations (attention-weighted key metric,
-o_proj refit against the source attention output).
 """
 
 from __future__ import annotations
@@ -78,57 +76,3 @@ def calibrate(model, windows, module_names: list[str], on_layer: Callable[..., d
         raise AttnkitError(f"calibration reached {len(reached)} of {len(module_names)} attention layers")
 
 
-def reference_attention_ok(spec, layer: int, seq_len: int, rope, scaling, sinks: bool) -> bool:
-    """Whether attnkit.ops.attnweight's reference causal attention equals this layer's: no QK-norm,
-    soft-capping or attention sinks, no sliding window shorter than the calibration windows, and
-    rotate-half RoPE tables covering the rotary dims."""
-    window = spec.layer_windows[layer]
-    rotary = int(spec.head_dim * spec.partial_rotary_factor)
-    return (spec.qk_norm == "none" and spec.attn_softcap is None and not sinks
-            and (window is None or window >= seq_len) and rope is not None and scaling is not None
-            and rope[0].shape[-1] == rotary - rotary % 2)
-
-
-def _project(x, flat: dict, role: str, head_dim: int):
-    """x [B, T, n] through the `role` projection (+ bias), split into heads -> [B, T, heads, D] float32."""
-    import torch
-
-    out = x @ flat[role].to(torch.float32).T
-    if f"{role}_bias" in flat:
-        out = out + flat[f"{role}_bias"].to(torch.float32)
-    return out.reshape(*x.shape[:2], -1, head_dim)
-
-
-def attention_key_covariance(weights: dict, hidden, rope, scaling: float, shape, augment: bool):
-    """Per-group key metric, tokens weighted by the layer's own attention (attnkit.ops.attnweight).  -> [G, n', n']"""
-    import torch
-
-    from attnkit.ops.attnweight import key_token_weights, weighted_group_covariance
-    from attnkit.ops.gqa import unfused
-
-    flat = unfused(weights, shape)
-    x = hidden.detach().to(device="cpu", dtype=torch.float32)  # [B, T, n]
-    cos, sin = (r.detach().to(device="cpu", dtype=torch.float32) for r in rope)  # [B, T, R]
-    w = key_token_weights(_project(x, flat, "q", shape.head_dim), _project(x, flat, "k", shape.head_dim),
-                          cos, sin, scaling)  # [Hkv, B*T]
-    return weighted_group_covariance(token_rows(hidden, augment), w, shape.groups)
-
-
-def refit_output(weights: dict, plan, hidden, rope, scaling: float, shape, ridge: float):
-    """o_proj refit so the converted layer's attention output matches the source's on these tokens.  -> [hidden, H*D]"""
-    import torch
-
-    from attnkit.ops.attnweight import causal_attention
-    from attnkit.ops.gqa import apply_plan, expand_layer, unfused
-    from attnkit.ops.orefit import refit_o
-
-    x = hidden.detach().to(device="cpu", dtype=torch.float32)  # [B, T, n]
-    cos, sin = (r.detach().to(device="cpu", dtype=torch.float32) for r in rope)
-
-    def outputs(layer: dict):  # attention output before o_proj, [B*T, H*D]
-        flat = unfused(layer, shape)
-        z = causal_attention(*(_project(x, flat, r, shape.head_dim) for r in ("q", "k", "v")), cos, sin, scaling)
-        return z.reshape(-1, z.shape[-1])
-
-    converted = unfused({**weights, **expand_layer(apply_plan(weights, plan, shape), shape)}, shape)
-    return refit_o(outputs(converted), outputs(weights), unfused(weights, shape)["o"], converted["o"], ridge)

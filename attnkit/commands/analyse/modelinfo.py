@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attnkit.archs.spec import AttentionSpec, attention_spec
-from attnkit.io.resolve import Checkpoint, resolve
+from attnkit.io.checkpoint import Checkpoint
+from attnkit.io.resolve import resolve
 from attnkit.params import estimate_parameters
 from attnkit.presets import find_preset
 
@@ -65,7 +66,7 @@ def _weights(ckpt: Checkpoint, spec: AttentionSpec) -> tuple[int, float | None, 
         return sum(t.numel for t in tensors), sum(t.nbytes for t in tensors), "gguf", tuple(t.name for t in tensors)
     files = ckpt.weight_files
     if ckpt.kind == "hub":
-        from attnkit.io.resolve import safetensors_files
+        from attnkit.io.checkpoint import safetensors_files
 
         files = safetensors_files(ckpt.root) if ckpt.root else []
         if not files:

@@ -142,10 +142,8 @@ def _read_layer(reader, roles: dict) -> dict:
 
 def _calibrate(req: ConvertRequest, src: Source) -> tuple[list, dict]:
     """Per-layer plans from calibration (sequential: each layer sees the converted layers before it)."""
-    from attnkit.commands.calibrate import (
-        attention_key_covariance, attention_module_name, calibrate, input_covariance, reference_attention_ok,
-        refit_output,
-    )
+    from attnkit.commands.convert.gqa_layer import attention_key_covariance, reference_attention_ok, refit_output
+    from attnkit.runtime.calibrate import attention_module_name, calibrate, input_covariance
     from attnkit.io.reader import LazyReader
     from attnkit.ops.gqa import apply_plan, expand_layer, is_biased, plan_layer
     from attnkit.runtime import make_windows, read_texts
@@ -228,7 +226,7 @@ def _stream(reader, src: Source, req: ConvertRequest, plans: list, folder: Path)
 def _verify(folder: Path, expected: dict) -> None:
     """Names and shapes of the written shards (headers only) against the new config's. Copied tensors
     are the source's bytes; rewritten ones were checked for NaN/Inf before writing."""
-    from attnkit.io.resolve import safetensors_files
+    from attnkit.io.checkpoint import safetensors_files
     from attnkit.io.safetensors_header import read_headers
 
     written = {name: tuple(info.shape) for name, info in read_headers(safetensors_files(folder)).items()}
@@ -252,7 +250,7 @@ def _layer_rows(plans: list) -> list[dict]:
 
 def _evaluate(req: ConvertRequest, source_root: Path, result_root: Path) -> dict:
     """Perplexity of source and result on --eval text, and KL(source || result) per token."""
-    from attnkit.commands.evaluate import evaluate
+    from attnkit.commands.analyse.evaluate import evaluate
     from attnkit.runtime import load_model, make_windows, read_texts
 
     source = load_model(str(source_root), device=req.device, dtype="float32")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from attnkit.commands.retrofit_common import (RetrofitOptions, check_options, load, open_source, raw_config,
+from attnkit.commands.retrofit.common import (RetrofitOptions, check_options, load, open_source, raw_config,
                                               stream_weights, windows, write_output)
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.ops.qknorm import METHODS
@@ -262,7 +262,7 @@ def _check_loads(folder) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from attnkit.io.reader import LazyReader
-    from attnkit.io.resolve import safetensors_files
+    from attnkit.io.checkpoint import safetensors_files
 
     config = AutoConfig.from_pretrained(str(folder))
     if config.model_type != "qwen3":

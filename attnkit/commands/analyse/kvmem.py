@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attnkit import kvcache
-from attnkit.commands.modelinfo import ModelInfo
+from attnkit.commands.analyse.modelinfo import ModelInfo
 
 
 @dataclass(frozen=True)

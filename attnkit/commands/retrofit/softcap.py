@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnkit.commands.retrofit_common import (RetrofitOptions, check_options, load, open_source, raw_config,
+from attnkit.commands.retrofit.common import (RetrofitOptions, check_options, load, open_source, raw_config,
                                               windows, write_output)
 from attnkit.errors import AttnkitError, UsageError
 
@@ -127,7 +127,7 @@ def _auto_caps(req: SoftcapRequest, src) -> dict:
 
 def _copy_weights(src, folder: Path) -> dict | None:
     """Copy the source's safetensors files (and index) unchanged."""
-    from attnkit.io.resolve import INDEX_NAME
+    from attnkit.io.checkpoint import INDEX_NAME
 
     for f in src.ckpt.weight_files:
         shutil.copyfile(f, folder / Path(f).name)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from attnkit import kvcache
-from attnkit.commands.modelinfo import model_info
+from attnkit.commands.analyse.modelinfo import model_info
 from attnkit.units import human_bytes
 
 

@@ -141,8 +141,8 @@ def write_output(src: Source, opts: RetrofitOptions, config: dict, write_weights
 
 def compare(opts: RetrofitOptions, source_root: Path, result_root: Path) -> dict:
     """Perplexity and KL(source || result) on the --eval text, and both models' probe summaries side by side."""
-    from attnkit.commands.evaluate import evaluate
-    from attnkit.commands.probe import probe
+    from attnkit.commands.analyse.evaluate import evaluate
+    from attnkit.commands.analyse.probe import probe
 
     source, result = load(source_root, opts.device), load(result_root, opts.device)
     wins = windows(source, opts.eval, opts.eval_seq_len, opts.eval_tokens)

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from attnkit.commands.retrofit_common import (RetrofitOptions, check_options, load, open_source, raw_config,
+from attnkit.commands.retrofit.common import (RetrofitOptions, check_options, load, open_source, raw_config,
                                               stream_weights, windows, write_output)
 from attnkit.errors import AttnkitError, UsageError
 
@@ -72,7 +72,7 @@ def _clip(req: QKClipRequest, src) -> tuple[list, dict]:
     """Sequential clipping on the calibration text; returns per-layer factors [H] and calibration info."""
     import torch
 
-    from attnkit.commands.calibrate import attention_module_name
+    from attnkit.runtime.calibrate import attention_module_name
 
     spec = src.spec
     loaded = load(src.ckpt.root, req.opts.device)
@@ -134,7 +134,7 @@ def _rewriter(src, factors):
 
 def _after(req, folder, src) -> list:
     """Per-head max logits of the written model on the calibration text (attnkit's probe)."""
-    from attnkit.commands.probe import probe
+    from attnkit.commands.analyse.probe import probe
 
     loaded = load(folder, req.opts.device)
     wins = windows(loaded, req.opts.calib, req.opts.calib_seq_len, req.opts.calib_tokens)
@@ -143,7 +143,7 @@ def _after(req, folder, src) -> list:
 
 def retrofit_qkclip(req: QKClipRequest) -> dict:
     """Run (or with dry_run, plan) QK-Clip; returns the report (see docs/retrofit.md)."""
-    from attnkit.commands.probe import probe
+    from attnkit.commands.analyse.probe import probe
 
     started = time.perf_counter()
     src = check_request(req)

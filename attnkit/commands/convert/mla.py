@@ -185,47 +185,6 @@ def _check_options(o: MLAOptions) -> None:
         raise UsageError(f"--key-balance must be positive, got {o.key_balance}")
 
 
-def target_config(src: Source, q_lora: bool):
-    """The DeepseekV3Config of the result: dense MLPs in every layer, no experts, the source's rope."""
-    import torch
-    from transformers import AutoConfig, DeepseekV3Config
-
-    s, spec = src.shape, src.spec
-    cfg = AutoConfig.from_pretrained(str(src.ckpt.root))
-    rope = dict(src.rope)
-    rope["rope_theta"] = float(rope["rope_theta"]) ** (s.rope_dim / s.head_dim)  # same frequencies at width P
-    dtype = getattr(cfg, "dtype", None) or torch.float32
-    config = DeepseekV3Config(
-        vocab_size=cfg.vocab_size, hidden_size=spec.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_heads, kv_lora_rank=s.latent_rank + 1,
-        q_lora_rank=spec.hidden_size + 1 if q_lora else None, qk_rope_head_dim=s.rope_dim,
-        qk_nope_head_dim=s.head_dim, v_head_dim=s.head_dim, first_k_dense_replace=spec.num_layers,
-        n_routed_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1, n_shared_experts=1,
-        moe_intermediate_size=1, num_mtp_layers=0,
-        hidden_act=getattr(cfg, "hidden_activation", None) or cfg.hidden_act,
-        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=bool(cfg.tie_word_embeddings) and src.arch.family != "gemma",
-        rope_parameters=rope, rope_interleave=True, attention_bias=True, attention_dropout=0.0,
-        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
-    )
-    config.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
-    return config
-
-
-def expected_shapes(config) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of the target, from a DeepseekV3ForCausalLM built on the meta device."""
-    import torch
-    from transformers import DeepseekV3ForCausalLM
-
-    with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
-    return shapes
-
-
 def _layer_weights(reader, roles: dict) -> dict:
     return {role: reader.get(name) for role, name in roles.items()}
 
@@ -249,82 +208,25 @@ def convert_one(src: Source, weights: dict, cov, freqs, options: MLAOptions, dty
     return {name: t.to(dtype) for name, t in tensors.items()}, row
 
 
-def _deepseek_attention(config, layer: int, tensors: dict, device):
-    """The converted layer as a stock DeepseekV3Attention (sdpa, fp32) and its rotary embedding."""
-    import torch
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
-
-    config._attn_implementation = "sdpa"
-    attn = DeepseekV3Attention(config, layer).to(device=device, dtype=torch.float32)
-    attn.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=True)
-    return attn, DeepseekV3RotaryEmbedding(config).to(device)
-
-
-def _run(attn, rotary, hidden):
-    """(output, input of o_proj [B*T, H*D]) of the converted attention on hidden [B, T, n] (no padding)."""
-    import torch
-
-    captured = {}
-    handle = attn.o_proj.register_forward_pre_hook(lambda _m, args: captured.update(z=args[0]))
-    try:
-        pos = torch.arange(hidden.shape[1], device=hidden.device)[None]
-        out, _ = attn(hidden_states=hidden, position_embeddings=rotary(hidden, pos), attention_mask=None)
-    finally:
-        handle.remove()
-    return out, captured["z"].reshape(-1, captured["z"].shape[-1])
-
-
-def _source_attention_inputs(weights: dict, hidden, rope, scaling: float, s: MLAShape):
-    """The source layer's attention output before o_proj on hidden [B, T, n].  -> [B*T, H*D] float32"""
-    import torch
-
-    from attnkit.ops.attnweight import causal_attention
-
-    x = hidden.detach().to(torch.float32)
-
-    def project(role):  # [B, T, heads, D]
-        out = x @ weights[role].to(x).T
-        if f"{role}_bias" in weights:
-            out = out + weights[f"{role}_bias"].to(x)
-        return out.reshape(*x.shape[:2], -1, s.head_dim)
-
-    cos, sin = (r.detach().to(x) for r in rope)
-    z = causal_attention(project("q"), project("k"), project("v"), cos, sin, scaling)
-    return z.reshape(-1, z.shape[-1])
-
-
 def _refit_o(config, layer: int, tensors: dict, weights: dict, hidden, rope, scaling, s: MLAShape, ridge: float,
              device):
     """o_proj refit (attnkit.ops.orefit) so the converted layer's output matches the source's on these tokens."""
     from attnkit.ops.orefit import refit_o
+    from attnkit.runtime.attention import deepseek_attention, run_attention, source_attention_inputs
 
-    attn, rotary = _deepseek_attention(config, layer, tensors, device)
-    _, z_new = _run(attn, rotary, hidden.detach().to(device).float())
-    z_old = _source_attention_inputs(weights, hidden.to(device), rope, scaling, s)
+    attn, rotary = deepseek_attention(config, layer, tensors, device)
+    _, z_new = run_attention(attn, rotary, hidden.detach().to(device).float())
+    z_old = source_attention_inputs(weights, hidden.to(device), rope, scaling, s)
     o = weights["o"]
     return refit_o(z_new.cpu(), z_old.cpu(), o, o, ridge).to(tensors["o_proj.weight"].dtype)
 
 
-def _replace_output_once(module, config, layer: int, tensors: dict, device) -> None:
-    """Hook `module` (a source attention) so that its next output is the converted layer's; the hook then
-    removes itself, freeing the converted module (calibration is one forward pass)."""
-    converted = {"modules": _deepseek_attention(config, layer, tensors, device)}
-
-    def hook(_module, args, kwargs, output):
-        attn, rotary = converted.pop("modules")
-        handle.remove()
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, T, n]
-        out, _ = _run(attn, rotary, hidden)
-        return (out,) + tuple(output[1:])
-
-    handle = module.register_forward_hook(hook, with_kwargs=True)
-
-
 def _calibrate_and_convert(req: MLARequest, src: Source, config, writer, expected: dict) -> tuple[list, dict]:
     """One pass over the calibration windows; each layer is converted (and written) when reached."""
-    from attnkit.commands.calibrate import attention_module_name, calibrate, input_covariance
+    from attnkit.runtime.calibrate import attention_module_name, calibrate, input_covariance
     from attnkit.io.reader import LazyReader
     from attnkit.runtime import make_windows, read_texts
+    from attnkit.runtime.attention import replace_output_once
     from attnkit.runtime.streaming import load_for_calibration
 
     loaded = load_for_calibration(str(src.ckpt.root), req.device)  # decoder layers streamed when possible
@@ -353,7 +255,7 @@ def _calibrate_and_convert(req: MLARequest, src: Source, config, writer, expecte
                     raise AttnkitError(f"internal: {full} is not a DeepseekV3 tensor")
                 writer.add(full, t)
             if req.sequential:
-                _replace_output_once(loaded.model.get_submodule(modules[layer]), config, layer, tensors,
+                replace_output_once(loaded.model.get_submodule(modules[layer]), config, layer, tensors,
                                      loaded.device)
             return None
 
@@ -411,7 +313,7 @@ def cache_check(model, prompt_len: int = 8, new_tokens: int = 4) -> dict:
 
 
 def _evaluate(req: MLARequest, source_root: Path, result_root: Path) -> dict:
-    from attnkit.commands.evaluate import evaluate
+    from attnkit.commands.analyse.evaluate import evaluate
     from attnkit.runtime import load_model, make_windows, read_texts
 
     source = load_model(str(source_root), device=req.device, dtype="float32")
@@ -438,6 +340,7 @@ def _parameters(req: MLARequest, src: Source) -> dict:
 def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
     """Run (or with dry_run, plan) the conversion; returns the report (see docs/convert-mla.md).
     `log(message)` hears progress once the request has been checked."""
+    from attnkit.commands.convert.mla_target import expected_shapes, target_config
     from attnkit.io.reader import LazyReader
     from attnkit.io.writer import OutputDir, ShardedWriter, copy_side_files, verify_output
 

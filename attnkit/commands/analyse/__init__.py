@@ -1,0 +1,1 @@
+"""inspect, kvmem, eval and probe: read a checkpoint or run it, write nothing."""

@@ -1,0 +1,1 @@
+"""convert gqa|mqa|mla: rewrite a checkpoint into another attention variant."""

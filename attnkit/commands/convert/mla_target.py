@@ -1,0 +1,49 @@
+"""The DeepseekV3 checkpoint `convert mla` writes: its config and the tensor names and shapes it must hold."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attnkit.commands.convert.mla import Source
+
+
+def target_config(src: Source, q_lora: bool):
+    """The DeepseekV3Config of the result: dense MLPs in every layer, no experts, the source's rope."""
+    import torch
+    from transformers import AutoConfig, DeepseekV3Config
+
+    s, spec = src.shape, src.spec
+    cfg = AutoConfig.from_pretrained(str(src.ckpt.root))
+    rope = dict(src.rope)
+    rope["rope_theta"] = float(rope["rope_theta"]) ** (s.rope_dim / s.head_dim)  # same frequencies at width P
+    dtype = getattr(cfg, "dtype", None) or torch.float32
+    config = DeepseekV3Config(
+        vocab_size=cfg.vocab_size, hidden_size=spec.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads, kv_lora_rank=s.latent_rank + 1,
+        q_lora_rank=spec.hidden_size + 1 if q_lora else None, qk_rope_head_dim=s.rope_dim,
+        qk_nope_head_dim=s.head_dim, v_head_dim=s.head_dim, first_k_dense_replace=spec.num_layers,
+        n_routed_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1, n_shared_experts=1,
+        moe_intermediate_size=1, num_mtp_layers=0,
+        hidden_act=getattr(cfg, "hidden_activation", None) or cfg.hidden_act,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=bool(cfg.tie_word_embeddings) and src.arch.family != "gemma",
+        rope_parameters=rope, rope_interleave=True, attention_bias=True, attention_dropout=0.0,
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+    )
+    config.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
+    return config
+
+
+def expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of the target, from a DeepseekV3ForCausalLM built on the meta device."""
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes

@@ -1,0 +1,1 @@
+"""retrofit softcap|qknorm|qkclip: add a logit-stabilising mechanism to a checkpoint."""

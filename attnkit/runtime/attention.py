@@ -1,0 +1,68 @@
+"""Run or swap one attention module: a converted layer as a stock DeepseekV3Attention, its output and o_proj input,
+the source layer's reference attention output, and a one-shot output swap used by sequential calibration."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attnkit.ops.mla import MLAShape
+
+
+def deepseek_attention(config, layer: int, tensors: dict, device):
+    """The converted layer as a stock DeepseekV3Attention (sdpa, fp32) and its rotary embedding."""
+    import torch
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    config._attn_implementation = "sdpa"
+    attn = DeepseekV3Attention(config, layer).to(device=device, dtype=torch.float32)
+    attn.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=True)
+    return attn, DeepseekV3RotaryEmbedding(config).to(device)
+
+
+def run_attention(attn, rotary, hidden):
+    """(output, input of o_proj [B*T, H*D]) of the converted attention on hidden [B, T, n] (no padding)."""
+    import torch
+
+    captured = {}
+    handle = attn.o_proj.register_forward_pre_hook(lambda _m, args: captured.update(z=args[0]))
+    try:
+        pos = torch.arange(hidden.shape[1], device=hidden.device)[None]
+        out, _ = attn(hidden_states=hidden, position_embeddings=rotary(hidden, pos), attention_mask=None)
+    finally:
+        handle.remove()
+    return out, captured["z"].reshape(-1, captured["z"].shape[-1])
+
+
+def source_attention_inputs(weights: dict, hidden, rope, scaling: float, s: MLAShape):
+    """The source layer's attention output before o_proj on hidden [B, T, n].  -> [B*T, H*D] float32"""
+    import torch
+
+    from attnkit.ops.attnweight import causal_attention
+
+    x = hidden.detach().to(torch.float32)
+
+    def project(role):  # [B, T, heads, D]
+        out = x @ weights[role].to(x).T
+        if f"{role}_bias" in weights:
+            out = out + weights[f"{role}_bias"].to(x)
+        return out.reshape(*x.shape[:2], -1, s.head_dim)
+
+    cos, sin = (r.detach().to(x) for r in rope)
+    z = causal_attention(project("q"), project("k"), project("v"), cos, sin, scaling)
+    return z.reshape(-1, z.shape[-1])
+
+
+def replace_output_once(module, config, layer: int, tensors: dict, device) -> None:
+    """Hook `module` (a source attention) so that its next output is the converted layer's; the hook then
+    removes itself, freeing the converted module (calibration is one forward pass)."""
+    converted = {"modules": deepseek_attention(config, layer, tensors, device)}
+
+    def hook(_module, args, kwargs, output):
+        attn, rotary = converted.pop("modules")
+        handle.remove()
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, T, n]
+        out, _ = run_attention(attn, rotary, hidden)
+        return (out,) + tuple(output[1:])
+
+    handle = module.register_forward_hook(hook, with_kwargs=True)
