@@ -18,14 +18,20 @@ HELDOUT = str(Path(__file__).parent / "data" / "prose" / "heldout.txt")
 FAST = ["--calib", CALIB, "--calib-tokens", "512", "--calib-seq-len", "128"]
 
 
-def _source(tmp_path: Path, family: str, biases: bool = False, **overrides) -> Path:
-    """A tiny checkpoint with a character tokenizer; biases: random nonzero q/k/v/o biases."""
+def _source(tmp_path: Path, family: str, biases: bool = False, offset: float = 0.0, **overrides) -> Path:
+    """A tiny checkpoint with a character tokenizer; biases: random nonzero q/k/v/o biases; offset: every token
+    embedding gets offset x the same unit vector, the near-constant direction real LLM hidden states have (and
+    random tiny models lack), which the engine route's anchor a.x ~ 1 is fitted to."""
     model = build_model(family, **overrides)
+    g = torch.Generator().manual_seed(3)
     if biases:
-        g = torch.Generator().manual_seed(3)
         for name, p in model.named_parameters():
             if name.endswith("_proj.bias"):
                 p.data.copy_(0.5 * torch.randn(p.shape, generator=g))
+    if offset:
+        emb = model.get_input_embeddings().weight
+        direction = torch.randn(emb.shape[1], generator=g)
+        emb.data += offset * emb.norm(dim=1).mean() * direction / direction.norm()
     folder = tmp_path / f"src-{family}"
     save_model(model, folder)
     return char_tokenizer(folder)
@@ -47,19 +53,87 @@ def _convert(runner, src: Path, out: Path, *args: str):
     return runner.invoke(app, ["convert", "mla", str(src), str(out), *FAST, *args, "--format", "json"])
 
 
-@pytest.mark.parametrize("family,biases", [("llama", False), ("qwen2", True), ("gemma", False)])
-def test_lossless_case_matches_source_logits(runner, tmp_path, family, biases):
-    """MQA source, P = head_dim, full latent rank: nothing is lost; logits agree to 1e-4 in fp32."""
-    src = _source(tmp_path, family, biases, num_key_value_heads=1, head_dim=8)
+@pytest.mark.parametrize("family,args", [
+    ("llama", []),  # engine route, q_lora path (llama.cpp wants it for 2 layers)
+    ("llama", ["--engine", "vllm"]),  # engine route, plain q_proj, the latent and RoPE key padded to 512 + 64
+    ("gemma", ["--engine", "transformers"]),  # gelu MLPs: no engine runs them, transformers does
+])
+def test_lossless_engine_route_matches_source_logits(runner, tmp_path, family, args):
+    """MQA source, P >= head_dim, latent rank >= hidden: the span latent is an isometry of the attention input,
+    whose norm input_layernorm fixes up to its eps; logits agree to 1e-3 in fp32 (the tolerance: a relative
+    eps / (2 ms) with ms ~ 3e-4 the mean square of these tiny random residual streams; measured 1.5e-4)."""
+    src = _source(tmp_path, family, num_key_value_heads=1, head_dim=8)
     out = tmp_path / "out"
-    result = _convert(runner, src, out, "--kv-lora-rank", "17", "--rope-dim", "8", "--device", "cpu")
+    shape = [] if "vllm" in args else ["--kv-lora-rank", "64", "--rope-dim", "8"]
+    result = _convert(runner, src, out, *shape, *args, "--kv-lora-rank" if "vllm" in args else "--device",
+                      "512" if "vllm" in args else "cpu", *(["--rope-dim", "64"] if "vllm" in args else []))
     assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert all(row["latent_norm"] == "span" and row["norm_error"] < 1e-2 for row in report["layers"])
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3" and config["first_k_dense_replace"] == 2
-    assert (config["q_lora_rank"] is not None) == biases  # a q bias needs the q_lora path
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["attention_bias"] is False
+    assert config["n_routed_experts"] == 0 and config["tie_word_embeddings"] is False
+    assert (config["q_lora_rank"] is not None) == (args == [])
+    from attnkit.io.reader import LazyReader
+    from attnkit.io.checkpoint import safetensors_files
+
+    with LazyReader(safetensors_files(out)) as reader:
+        names = list(reader.names())
+        assert "lm_head.weight" in names and not any(n.endswith(".bias") for n in names)
+        assert all(reader.get(f"model.layers.{i}.input_layernorm.weight").eq(1).all() for i in range(2))
+    ids = torch.randint(3, 100, (2, 48), generator=torch.Generator().manual_seed(0))
+    diff = (_logits(src, ids) - _logits(out, ids)).abs().max().item()
+    assert diff < 1e-3, diff
+
+
+@pytest.mark.parametrize("family,biases", [("llama", False), ("qwen2", True)])
+def test_lossless_bias_route_matches_source_logits(runner, tmp_path, family, biases):
+    """--latent-norm bias (transformers only): the constant channel makes both latent norms exact; 1e-4 in fp32."""
+    src = _source(tmp_path, family, biases, num_key_value_heads=1, head_dim=8)
+    out = tmp_path / "out"
+    result = _convert(runner, src, out, "--kv-lora-rank", "17", "--rope-dim", "8", "--device", "cpu",
+                      "--latent-norm", "bias")
+    assert result.exit_code == 0, result.output
+    assert "engines drop" in result.output or "drop" in json.loads(result.stdout)["warnings"][0]
+    config = json.loads((out / "config.json").read_text())
+    assert (config["q_lora_rank"] is not None) == biases and config["attention_bias"] is True
     ids = torch.randint(3, 100, (2, 48), generator=torch.Generator().manual_seed(0))
     diff = (_logits(src, ids) - _logits(out, ids)).abs().max().item()
     assert diff < 1e-4, diff
+
+
+def test_engine_route_carries_biases_without_bias_tensors(runner, tmp_path):
+    """Qwen2 (q/k/v biases): the latent's constants come out of the norm exactly, q and RoPE-key biases ride on
+    the anchor; the output has no bias tensor and stays close to the source."""
+    src = _source(tmp_path, "qwen2", True, offset=3.0, num_key_value_heads=1, head_dim=8)
+    out = tmp_path / "out"
+    result = _convert(runner, src, out, "--kv-lora-rank", "64", "--rope-dim", "8", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    from attnkit.io.reader import LazyReader
+    from attnkit.io.checkpoint import safetensors_files
+
+    with LazyReader(safetensors_files(out)) as reader:
+        assert not any(n.endswith(".bias") for n in reader.names())
+    ids = torch.randint(3, 100, (2, 48), generator=torch.Generator().manual_seed(0))
+    src_logits, out_logits = _logits(src, ids), _logits(out, ids)
+    rel = ((src_logits - out_logits).norm() / src_logits.norm()).item()
+    assert rel < 0.01, rel
+
+
+def test_engine_vllm_snaps_the_budget_or_refuses_before_work(runner, tmp_path):
+    src = _source(tmp_path, "llama_gqa")  # 32 cached values per token: no vLLM MLA shape fits any budget
+    out = tmp_path / "out"
+    result = _convert(runner, src, out, "--kv-budget", "0.5", "--engine", "vllm")
+    assert result.exit_code == 2 and "512+64" in result.output and "--kv-budget" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not out.exists()
+    result = _convert(runner, src, out, "--kv-lora-rank", "128", "--rope-dim", "32", "--engine", "vllm")
+    assert result.exit_code == 2 and "--kv-lora-rank 512 --rope-dim 64" in result.output
+    result = runner.invoke(app, ["convert", "mla", str(src), str(out), "--kv-lora-rank", "512", "--rope-dim", "64",
+                                 "--engine", "vllm", "--dry-run", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    warnings = json.loads(result.stdout)["warnings"]
+    assert any("cache grows" in w for w in warnings) and any("padded" in w for w in warnings)
 
 
 def test_gqa_converts_loads_in_stock_deepseek_and_caches_the_latent(runner, tmp_path):
@@ -102,9 +176,12 @@ def test_dry_run_writes_nothing(runner, tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--kv-lora-rank", "1", "--rope-dim", "4"], "--kv-lora-rank must be between 2"),
-    (["--kv-lora-rank", "34", "--rope-dim", "4"], "and 33"),
+    (["--kv-lora-rank", "34", "--rope-dim", "4", "--latent-norm", "bias"], "and 33"),
     (["--kv-lora-rank", "8", "--rope-dim", "3"], "--rope-dim must be even"),
-    (["--kv-lora-rank", "8", "--rope-dim", "10"], "head dim 8"),
+    (["--kv-lora-rank", "8", "--rope-dim", "10", "--latent-norm", "bias"], "between 2 and 8"),
+    (["--kv-lora-rank", "8", "--rope-dim", "66"], "between 2 and 64"),
+    (["--kv-budget", "0.5", "--latent-norm", "bias", "--engine", "vllm"], "no slot"),
+    (["--kv-budget", "0.5", "--engine", "tpu"], "--engine must be one of"),
     (["--kv-lora-rank", "8"], "give --kv-lora-rank and --rope-dim"),
     (["--kv-budget", "1.5"], "between 0 and 1"),
     (["--kv-budget", "0.5", "--rope-dim", "4"], "not both"),

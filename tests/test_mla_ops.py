@@ -41,12 +41,12 @@ def test_factor_latent_full_rank_is_exact_and_truncation_matches_singular_values
     g = torch.Generator().manual_seed(1)
     n, m = 12, 8
     rows, cov = torch.randn(m, n, generator=g, dtype=torch.float64), _cov(n)
-    down, up = factor_latent(rows, cov, m, torch.eye(m, dtype=torch.float64), 0.0)
+    down, up, _ = factor_latent(rows, cov, m, torch.eye(m, dtype=torch.float64), 0.0)
     assert torch.allclose(up @ down, rows, atol=1e-9)
     lower = torch.linalg.cholesky(cov)
     sv = torch.linalg.svdvals(rows @ lower)
     for rank in (2, 5):
-        down, up = factor_latent(rows, cov, rank, torch.eye(m, dtype=torch.float64), 0.0)
+        down, up, _ = factor_latent(rows, cov, rank, torch.eye(m, dtype=torch.float64), 0.0)
         err = ((rows - up @ down) @ lower).pow(2).sum()
         assert math.isclose(err.item(), sv[rank:].pow(2).sum().item(), rel_tol=1e-9)  # Eckart-Young, whitened
 
@@ -56,7 +56,7 @@ def test_whitened_factor_beats_plain_svd_on_the_activations():
     n, m, rank = 16, 10, 3
     rows, cov = torch.randn(m, n, generator=g, dtype=torch.float64), _cov(n, seed=3)
     lower = torch.linalg.cholesky(cov)
-    down, up = factor_latent(rows, cov, rank, torch.eye(m, dtype=torch.float64), 0.0)
+    down, up, _ = factor_latent(rows, cov, rank, torch.eye(m, dtype=torch.float64), 0.0)
     u, s, vh = torch.linalg.svd(rows)
     plain = (u[:, :rank] * s[:rank]) @ vh[:rank]
     whitened_err = ((rows - up @ down) @ lower).pow(2).sum()
@@ -128,3 +128,80 @@ def test_kv_latent_norm_channel_makes_kv_a_layernorm_a_known_scale(augmented):
     want = (xa @ (layer.up @ layer.down).T).reshape(30, hkv, 2 * d).repeat_interleave(heads // hkv, dim=1)
     assert ((got - want).norm() / want.norm()).item() < 1e-6
     assert torch.allclose(a[:, r + 1:], xa @ layer.rope.T, atol=1e-10)
+
+
+def _unit_norm_inputs(n: int, count: int, seed: int, mean: float = 0.0) -> torch.Tensor:
+    """Rows with |u|^2 = n (what input_layernorm outputs, without its weight), optionally around a mean."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(count, n, generator=g, dtype=torch.float64)
+    u[:, 0] += mean
+    return u * (n / u.pow(2).sum(1, keepdim=True)).sqrt()
+
+
+def test_span_latent_at_full_width_is_exact_through_the_norm():
+    from attnkit.ops.latent_norm import rms_norm, span_plan
+
+    n, r = 12, 5
+    u = _unit_norm_inputs(n, 200, 0)
+    info = torch.randn(r, n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    plan = span_plan(info, u, n, eps=0.0)
+    back = rms_norm(u @ plan.rows.T, plan.norm_weight, 0.0) @ plan.readout  # [N, r]
+    assert plan.kind == "span" and plan.scale_error < 1e-20
+    assert torch.allclose(back, u @ info.T, atol=1e-10)
+
+
+def test_span_latent_pads_zero_rows_beyond_the_hidden_size():
+    from attnkit.ops.latent_norm import span_plan
+
+    u = _unit_norm_inputs(6, 50, 2)
+    plan = span_plan(torch.randn(3, 6, dtype=torch.float64), u, 9, eps=0.0)
+    assert plan.rows.shape == (9, 6) and plan.rows[6:].abs().max() == 0 and plan.readout.shape == (9, 3)
+
+
+def test_anchor_latent_is_exact_when_the_input_has_a_constant_direction():
+    """u = [1 (constant), rest with a fixed norm]: the anchor fit finds a.u = 1 and the norm divides by it."""
+    from attnkit.ops.latent_norm import anchor_plan, anchor_row, rms_norm
+
+    rest = _unit_norm_inputs(7, 300, 3)
+    u = torch.cat([torch.ones(300, 1, dtype=torch.float64), rest], 1)  # [N, 8]
+    a = anchor_row(u, ridge=0.0)
+    assert torch.allclose(u @ a, torch.ones(300, dtype=torch.float64), atol=1e-8)
+    info = torch.randn(4, 8, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    plan = anchor_plan(info, a, u, rank=6, eps=0.0)  # 4 information rows, one zero row, the anchor
+    back = rms_norm(u @ plan.rows.T, plan.norm_weight, 0.0) @ plan.readout
+    rel = ((back - u @ info.T).norm() / (u @ info.T).norm()).item()
+    assert plan.kind == "anchor" and rel < 1e-4, rel  # the shrunk information channels move the RMS by ~2^-16
+
+
+def test_anchor_scale_error_measures_how_far_a_u_is_from_constant():
+    from attnkit.ops.latent_norm import anchor_plan, anchor_row
+
+    info = torch.randn(3, 10, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    near = _unit_norm_inputs(10, 400, 6, mean=8.0)  # a strong mean direction: a.u is nearly constant
+    far = _unit_norm_inputs(10, 400, 6)  # none: the best linear fit of 1 is poor
+    errors = [anchor_plan(info, anchor_row(u), u, 4, 1e-6).scale_error for u in (near, far)]
+    assert errors[0] < 0.01 < errors[1]
+
+
+def test_substitute_constant_replaces_the_bias_column_by_the_anchor():
+    from attnkit.ops.latent_norm import fold_gamma, substitute_constant
+
+    rows = torch.tensor([[1.0, 2.0, 5.0]], dtype=torch.float64)  # acting on [x0, x1, 1]
+    gamma = torch.tensor([2.0, 3.0], dtype=torch.float64)
+    on_u = fold_gamma(rows, gamma)
+    assert on_u.tolist() == [[2.0, 6.0, 5.0]]
+    anchor = torch.tensor([0.5, 0.0], dtype=torch.float64)
+    assert substitute_constant(on_u, anchor).tolist() == [[4.5, 6.0]]
+    assert substitute_constant(on_u[:, :2], anchor).tolist() == [[2.0, 6.0]]
+
+
+def test_fold_o_bias_moves_the_output_bias_onto_the_values():
+    from attnkit.ops.mla_deepseek import fold_o_bias
+
+    g = torch.Generator().manual_seed(8)
+    s = MLAShape(num_heads=4, num_kv=2, head_dim=3, latent_rank=2, rope_dim=2)
+    o = torch.randn(5, 12, generator=g, dtype=torch.float64)  # [n, H*D], rank 5
+    b = torch.randn(5, generator=g, dtype=torch.float64)
+    delta, residual = fold_o_bias(o, b, s)
+    z_shift = delta.reshape(2, 1, 3).expand(2, 2, 3).reshape(12)  # each KV head's delta reaches its 2 readers
+    assert residual < 1e-10 and torch.allclose(o @ z_shift, b, atol=1e-10)

@@ -152,6 +152,14 @@ def mla(
                                   help="Ridge of the o_proj refit to the source attention output (0: off)."),
     weight_only: bool = typer.Option(False, "--weight-only",
                                      help="Ablation: plain SVD of the weights, no activations or read-out weights."),
+    latent_norm: str = typer.Option("auto", "--latent-norm",
+                                    help="How kv_a_layernorm stays linear: auto (per layer, the better of anchor "
+                                         "and span; no bias tensors), anchor, span, or bias (exact, but engines "
+                                         "drop the bias: transformers only)."),
+    engine: str = typer.Option("any", "--engine",
+                               help="Engines the output must load in: any (llama.cpp, vllm, sglang), llama.cpp, "
+                                    "vllm, sglang or transformers; naming one snaps --kv-budget to a shape its "
+                                    "kernels take (vllm: 512+64)."),
     max_shard_size: str = _O["max_shard_size"], device: str = _O["device"], overwrite: bool = _O["overwrite"],
     dry_run: bool = _O["dry_run"], fmt: OutputFormat = FORMAT_OPTION,
 ) -> None:
@@ -166,7 +174,7 @@ def mla(
     req = MLARequest(model=model, out=out, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, kv_budget=kv_budget,
                      calib=list(calib), calib_tokens=calib_tokens, calib_seq_len=calib_seq_len, eval=list(eval_files),
                      eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, sequential=sequential, options=options,
-                     overwrite=overwrite, dry_run=dry_run, device=device,
+                     overwrite=overwrite, dry_run=dry_run, device=device, latent_norm=latent_norm, engine=engine,
                      max_shard_bytes=int(parse_bytes(max_shard_size)), command=shlex.join(["attnkit", *sys.argv[1:]]))
     report = convert_mla(req, log=lambda message: stderr.print(message, style="dim"))
     kv = report["kv_bytes_per_token"]
@@ -183,6 +191,9 @@ def mla(
                     "values per token and layer")
     for note in report["notes"]:
         stderr.print(f"note: {note}", style="yellow")
+    for warning in report["warnings"]:
+        stderr.print(f"warning: {warning}", style="bold yellow")
     columns = [Column("layer", "layer"), Column("k_err", "K rel. error", _err), Column("v_err", "V rel. error", _err),
-               Column("position_free", "K energy w/o RoPE", _err)]
+               Column("position_free", "K energy w/o RoPE", _err),
+               Column("latent_norm", "latent norm", justify="left"), Column("norm_error", "norm scale error", _err)]
     render(report["layers"], columns, fmt, title=f"convert mla: {model}", json_obj=report, caption=caption)

@@ -76,6 +76,12 @@ class MLALayer:
     k_err: float
     v_err: float
     position_free: float  # fraction of the query-weighted key energy that lost its position dependence
+    spectrum: torch.Tensor  # [min(2*Hkv*D, n')] weighted energy per latent rank (squared singular values)
+
+    def truncation_error(self, rank: int) -> float:
+        """Fraction of the weighted key/value energy a latent of `rank` channels leaves out."""
+        total = self.spectrum.sum().item()
+        return self.spectrum[rank:].sum().item() / total if total > 0 else 0.0
 
 
 def _pair_rows(d: int, pairs: list[int]) -> torch.Tensor:
@@ -111,20 +117,21 @@ def fold_query_rope(q: torch.Tensor, coef: torch.Tensor, s: MLAShape) -> torch.T
 
 
 def factor_latent(rows: torch.Tensor, cov: torch.Tensor, rank: int, weight_roots: torch.Tensor,
-                  ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  ridge: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rank-`rank` fit rows ~= up @ down minimising ||weight_roots (rows - up down) L||_F, L L^T = cov.
 
     rows: [m, n'], weight_roots: [m, m].  down: [rank, n'] (the top left singular vectors' combinations
-    of the weighted rows); up: [m, rank], the least-squares read-out rows C down^T (down C down^T)^-1.
+    of the weighted rows); up: [m, rank], the least-squares read-out rows C down^T (down C down^T)^-1;
+    spectrum: [min(m, n')] the squared singular values (the weighted energy each latent rank captures).
     """
     cov_r = regularize(cov, ridge)
     lower = torch.linalg.cholesky(cov_r)
     weighted = weight_roots @ rows  # [m, n']
-    u, _, _ = torch.linalg.svd(weighted @ lower, full_matrices=False)
+    u, sv, _ = torch.linalg.svd(weighted @ lower, full_matrices=False)
     down = u[:, :rank].T @ weighted  # [rank, n']
     gram = down @ cov_r @ down.T  # [rank, rank]
     up = torch.linalg.solve(gram, down @ cov_r @ rows.T).T  # [m, rank]
-    return down, up
+    return down, up, sv.pow(2)
 
 
 def _block_roots(grams: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -166,7 +173,8 @@ def convert_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
     else:
         v_roots = torch.eye(hkv * d, dtype=torch.float64)
     stacked = torch.cat([residual, v])  # [2*Hkv*D, n']
-    down, up = factor_latent(stacked, fit, s.latent_rank, torch.block_diag(k_roots, v_roots), options.ridge)
+    down, up, spectrum = factor_latent(stacked, fit, s.latent_rank, torch.block_diag(k_roots, v_roots),
+                                       options.ridge)
     scale = torch.einsum("ri,ij,rj->r", down, cov, down).clamp_min(1e-300).sqrt()  # unit E[c_j^2] on the data
     down, up = down / scale[:, None], up * scale
     rec = up @ down  # [2*Hkv*D, n']
@@ -176,7 +184,7 @@ def convert_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
         q_nope=q_nope, q_rope=fold_query_rope(q, coef, s), down=down,
         up=_per_head_kv(up, hkv, d), rope=rope,
         k_err=relative_error(k, k_rec, cov), v_err=relative_error(v, rec[hkv * d:], cov),
-        position_free=_weighted_fraction(lost, k, q_gram, cov),
+        position_free=_weighted_fraction(lost, k, q_gram, cov), spectrum=spectrum,
     )
 
 

@@ -1,5 +1,11 @@
 """Write a converted layer (attnkit.ops.mla.MLALayer) as stock transformers DeepseekV3 attention tensors.
 
+Two routes. The engine route (engine_tensors, the default) writes no bias: input_layernorm's weight is
+folded into the projections, the latent norm is handled by attnkit.ops.latent_norm, a source q bias rides
+on the anchor a.u ~ 1, and the query goes through q_proj or, where llama.cpp needs it, an exact q_lora
+path (q_a = identity on u, whose norm is fixed). The bias route (attention_tensors) below is exact in
+transformers but needs bias tensors that llama.cpp, vLLM and SGLang have no slot for:
+
 DeepseekV3Attention (transformers 5.x), with q_lora_rank None and attention_bias True:
   q = q_proj(x) per head [nope | rope];  [c | k_pe] = kv_a_proj_with_mqa(x) (+bias);
   c' = kv_a_layernorm(c) (RMSNorm, always applied; eps 1e-6); per head [k_nope | v] = kv_b_proj(c');
@@ -19,6 +25,7 @@ import math
 
 import torch
 
+from attnkit.ops.latent_norm import NormPlan, fold_gamma, substitute_constant
 from attnkit.ops.mla import MLALayer, MLAShape
 
 #: The constant channel's value relative to the rms of what it dominates.
@@ -95,4 +102,55 @@ def attention_tensors(layer: MLALayer, s: MLAShape, *, q_scale: float, augmented
     out["o_proj.weight"] = o.to(torch.float64)
     out["o_proj.bias"] = (torch.zeros(o.shape[0], dtype=torch.float64) if o_bias is None
                           else o_bias.to(torch.float64))
+    return out
+
+
+def per_query_head(up: torch.Tensor, s: MLAShape) -> torch.Tensor:
+    """Latent read-out rows per KV head [Hkv*2D, r] repeated for each query head that reads it.  -> [H*2D, r]"""
+    per_kv = up.reshape(s.num_kv, 2 * s.head_dim, -1)  # [Hkv, 2D, r]
+    return per_kv.repeat_interleave(s.num_heads // s.num_kv, dim=0).reshape(s.num_heads * 2 * s.head_dim, -1)
+
+
+def fold_o_bias(o: torch.Tensor, o_bias: torch.Tensor, s: MLAShape) -> tuple[torch.Tensor, float]:
+    """A value bias delta [Hkv*D] with the same effect as o_proj's bias (attention weights sum to 1, so a value
+    bias reaches the output as o_proj of it): least squares of sum over each KV head's readers of o columns,
+    and the relative residual |W delta - b| / |b| (0 when b is in the range of o_proj).  o: [n, H*D]."""
+    per_head = o.to(torch.float64).reshape(o.shape[0], s.num_kv, s.num_heads // s.num_kv, s.head_dim)
+    grouped = per_head.sum(dim=2).reshape(o.shape[0], s.num_kv * s.head_dim)  # [n, Hkv*D]
+    b = o_bias.to(torch.float64)
+    delta = torch.linalg.lstsq(grouped, b[:, None]).solution[:, 0]
+    return delta, ((grouped @ delta - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def q_lora_readout(u: torch.Tensor, eps: float) -> float:
+    """Scale that undoes q_a_layernorm on the fixed-norm input u [N, n] (identity q_a): 1 / E-fit of the
+    per-token gain 1 / sqrt(mean(u^2) + eps), ~1 up to input_layernorm's eps."""
+    from attnkit.ops.latent_norm import scale_error
+
+    s, _ = scale_error(torch.rsqrt(u.pow(2).mean(-1) + eps))
+    return s
+
+
+def engine_tensors(layer: MLALayer, plan: NormPlan, s: MLAShape, *, gamma: torch.Tensor, anchor: torch.Tensor,
+                   q_scale: float, q_lora_scale: float | None, o: torch.Tensor) -> dict[str, torch.Tensor]:
+    """All DeepseekV3Attention tensors of one layer without biases (names relative to self_attn), float64.
+
+    Rows act on u = x / gamma (input_layernorm written with weight 1); plan: the latent (attnkit.ops.latent_norm);
+    q_lora_scale: None for a plain q_proj, else the q_lora read-out scale (q_a = identity on u)."""
+    def on_u(rows):  # rows on x or [x; 1] -> rows on u, a constant column replaced by the anchor
+        return substitute_constant(fold_gamma(rows, gamma), anchor)
+
+    q = on_u(query_rows(layer, s, q_scale))  # [H*(D+P), n]
+    n = q.shape[1]
+    out: dict[str, torch.Tensor] = {}
+    if q_lora_scale is None:
+        out["q_proj.weight"] = q
+    else:
+        out.update({"q_a_proj.weight": torch.eye(n, dtype=torch.float64),
+                    "q_a_layernorm.weight": torch.ones(n, dtype=torch.float64),
+                    "q_b_proj.weight": q * q_lora_scale})
+    out["kv_a_proj_with_mqa.weight"] = torch.cat([plan.rows, on_u(layer.rope)])  # [R + P, n]
+    out["kv_a_layernorm.weight"] = plan.norm_weight
+    out["kv_b_proj.weight"] = per_query_head(layer.up, s) @ plan.readout.T  # [H*2D, R]
+    out["o_proj.weight"] = o.to(torch.float64)
     return out

@@ -53,15 +53,18 @@ def source_attention_inputs(weights: dict, hidden, rope, scaling: float, s: MLAS
     return z.reshape(-1, z.shape[-1])
 
 
-def replace_output_once(module, config, layer: int, tensors: dict, device) -> None:
-    """Hook `module` (a source attention) so that its next output is the converted layer's; the hook then
-    removes itself, freeing the converted module (calibration is one forward pass)."""
+def replace_output_once(module, config, layer: int, tensors: dict, device, input_scale=None) -> None:
+    """Hook `module` (a source attention) so that its next output is the converted layer's, run on its input
+    times input_scale [n] when given; the hook then removes itself, freeing the converted module (calibration is
+    one forward pass)."""
     converted = {"modules": deepseek_attention(config, layer, tensors, device)}
 
     def hook(_module, args, kwargs, output):
         attn, rotary = converted.pop("modules")
         handle.remove()
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, T, n]
+        if input_scale is not None:
+            hidden = hidden * input_scale.to(hidden)
         out, _ = run_attention(attn, rotary, hidden)
         return (out,) + tuple(output[1:])
 

@@ -6,6 +6,10 @@ go straight to the output shards; with sequential calibration layer l is then ru
 DeepseekV3Attention, so later layers are fitted on the converted model's activations -> copy the
 other tensors -> config, side files, manifest -> check names/shapes/finiteness -> (--eval) score
 and check what the cache holds -> rename the temp folder into place. The source is only read.
+
+The default output is engine-safe (attnkit.ops.mla_deepseek.engine_tensors: no bias tensors, a config
+llama.cpp, vLLM and SGLang load); `--latent-norm bias` keeps the exact constant-channel route that only
+transformers runs.
 """
 
 from __future__ import annotations
@@ -46,15 +50,31 @@ class MLARequest(RewriteRequest):
     kv_budget: float | None = None  # fraction of the source's KV elements per token
     sequential: bool = True
     options: MLAOptions = field(default_factory=MLAOptions)
+    latent_norm: str = "auto"  # auto | anchor | span (engine-safe, attnkit.ops.latent_norm) | bias (transformers)
+    engine: str = "any"  # serving engines the output must run in (attnkit.engines.targets)
+
+
+LATENT_NORMS = ("auto", "anchor", "span", "bias")
 
 
 @dataclass
 class Source(CheckedSource):
-    """The checked source, its layer shape and RoPE parameters."""
+    """The checked source, its layer shape and RoPE parameters, and the route the conversion takes."""
 
-    shape: MLAShape
+    shape: MLAShape  # latent_rank = R - 1 (R cached latent values per token and layer), rope_dim = P
     layer_names: list[dict]  # per layer: role -> tensor name
     rope: dict  # the source's rope_parameters (rope_type, rope_theta, ...)
+    q_lora: bool  # the query goes through q_a_proj / q_b_proj
+    warnings: list[str]
+
+    @property
+    def rank(self) -> int:
+        return self.shape.latent_rank + 1
+
+    @property
+    def augmented(self) -> bool:
+        """Whether q, k or v carry a bias (rows then act on [x; 1])."""
+        return any(r in self.layer_names[0] for r in ("q_bias", "k_bias", "v_bias"))
 
 
 def budget_split(total: int, head_dim: int) -> tuple[int, int]:
@@ -73,8 +93,12 @@ def max_rank(spec, augmented: bool) -> int:
 
 
 def _ranks(req: MLARequest, spec, augmented: bool) -> tuple[int, int]:
+    """(R, P) from --kv-budget (snapped to a shape the --engine kernels take) or --kv-lora-rank/--rope-dim."""
+    from attnkit.engines.targets import mla_shapes
+
     d = spec.head_dim
     source = 2 * spec.num_kv_heads * d
+    shapes = mla_shapes(req.engine)
     if req.kv_budget is not None:
         if req.kv_lora_rank is not None or req.rope_dim is not None:
             raise UsageError("give either --kv-budget or --kv-lora-rank with --rope-dim, not both")
@@ -83,17 +107,34 @@ def _ranks(req: MLARequest, spec, augmented: bool) -> tuple[int, int]:
         total = int(round(req.kv_budget * source))
         if total < 4:
             raise UsageError(f"--kv-budget {req.kv_budget} leaves {total} cached values per token; need at least 4")
-        rank, rope = budget_split(total, d)
+        if shapes is None:
+            rank, rope = budget_split(total, d)
+        else:
+            fitting = [s for s in shapes if sum(s) <= total]
+            if not fitting:
+                smallest = min(shapes, key=sum)
+                raise UsageError(f"--engine {req.engine}: its MLA kernels take only "
+                                 f"{', '.join(f'{r}+{p}' for r, p in shapes)} cached values per token, and "
+                                 f"--kv-budget {req.kv_budget} allows {total} of the source's {source}; the "
+                                 f"smallest needs --kv-budget {sum(smallest) / source:.3g}")
+            rank, rope = max(fitting, key=sum)
     else:
         if req.kv_lora_rank is None or req.rope_dim is None:
             raise UsageError("give --kv-lora-rank and --rope-dim, or --kv-budget")
         rank, rope = req.kv_lora_rank, req.rope_dim
-    if rope < 2 or rope % 2 or rope > d:
-        raise UsageError(f"--rope-dim must be even and between 2 and the head dim {d}, got {rope}")
-    top = max_rank(spec, augmented)
+        if shapes is not None and (rank, rope) not in shapes:
+            raise UsageError(f"--engine {req.engine}: its MLA kernels take "
+                             f"{', '.join(f'--kv-lora-rank {r} --rope-dim {p}' for r, p in shapes)}, "
+                             f"not {rank}+{rope}")
+    bias_route = req.latent_norm == "bias"
+    top_rope = d if bias_route else max(d, 64)
+    if rope < 2 or rope % 2 or rope > top_rope:
+        raise UsageError(f"--rope-dim must be even and between 2 and {top_rope} (head dim {d}"
+                         f"{'' if bias_route else '; more pads the RoPE key up to 64'}), got {rope}")
+    top = max_rank(spec, augmented) if bias_route else 8192
     if rank < 2 or rank > top:
-        raise UsageError(f"--kv-lora-rank must be between 2 (one channel is the norm constant) and {top} "
-                         f"(rank of the stacked keys and values + 1), got {rank}")
+        raise UsageError(f"--kv-lora-rank must be between 2 and {top}"
+                         f"{' (rank of the stacked keys and values + 1)' if bias_route else ''}, got {rank}")
     return rank, rope
 
 
@@ -139,6 +180,7 @@ def check_request(req: MLARequest) -> Source:
         if path != "-" and not Path(path).is_file():
             raise UsageError(f"{path}: file not found")
     _check_options(req.options)
+    _check_route(req)
     ckpt = resolve(req.model)
     if ckpt.kind == "config":
         raise AttnkitError(f"{req.model}: a config file has no weights to convert")
@@ -172,7 +214,53 @@ def check_request(req: MLARequest) -> Source:
     rank, rope_dim = _ranks(req, spec, augmented)
     OutputDir(Path(req.out), overwrite=req.overwrite, sources=[Path(ckpt.root)])  # checks only; creates nothing
     shape = MLAShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, rank - 1, rope_dim)
-    return Source(ckpt, arch, spec, prefix, shape, layer_names, rope)
+    src = Source(ckpt, arch, spec, prefix, shape, layer_names, rope, q_lora=False, warnings=[])
+    _check_engine(req, src)
+    return src
+
+
+def _check_route(req: MLARequest) -> None:
+    from attnkit.engines.targets import ENGINES
+
+    if req.engine not in ENGINES:
+        raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {req.engine!r}")
+    if req.latent_norm not in LATENT_NORMS:
+        raise UsageError(f"--latent-norm must be one of {', '.join(LATENT_NORMS)}, got {req.latent_norm!r}")
+    if req.latent_norm == "bias" and req.engine not in ("any", "transformers"):
+        raise UsageError(f"--latent-norm bias writes bias tensors that {req.engine} has no slot for; "
+                         "use --latent-norm auto")
+
+
+def _check_engine(req: MLARequest, src: Source) -> None:
+    """What the --engine target needs of the source (one-line refusals), its q_lora choice and its warnings."""
+    from attnkit.engines.targets import engine_safe, needs_q_lora
+
+    spec = src.spec
+    if req.latent_norm == "bias":
+        src.q_lora = "q_bias" in src.layer_names[0]
+        src.warnings.append("--latent-norm bias: kv_a_proj_with_mqa and o_proj get bias tensors that llama.cpp, "
+                            "vLLM and SGLang drop (vLLM without a word): this output is right in transformers only")
+        return
+    src.q_lora = needs_q_lora(req.engine, spec.num_layers)
+    if engine_safe(req.engine):
+        act = src.ckpt.config.get("hidden_activation") or src.ckpt.config.get("hidden_act")
+        if act != "silu":
+            raise AttnkitError(f"{req.model}: MLP activation {act!r}; the engines' DeepSeek MLPs are silu only "
+                               "(pass --engine transformers for an output that only transformers runs)")
+        if src.rope["rope_type"] != "default":
+            raise AttnkitError(f"{req.model}: rope_type {src.rope['rope_type']!r}; vLLM and SGLang read any "
+                               "non-default DeepSeek RoPE as YaRN (pass --engine transformers for an output that "
+                               "only transformers runs)")
+    values = src.rank + src.shape.rope_dim
+    source = 2 * spec.num_kv_heads * spec.head_dim
+    if values > source:
+        src.warnings.append(f"the cache grows: {values} values per token and layer against the source's {source}")
+    if src.shape.rope_dim > spec.head_dim:
+        src.warnings.append(f"RoPE key padded from the head dim {spec.head_dim} to {src.shape.rope_dim} dims "
+                            "(zero rows)")
+    if src.rank > max_rank(spec, src.augmented):
+        src.warnings.append(f"latent padded: the source's keys and values have rank "
+                            f"{max_rank(spec, src.augmented) - 1}; the extra channels steady the latent norm")
 
 
 def _check_options(o: MLAOptions) -> None:
@@ -189,33 +277,130 @@ def _layer_weights(reader, roles: dict) -> dict:
     return {role: reader.get(name) for role, name in roles.items()}
 
 
-def convert_one(src: Source, weights: dict, cov, freqs, options: MLAOptions, dtype,
-                q_lora: bool) -> tuple[dict, dict]:
-    """(DeepseekV3 attention tensors of one layer in `dtype`, report row) from its source tensors and cov."""
-    from attnkit.ops.gqa import augmented_rows
-    from attnkit.ops.mla import convert_layer
-    from attnkit.ops.mla_deepseek import attention_tensors
+def input_norm_name(src: Source, layer: int) -> str:
+    return f"{src.prefix}layers.{layer}.input_layernorm.weight"
 
-    s = src.shape
-    augmented = cov.shape[0] == src.spec.hidden_size + 1
-    q, k, v = (augmented_rows(weights, r, augmented) for r in ("q", "k", "v"))
-    layer = convert_layer(q, k, v, weights["o"], cov, s, freqs, options)
-    n = src.spec.hidden_size
-    tensors = attention_tensors(layer, s, q_scale=math.sqrt((s.head_dim + s.rope_dim) / s.head_dim),
-                                augmented=augmented, q_bias=q_lora, o=weights["o"], o_bias=weights.get("o_bias"),
-                                x_mean_sq=float(cov[:n, :n].diagonal().sum()))
-    row = {"k_err": layer.k_err, "v_err": layer.v_err, "position_free": layer.position_free}
+
+def input_gamma(src: Source, weight):
+    """The scale input_layernorm applies (Gemma stores w and applies 1 + w), float64 [n]."""
+    import torch
+
+    gamma = weight.to(torch.float64) + (1.0 if src.arch.family == "gemma" else 0.0)
+    if bool((gamma.abs() < 1e-12).any()):
+        raise AttnkitError(f"{src.ckpt.ref}: input_layernorm has zero weights, which cannot be folded into the "
+                           "projections; use --latent-norm bias (transformers only)")
+    return gamma
+
+
+def convert_one(src: Source, weights: dict, hidden, gamma, freqs, options: MLAOptions, dtype,
+                latent_norm: str, norm_eps: float) -> tuple[dict, dict]:
+    """(DeepseekV3 attention tensors of one layer in `dtype`, report row) from its source tensors and the
+    calibration inputs hidden [B, T, n] of its attention (gamma: input_layernorm's scale, for the engine route)."""
+    from attnkit.ops.gqa import augmented_rows, is_biased
+    from attnkit.ops.mla import convert_layer
+    from attnkit.runtime.calibrate import input_covariance
+
+    s, augmented = src.shape, is_biased(weights)
+    cov = input_covariance(hidden, augmented)  # [n(+1), n(+1)]
+    q_scale = math.sqrt((s.head_dim + s.rope_dim) / s.head_dim)  # softmax-scale fold: D^-1/2 -> (D + P)^-1/2
+    if latent_norm == "bias":
+        from attnkit.ops.mla_deepseek import attention_tensors
+
+        q, k, v = (augmented_rows(weights, r, augmented) for r in ("q", "k", "v"))
+        layer = convert_layer(q, k, v, weights["o"], cov, s, freqs, options)
+        n = src.spec.hidden_size
+        tensors = attention_tensors(layer, s, q_scale=q_scale, augmented=augmented, q_bias=src.q_lora,
+                                    o=weights["o"], o_bias=weights.get("o_bias"),
+                                    x_mean_sq=float(cov[:n, :n].diagonal().sum()))
+        row = {"k_err": layer.k_err, "v_err": layer.v_err, "position_free": layer.position_free,
+               "latent_norm": "bias", "norm_error": 0.0}
+    else:
+        tensors, row = _engine_layer(src, weights, hidden, cov, gamma, freqs, options, latent_norm, norm_eps,
+                                     q_scale)
     return {name: t.to(dtype) for name, t in tensors.items()}, row
 
 
+def _engine_layer(src: Source, weights: dict, hidden, cov, gamma, freqs, options: MLAOptions, latent_norm: str,
+                  norm_eps: float, q_scale: float) -> tuple[dict, dict]:
+    """One layer by the engine route: factor at the ranks the anchor and span latents need, keep the latent
+    (attnkit.ops.latent_norm) that leaves the smaller error on the calibration tokens, write it without biases."""
+    import dataclasses
+
+    import torch
+
+    from attnkit.ops.gqa import augmented_rows, is_biased
+    from attnkit.ops.latent_norm import anchor_plan, anchor_row, fold_gamma, span_plan, substitute_constant
+    from attnkit.ops.mla import convert_layer
+    from attnkit.ops.mla_deepseek import engine_tensors, q_lora_readout
+
+    s, augmented, rank = src.shape, is_biased(weights), src.rank
+    shape = dataclasses.replace(s, rope_dim=min(s.rope_dim, s.head_dim))  # wider RoPE keys are padded below
+    u = hidden.detach().reshape(-1, hidden.shape[-1]).to(device="cpu", dtype=torch.float64) / gamma  # [N, n]
+    anchor = anchor_row(u)
+    q, k, v = (augmented_rows(weights, r, augmented) for r in ("q", "k", "v"))
+    full = min(2 * s.num_kv * s.head_dim, cov.shape[0])  # rank of the stacked keys and values
+    candidates = []
+    for kind in (("anchor", "span") if latent_norm == "auto" else (latent_norm,)):
+        info_rank = min(rank - 1 if kind == "anchor" else rank, full)
+        layer = convert_layer(q, k, v, weights["o"], cov, dataclasses.replace(shape, latent_rank=info_rank),
+                              freqs, options)
+        info = substitute_constant(fold_gamma(layer.down, gamma), anchor)  # [r, n] on u
+        plan = (anchor_plan(info, anchor, u, rank, norm_eps) if kind == "anchor"
+                else span_plan(info, u, rank, norm_eps))
+        lost = layer.truncation_error(info_rank)
+        candidates.append((lost + (1 - lost) * plan.scale_error, layer, plan))
+    total, layer, plan = min(candidates, key=lambda c: c[0])
+    if s.rope_dim > shape.rope_dim:
+        layer = _pad_rope(layer, shape, s.rope_dim)
+    q_lora_scale = q_lora_readout(u, norm_eps) if src.q_lora else None
+    tensors = engine_tensors(layer, plan, s, gamma=gamma, anchor=anchor, q_scale=q_scale,
+                             q_lora_scale=q_lora_scale, o=weights["o"])
+    row = {"k_err": layer.k_err, "v_err": layer.v_err, "position_free": layer.position_free,
+           "latent_norm": plan.kind, "norm_error": math.sqrt(plan.scale_error)}
+    return tensors, row
+
+
+def without_o_bias(src: Source, weights: dict) -> dict:
+    """The layer's tensors with o_proj's bias moved onto the value bias (attention weights sum to 1, so a value
+    bias reaches the output as o_proj of it): same outputs, no o_proj bias for the engine route."""
+    import torch
+
+    from attnkit.ops.mla_deepseek import fold_o_bias
+
+    if "o_bias" not in weights:
+        return weights
+    delta, residual = fold_o_bias(weights["o"], weights["o_bias"], src.shape)
+    if residual > 1e-4:
+        raise AttnkitError(f"{src.ckpt.ref}: o_proj's bias is not in the range of o_proj (residual "
+                           f"{residual:.2g}); use --latent-norm bias (transformers only)")
+    base = weights["v_bias"].to(torch.float64) if "v_bias" in weights else torch.zeros_like(delta)
+    return {**{k: w for k, w in weights.items() if k != "o_bias"}, "v_bias": base + delta}
+
+
+def _pad_rope(layer, shape: MLAShape, rope_dim: int):
+    """The layer with its RoPE key and query rows padded by zero pairs from shape.rope_dim to rope_dim (slower
+    frequencies that the source does not have)."""
+    import dataclasses
+
+    import torch
+
+    extra = rope_dim - shape.rope_dim
+    rope = torch.cat([layer.rope, torch.zeros(extra, layer.rope.shape[1], dtype=layer.rope.dtype)])
+    heads = layer.q_rope.reshape(shape.num_heads, shape.rope_dim, -1)
+    q_rope = torch.cat([heads, torch.zeros(shape.num_heads, extra, heads.shape[2], dtype=heads.dtype)], dim=1)
+    return dataclasses.replace(layer, rope=rope, q_rope=q_rope.reshape(shape.num_heads * rope_dim, -1))
+
+
 def _refit_o(config, layer: int, tensors: dict, weights: dict, hidden, rope, scaling, s: MLAShape, ridge: float,
-             device):
-    """o_proj refit (attnkit.ops.orefit) so the converted layer's output matches the source's on these tokens."""
+             device, input_scale=None):
+    """o_proj refit (attnkit.ops.orefit) so the converted layer's output matches the source's on these tokens
+    (the converted layer runs on hidden * input_scale when given)."""
     from attnkit.ops.orefit import refit_o
     from attnkit.runtime.attention import deepseek_attention, run_attention, source_attention_inputs
 
     attn, rotary = deepseek_attention(config, layer, tensors, device)
-    _, z_new = run_attention(attn, rotary, hidden.detach().to(device).float())
+    x = hidden.detach().to(device).float()
+    _, z_new = run_attention(attn, rotary, x if input_scale is None else x * input_scale.to(x))
     z_old = source_attention_inputs(weights, hidden.to(device), rope, scaling, s)
     o = weights["o"]
     return refit_o(z_new.cpu(), z_old.cpu(), o, o, ridge).to(tensors["o_proj.weight"].dtype)
@@ -223,8 +408,10 @@ def _refit_o(config, layer: int, tensors: dict, weights: dict, hidden, rope, sca
 
 def _calibrate_and_convert(req: MLARequest, src: Source, config, writer, expected: dict) -> tuple[list, dict]:
     """One pass over the calibration windows; each layer is converted (and written) when reached."""
-    from attnkit.runtime.calibrate import attention_module_name, calibrate, input_covariance
+    import torch
+
     from attnkit.io.reader import LazyReader
+    from attnkit.runtime.calibrate import attention_module_name, calibrate
     from attnkit.runtime import make_windows, read_texts
     from attnkit.runtime.attention import replace_output_once
     from attnkit.runtime.streaming import load_for_calibration
@@ -234,20 +421,23 @@ def _calibrate_and_convert(req: MLARequest, src: Source, config, writer, expecte
     modules = [attention_module_name(src.arch.tensors["k"], src.prefix, i) for i in range(src.spec.num_layers)]
     rows: list = [None] * src.spec.num_layers
     with LazyReader(src.ckpt.weight_files) as reader:
-        augmented = any(r in src.layer_names[0] for r in ("q_bias", "k_bias", "v_bias"))
         dtype = reader.get(src.layer_names[0]["o"]).dtype
         freqs = source_freqs(src)
 
         def on_layer(layer: int, hidden, rope=None, scaling=None):
-            cov = input_covariance(hidden, augmented)  # [n(+1), n(+1)]
             weights = _layer_weights(reader, src.layer_names[layer])
-            tensors, rows[layer] = convert_one(src, weights, cov, freqs, req.options, dtype,
-                                                  config.q_lora_rank is not None)
+            gamma = scale = None
+            if req.latent_norm != "bias":
+                weights = without_o_bias(src, weights)
+                gamma = input_gamma(src, reader.get(input_norm_name(src, layer)))
+                scale = (1.0 / gamma).to(torch.float32)
+            tensors, rows[layer] = convert_one(src, weights, hidden, gamma, freqs, req.options, dtype,
+                                               req.latent_norm, config.rms_norm_eps)
             if req.options.o_refit > 0:
                 if rope is None or scaling is None:
                     raise AttnkitError("o_proj refit needs the source's rotary embedding and softmax scale")
                 tensors["o_proj.weight"] = _refit_o(config, layer, tensors, weights, hidden, rope, scaling,
-                                                    src.shape, req.options.o_refit, loaded.device)
+                                                    src.shape, req.options.o_refit, loaded.device, scale)
             rows[layer]["layer"] = layer
             for name, t in tensors.items():
                 full = f"model.layers.{layer}.self_attn.{name}"
@@ -256,7 +446,7 @@ def _calibrate_and_convert(req: MLARequest, src: Source, config, writer, expecte
                 writer.add(full, t)
             if req.sequential:
                 replace_output_once(loaded.model.get_submodule(modules[layer]), config, layer, tensors,
-                                     loaded.device)
+                                    loaded.device, scale)
             return None
 
         calibrate(loaded.model, windows, modules, on_layer)
@@ -265,24 +455,30 @@ def _calibrate_and_convert(req: MLARequest, src: Source, config, writer, expecte
     return [{"layer": r.pop("layer"), **r} for r in rows], info
 
 
-def _copy_rest(reader, src: Source, writer, expected: dict) -> None:
-    """Every non-attention tensor under its DeepseekV3 name (Gemma: norms 1 + w, embeddings x sqrt(n) untied)."""
+def _copy_rest(reader, src: Source, writer, expected: dict, fold_input_norm: bool) -> None:
+    """Every non-attention tensor under its DeepseekV3 name (Gemma: norms 1 + w, embeddings x sqrt(n)), lm_head
+    written out whenever the target has one; fold_input_norm: input_layernorm weights are ones (the engine route
+    folds them into the attention projections)."""
     import torch
 
     attention = {n for roles in src.layer_names for n in roles.values()}
+    input_norms = {input_norm_name(src, i) for i in range(src.spec.num_layers)}
     gemma = src.arch.family == "gemma"
+    embed_name = f"{src.prefix}embed_tokens.weight"
     for name in reader.names():
         if name in attention:
             continue
         if name not in expected:
             raise AttnkitError(f"{src.ckpt.ref}: tensor {name!r} has no place in a DeepseekV3 checkpoint")
         t = reader.get(name)
-        if gemma and name.endswith("norm.weight"):
+        if fold_input_norm and name in input_norms:
+            t = torch.ones_like(t)
+        elif gemma and name.endswith("norm.weight"):
             t = (t.to(torch.float32) + 1).to(t.dtype)
-        if gemma and name == "model.embed_tokens.weight":
-            scale = torch.tensor(src.spec.hidden_size ** 0.5, dtype=t.dtype)  # Gemma's normalizer, in its dtype
-            writer.add("lm_head.weight", t)
-            t = t * scale
+        if name == embed_name and "lm_head.weight" in expected and "lm_head.weight" not in reader.names():
+            writer.add("lm_head.weight", t)  # a tied source head, written out for engines that never tie
+        if gemma and name == embed_name:
+            t = t * torch.tensor(src.spec.hidden_size ** 0.5, dtype=t.dtype)  # Gemma's normalizer, in its dtype
         writer.add(name, t)
 
 
@@ -333,7 +529,8 @@ def _parameters(req: MLARequest, src: Source) -> dict:
             "calib": list(req.calib), "calib_tokens": req.calib_tokens, "calib_seq_len": req.calib_seq_len,
             "sequential": req.sequential, "key_weight": o.key_weight, "value_weight": o.value_weight,
             "residual": o.residual, "fade_window": o.window, "key_balance": o.key_balance, "ridge": o.ridge,
-            "o_refit": o.o_refit, "whiten": o.whiten,
+            "o_refit": o.o_refit, "whiten": o.whiten, "latent_norm": req.latent_norm, "engine": req.engine,
+            "q_lora_rank": (src.spec.hidden_size + int(req.latent_norm == "bias")) if src.q_lora else None,
             "max_shard_bytes": req.max_shard_bytes}
 
 
@@ -352,7 +549,8 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
         "num_layers": src.spec.num_layers, "num_heads": src.spec.num_heads, "kv_heads": src.spec.num_kv_heads,
         "head_dim": src.spec.head_dim, "kv_lora_rank": rank, "rope_dim": src.shape.rope_dim,
         "kv_bytes_per_token": _kv_bytes(src, rank), "parameters": _parameters(req, src),
-        "calibration": None, "layers": [], "eval": None, "peak_rss_bytes": None, "notes": _notes(src),
+        "calibration": None, "layers": [], "eval": None, "peak_rss_bytes": None, "notes": _notes(req, src),
+        "warnings": list(src.warnings),
     }
     if req.dry_run:
         report["seconds"] = time.perf_counter() - started
@@ -360,12 +558,11 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
     log("calibrating and converting layer by layer ...")
     with OutputDir(Path(req.out), overwrite=req.overwrite, sources=[Path(src.ckpt.root)]) as out:
         writer = ShardedWriter(out.path, req.max_shard_bytes)
-        q_lora = "q_bias" in src.layer_names[0]
-        config = target_config(src, q_lora)
+        config = target_config(src, bias_route=req.latent_norm == "bias")
         expected = expected_shapes(config)
         report["layers"], report["calibration"] = _calibrate_and_convert(req, src, config, writer, expected)
         with LazyReader(src.ckpt.weight_files) as reader:
-            _copy_rest(reader, src, writer, expected)
+            _copy_rest(reader, src, writer, expected, fold_input_norm=req.latent_norm != "bias")
         writer.finish()
         config.save_pretrained(out.path)
         copy_side_files(Path(src.ckpt.root), out.path)
@@ -378,18 +575,26 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
                     "source": {"ref": req.model, "kind": src.ckpt.kind, "repo_id": src.ckpt.repo_id,
                                "revision": src.ckpt.revision, "model_type": src.spec.model_type},
                     **{k: report[k] for k in ("parameters", "calibration", "kv_bytes_per_token", "layers", "eval",
-                                              "notes")}}
+                                              "notes", "warnings")}}
         (out.path / "attnkit.json").write_text(json.dumps(manifest, indent=2) + "\n")
         out.commit()
     report["seconds"] = time.perf_counter() - started
     return report
 
 
-def _notes(src: Source) -> list[str]:
+def _notes(req: MLARequest, src: Source) -> list[str]:
     notes = []
-    if "q_bias" in src.layer_names[0]:
-        notes.append("q bias carried through the q_lora path (q_lora_rank = hidden + 1, RMSNorm made linear "
-                     "by a constant channel); all-zero q biases use a plain q_proj")
+    if req.latent_norm == "bias":
+        if src.q_lora:
+            notes.append("q bias carried through the q_lora path (q_lora_rank = hidden + 1, RMSNorm made linear "
+                         "by a constant channel); all-zero q biases use a plain q_proj")
+    else:
+        if src.q_lora:
+            notes.append(f"query through q_a_proj = identity (q_lora_rank = hidden = {src.spec.hidden_size}): "
+                         f"llama.cpp's deepseek2 reads q_lora unless a model has 26 or 27 layers")
+        if src.augmented:
+            notes.append("q and RoPE-key biases ride on the anchor a.x ~ 1 (engines have no bias slot); the "
+                         "latent's own constants come out exact")
     if any(w is not None for w in src.spec.layer_windows):
         notes.append("the source's sliding window is dropped: DeepseekV3 attends to the full context "
                      "(identical up to the window length)")

@@ -8,8 +8,13 @@ if TYPE_CHECKING:
     from attnkit.commands.convert.mla import Source
 
 
-def target_config(src: Source, q_lora: bool):
-    """The DeepseekV3Config of the result: dense MLPs in every layer, no experts, the source's rope."""
+def target_config(src: Source, bias_route: bool):
+    """The DeepseekV3Config of the result: dense MLPs in every layer, no experts, the source's rope.
+
+    Written for the engines' loaders as well as transformers: `architectures`, expert counts 0 with no
+    routing fields (llama.cpp asserts n_expert_groups < n_expert otherwise; every layer is dense through
+    first_k_dense_replace), an untied lm_head (vLLM's DeepSeek never ties), interleaved RoPE (the only layout
+    vLLM and llama.cpp apply), biases only on the bias route."""
     import torch
     from transformers import AutoConfig, DeepseekV3Config
 
@@ -18,19 +23,22 @@ def target_config(src: Source, q_lora: bool):
     rope = dict(src.rope)
     rope["rope_theta"] = float(rope["rope_theta"]) ** (s.rope_dim / s.head_dim)  # same frequencies at width P
     dtype = getattr(cfg, "dtype", None) or torch.float32
+    q_lora_rank = None
+    if src.q_lora:
+        q_lora_rank = spec.hidden_size + 1 if bias_route else spec.hidden_size
     config = DeepseekV3Config(
         vocab_size=cfg.vocab_size, hidden_size=spec.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_heads, kv_lora_rank=s.latent_rank + 1,
-        q_lora_rank=spec.hidden_size + 1 if q_lora else None, qk_rope_head_dim=s.rope_dim,
+        q_lora_rank=q_lora_rank, qk_rope_head_dim=s.rope_dim,
         qk_nope_head_dim=s.head_dim, v_head_dim=s.head_dim, first_k_dense_replace=spec.num_layers,
-        n_routed_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1, n_shared_experts=1,
-        moe_intermediate_size=1, num_mtp_layers=0,
+        n_routed_experts=0, num_experts_per_tok=None, n_group=None, topk_group=None, n_shared_experts=0,
+        moe_intermediate_size=cfg.intermediate_size, num_mtp_layers=0,
         hidden_act=getattr(cfg, "hidden_activation", None) or cfg.hidden_act,
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=bool(cfg.tie_word_embeddings) and src.arch.family != "gemma",
-        rope_parameters=rope, rope_interleave=True, attention_bias=True, attention_dropout=0.0,
-        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+        tie_word_embeddings=False, rope_parameters=rope, rope_interleave=True, attention_bias=bias_route,
+        attention_dropout=0.0, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+        pad_token_id=cfg.pad_token_id, architectures=["DeepseekV3ForCausalLM"],
     )
     config.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
     return config
