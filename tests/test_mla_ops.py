@@ -160,7 +160,8 @@ def test_span_latent_pads_zero_rows_beyond_the_hidden_size():
 
 def test_anchor_latent_is_exact_when_the_input_has_a_constant_direction():
     """u = [1 (constant), rest with a fixed norm]: the anchor fit finds a.u = 1 and the norm divides by it."""
-    from attnkit.ops.latent_norm import anchor_plan, anchor_row, rms_norm
+    from attnkit.ops.anchor import anchor_row
+    from attnkit.ops.latent_norm import anchor_plan, rms_norm
 
     rest = _unit_norm_inputs(7, 300, 3)
     u = torch.cat([torch.ones(300, 1, dtype=torch.float64), rest], 1)  # [N, 8]
@@ -174,7 +175,8 @@ def test_anchor_latent_is_exact_when_the_input_has_a_constant_direction():
 
 
 def test_anchor_scale_error_measures_how_far_a_u_is_from_constant():
-    from attnkit.ops.latent_norm import anchor_plan, anchor_row
+    from attnkit.ops.anchor import anchor_row
+    from attnkit.ops.latent_norm import anchor_plan
 
     info = torch.randn(3, 10, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     near = _unit_norm_inputs(10, 400, 6, mean=8.0)  # a strong mean direction: a.u is nearly constant
@@ -184,7 +186,8 @@ def test_anchor_scale_error_measures_how_far_a_u_is_from_constant():
 
 
 def test_substitute_constant_replaces_the_bias_column_by_the_anchor():
-    from attnkit.ops.latent_norm import fold_gamma, substitute_constant
+    from attnkit.ops.anchor import substitute_constant
+    from attnkit.ops.latent_norm import fold_gamma
 
     rows = torch.tensor([[1.0, 2.0, 5.0]], dtype=torch.float64)  # acting on [x0, x1, 1]
     gamma = torch.tensor([2.0, 3.0], dtype=torch.float64)
@@ -196,12 +199,12 @@ def test_substitute_constant_replaces_the_bias_column_by_the_anchor():
 
 
 def test_fold_o_bias_moves_the_output_bias_onto_the_values():
-    from attnkit.ops.mla_deepseek import fold_o_bias
+    from attnkit.ops.anchor import fold_o_bias
 
     g = torch.Generator().manual_seed(8)
     s = MLAShape(num_heads=4, num_kv=2, head_dim=3, latent_rank=2, rope_dim=2)
     o = torch.randn(5, 12, generator=g, dtype=torch.float64)  # [n, H*D], rank 5
     b = torch.randn(5, generator=g, dtype=torch.float64)
-    delta, residual = fold_o_bias(o, b, s)
+    delta, residual = fold_o_bias(o, b, s.num_heads, s.num_kv, s.head_dim)
     z_shift = delta.reshape(2, 1, 3).expand(2, 2, 3).reshape(12)  # each KV head's delta reaches its 2 readers
     assert residual < 1e-10 and torch.allclose(o @ z_shift, b, atol=1e-10)

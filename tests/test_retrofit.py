@@ -104,8 +104,9 @@ def test_lsq_is_exact_when_q_and_k_have_constant_rms():
 def test_qknorm_pad_loads_as_stock_qwen3_and_is_exact(runner, tiny, tmp_path, family, extra):
     src = tiny(family, **extra)
     out = tmp_path / "out"
-    res, doc = _run(runner, "qknorm", src, out, "-f", "json")
+    res, doc = _run(runner, "qknorm", src, out, "--method", "pad", "-f", "json")
     assert res.exit_code == 0, res.output
+    assert any("transformers only" not in w and "no o_proj bias slot" in w for w in doc["warnings"])
     ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     want, _ = _logits(src, ids)
     got, model = _logits(out, ids)
@@ -124,6 +125,41 @@ def test_qknorm_pad_loads_as_stock_qwen3_and_is_exact(runner, tiny, tmp_path, fa
     assert doc["head_dim_after"] == 10 and json.loads((out / "attnkit.json").read_text())["retrofit"] == "qknorm"
 
 
+def _anchored_source(tmp_path, family: str, biases: bool = False):
+    """A tiny checkpoint whose token embeddings share an offset (the near-constant direction of real LLM hidden
+    states, which the anchor a.x ~ 1 is fitted to; random tiny models lack it), with a character tokenizer."""
+    from tests.test_convert_mla import _source
+
+    return _source(tmp_path, family, biases, offset=3.0, head_dim=8)
+
+
+@pytest.mark.parametrize("family,biases,head_dim,width", [("llama_gqa", False, None, 32), ("qwen2", True, None, 32),
+                                                          ("llama_gqa", False, "8", 8)])
+def test_qknorm_anchor_has_no_bias_tensors_and_stays_close(runner, tmp_path, text, family, biases, head_dim, width):
+    """Default method: a head size vLLM's CPU kernels run (8 -> 32 here, 64 -> 80 on real models), or the source's
+    own size giving up its weakest RoPE pair; no bias tensor; logits within a few percent of the source's."""
+    from attnkit.io.checkpoint import safetensors_files
+    from attnkit.io.reader import LazyReader
+
+    src = _anchored_source(tmp_path, family, biases)
+    out = tmp_path / "out"
+    extra = ["--head-dim", head_dim] if head_dim else []
+    res, doc = _run(runner, "qknorm", src, out, "--calib", text, "--calib-tokens", "512", "--calib-seq-len", "64",
+                    *extra, "-f", "json")
+    assert res.exit_code == 0, res.output
+    assert doc["method"] == "anchor" and doc["head_dim_after"] == width and not doc["attention_bias"]
+    assert all(row["max_rel_error"] < 0.05 for row in doc["layers"])
+    assert all((row["dropped_pair"] is not None) == (head_dim is not None) for row in doc["layers"])
+    with LazyReader(safetensors_files(out)) as reader:
+        assert not any(n.endswith(".bias") for n in reader.names())
+    ids = torch.randint(3, 100, (2, 40), generator=torch.Generator().manual_seed(0))
+    want, _ = _logits(src, ids)
+    got, model = _logits(out, ids)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.head_dim == width
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < (0.2 if head_dim else 0.02), rel  # a dropped pair costs more than a per-token scale of ~1%
+
+
 def test_qknorm_fitted_methods_keep_head_dim_and_kl_improves_on_unit(runner, tiny, text, tmp_path):
     src = _tiny_text_model(tiny)
     kls = {}
@@ -139,10 +175,13 @@ def test_qknorm_fitted_methods_keep_head_dim_and_kl_improves_on_unit(runner, tin
 def test_qknorm_refusals(runner, tiny, tmp_path):
     for family, words in (("qwen3", "already has QK-norm"), ("olmo2", "already has QK-norm"),
                           ("gemma2", "supports llama, mistral, qwen2")):
-        res, _ = _run(runner, "qknorm", tiny(family), tmp_path / "o")
+        res, _ = _run(runner, "qknorm", tiny(family), tmp_path / "o", "--method", "pad")
         assert res.exit_code == 1 and words in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.output
-    res, _ = _run(runner, "qknorm", tiny("llama"), tmp_path / "o", "--method", "lsq")
-    assert res.exit_code == 2 and "--calib" in res.stderr
+    for method in ("lsq", "anchor"):
+        res, _ = _run(runner, "qknorm", tiny("llama"), tmp_path / "o", "--method", method)
+        assert res.exit_code == 2 and "--calib" in res.stderr
+    res, _ = _run(runner, "qknorm", tiny("llama"), tmp_path / "o", "--method", "pad", "--head-dim", "12")
+    assert res.exit_code == 2 and "--head-dim applies to --method anchor" in res.stderr
 
 
 # ----- qkclip -----
@@ -195,7 +234,7 @@ def test_smollm2_through_all_three_retrofits(runner, tmp_path):
     ev = ("--eval", prose + "heldout.txt", "--eval-tokens", "64", "--eval-seq-len", "64", "-f", "json")
     res, soft = _run(runner, "softcap", src, tmp_path / "s", "--attn-cap", "50", "--final-cap", "30", *ev)
     assert res.exit_code == 0, res.output
-    res, norm = _run(runner, "qknorm", src, tmp_path / "n", *ev)
+    res, norm = _run(runner, "qknorm", src, tmp_path / "n", "--method", "pad", *ev)
     assert res.exit_code == 0, res.output
     res, clip = _run(runner, "qkclip", src, tmp_path / "c", "--tau", "8", *calib, *ev)
     assert res.exit_code == 0, res.output

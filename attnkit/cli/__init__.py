@@ -10,6 +10,7 @@ from attnkit.cli import eval_cmd
 from attnkit.cli import probe_cmd
 from attnkit.cli import convert_cmd
 from attnkit.cli import retrofit_cmd
+from attnkit.cli import verify_cmd
 
 app = typer.Typer(
     name="attnkit",
@@ -39,6 +40,7 @@ eval_cmd.register(app)
 probe_cmd.register(app)
 presets_cmd.register(app)
 convert_cmd.register(app)
+verify_cmd.register(app)
 app.add_typer(retrofit_cmd.app)
 
 

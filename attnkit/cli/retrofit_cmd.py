@@ -136,8 +136,13 @@ def softcap(
 def qknorm(
     model: str = MODEL_ARG,
     out: Path = OUT_ARG,
-    method: str = typer.Option("pad", "--method", "-m",
-                               help="pad (exact, head_dim + 2), kl, lsq, scalar or unit (keep head_dim, fitted on --calib)."),
+    method: str = typer.Option("anchor", "--method", "-m",
+                               help="anchor (no bias tensors, a head size engines run; needs --calib), pad (exact, "
+                                    "head_dim + 2, bias tensors: transformers only), kl, lsq, scalar or unit "
+                                    "(keep head_dim, fitted on --calib)."),
+    head_dim: int = typer.Option(None, "--head-dim",
+                                 help="anchor: new head size (default: the smallest >= head_dim + 2 that vLLM's "
+                                      "CPU kernels run; the source's head_dim gives up its weakest RoPE pair)."),
     steps: int = typer.Option(150, "--steps", min=0, help="kl: gradient steps per layer."),
     calib: List[str] = _O["calib"], calib_tokens: int = _O["calib_tokens"], calib_seq_len: int = _O["calib_seq_len"],
     eval_files: List[str] = _O["eval_files"], eval_tokens: int = _O["eval_tokens"],
@@ -149,7 +154,7 @@ def qknorm(
 
     req = QKNormRequest(opts=_options(model, out, calib, calib_tokens, calib_seq_len, eval_files, eval_tokens,
                                       eval_seq_len, max_shard_size, device, overwrite, dry_run),
-                        method=method, steps=steps)
+                        method=method, steps=steps, head_dim=head_dim)
     report = retrofit_qknorm(req)
     columns = [Column("layer", "layer"), Column("pad_bias_q", "pad bias q", _num), Column("pad_bias_k", "pad bias k", _num),
                Column("max_rel_error", "max rel. error", _num), Column("attention_kl", "attention KL (calib)", _num)]

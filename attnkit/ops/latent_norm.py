@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-#: Ridge of the anchor fit, relative to the mean diagonal of E[u u^T].
-ANCHOR_RIDGE = 1e-3
+from attnkit.ops.anchor import scale_error
 
 
 def fold_gamma(rows: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
@@ -32,29 +31,6 @@ def fold_gamma(rows: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
     out = rows.clone()
     out[:, : gamma.shape[0]] = rows[:, : gamma.shape[0]] * gamma[None, :]
     return out
-
-
-def anchor_row(u: torch.Tensor, ridge: float = ANCHOR_RIDGE) -> torch.Tensor:
-    """a [n] with a.u ~ 1 on the tokens u [N, n]: argmin E[(a.u - 1)^2] + ridge mean(diag E[uu^T]) |a|^2."""
-    gram = u.T @ u / u.shape[0]  # [n, n]
-    lam = ridge * gram.diagonal().mean()
-    return torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), u.mean(0))
-
-
-def substitute_constant(rows: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-    """Rows on [u; 1] -> rows on u, with the constant 1 replaced by a.u.  [m, n+1] -> [m, n] (no-op for [m, n])."""
-    n = anchor.shape[0]
-    if rows.shape[1] == n:
-        return rows
-    return rows[:, :n] + rows[:, n:] * anchor[None, :]
-
-
-def scale_error(gains: torch.Tensor) -> tuple[float, float]:
-    """(best scalar s, relative mean-square error min_s E[(s g - 1)^2]) for per-token gains g [N] that the norm
-    applies to the latent: s = E[g] / E[g^2], error = 1 - E[g]^2 / E[g^2]."""
-    g = gains.to(torch.float64)
-    m1, m2 = g.mean().item(), g.pow(2).mean().item()
-    return m1 / m2, max(0.0, 1.0 - m1 * m1 / m2)
 
 
 def span_basis(info: torch.Tensor, u: torch.Tensor, width: int) -> torch.Tensor:

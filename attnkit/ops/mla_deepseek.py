@@ -25,7 +25,8 @@ import math
 
 import torch
 
-from attnkit.ops.latent_norm import NormPlan, fold_gamma, substitute_constant
+from attnkit.ops.anchor import substitute_constant
+from attnkit.ops.latent_norm import NormPlan, fold_gamma
 from attnkit.ops.mla import MLALayer, MLAShape
 
 #: The constant channel's value relative to the rms of what it dominates.
@@ -111,21 +112,10 @@ def per_query_head(up: torch.Tensor, s: MLAShape) -> torch.Tensor:
     return per_kv.repeat_interleave(s.num_heads // s.num_kv, dim=0).reshape(s.num_heads * 2 * s.head_dim, -1)
 
 
-def fold_o_bias(o: torch.Tensor, o_bias: torch.Tensor, s: MLAShape) -> tuple[torch.Tensor, float]:
-    """A value bias delta [Hkv*D] with the same effect as o_proj's bias (attention weights sum to 1, so a value
-    bias reaches the output as o_proj of it): least squares of sum over each KV head's readers of o columns,
-    and the relative residual |W delta - b| / |b| (0 when b is in the range of o_proj).  o: [n, H*D]."""
-    per_head = o.to(torch.float64).reshape(o.shape[0], s.num_kv, s.num_heads // s.num_kv, s.head_dim)
-    grouped = per_head.sum(dim=2).reshape(o.shape[0], s.num_kv * s.head_dim)  # [n, Hkv*D]
-    b = o_bias.to(torch.float64)
-    delta = torch.linalg.lstsq(grouped, b[:, None]).solution[:, 0]
-    return delta, ((grouped @ delta - b).norm() / b.norm().clamp_min(1e-300)).item()
-
-
 def q_lora_readout(u: torch.Tensor, eps: float) -> float:
     """Scale that undoes q_a_layernorm on the fixed-norm input u [N, n] (identity q_a): 1 / E-fit of the
     per-token gain 1 / sqrt(mean(u^2) + eps), ~1 up to input_layernorm's eps."""
-    from attnkit.ops.latent_norm import scale_error
+    from attnkit.ops.anchor import scale_error
 
     s, _ = scale_error(torch.rsqrt(u.pow(2).mean(-1) + eps))
     return s

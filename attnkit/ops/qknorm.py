@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-METHODS = ("pad", "kl", "lsq", "scalar", "unit")
+METHODS = ("anchor", "pad", "kl", "lsq", "scalar", "unit")
 
 
 @dataclass
@@ -190,6 +190,56 @@ def pad_norm_weight(dim: int, bias: float, eps: float, scale: float) -> torch.Te
     return w
 
 
-def pad_theta(theta: float, dim: int) -> float:
-    """RoPE base for head_dim D + 2 whose first D/2 frequencies equal base `theta` at head_dim D."""
-    return float(theta) ** ((dim + 2) / dim)
+# --- anchor: the engine-safe retrofit (no bias tensors, a head size serving kernels take) ---------------------
+
+def widen_index(dim: int, new_dim: int) -> torch.Tensor:
+    """Positions of the D real dims inside a rotate-half head of new_dim >= D: the halves [0, D/2) and
+    [new_dim/2, new_dim/2 + D/2), so pair i stays a pair; the rest are pads."""
+    half, new_half = dim // 2, new_dim // 2
+    return torch.cat([torch.arange(half), torch.arange(new_half, new_half + half)])
+
+
+def widen_rows(w: torch.Tensor, heads: int, dim: int, new_dim: int) -> torch.Tensor:
+    """Per-head rows [heads * D, ...] -> [heads * new_dim, ...] with zero pad rows."""
+    rest = w.shape[1:]
+    out = torch.zeros((heads, new_dim, *rest), dtype=w.dtype)
+    out[:, widen_index(dim, new_dim)] = w.reshape(heads, dim, *rest)
+    return out.reshape(heads * new_dim, *rest)
+
+
+def widen_columns(w: torch.Tensor, heads: int, dim: int, new_dim: int) -> torch.Tensor:
+    """o_proj [d, heads * D] -> [d, heads * new_dim] with zero columns at the pads."""
+    return widen_rows(w.T.contiguous(), heads, dim, new_dim).T.contiguous()
+
+
+def anchor_slots(dim: int, new_dim: int, dropped_pair: int | None) -> tuple[int, list[int]]:
+    """(position of the anchor in each head, positions whose norm weight is 0). A wider head puts the anchor
+    in its first pad; a head that keeps its size gives up `dropped_pair` (both its rows)."""
+    if new_dim > dim:
+        pads = sorted(set(range(new_dim)) - set(widen_index(dim, new_dim).tolist()))
+        return pads[0], pads
+    if dropped_pair is None:
+        raise ValueError("an anchor inside the head needs the RoPE pair it replaces")
+    return dropped_pair, [dropped_pair, dropped_pair + dim // 2]
+
+
+def weakest_pair(wq: torch.Tensor, wk: torch.Tensor, cov: torch.Tensor, heads: int, kv_heads: int,
+                 dim: int) -> int:
+    """The RoPE pair with the least logit energy: sum over query heads of E|q_pair|^2 E|k_pair|^2 (the pair's
+    rows of its key head), from the input covariance.  wq: [H*D, n], wk: [Hkv*D, n], cov: [n, n]."""
+    def pair_energy(w, count):  # [count, D/2]
+        e = torch.einsum("ri,ij,rj->r", w, cov, w).reshape(count, dim)
+        return e[:, : dim // 2] + e[:, dim // 2:]
+
+    eq, ek = pair_energy(wq.double(), heads), pair_energy(wk.double(), kv_heads)
+    ek = ek.repeat_interleave(heads // kv_heads, dim=0)
+    return int((eq * ek).sum(0).argmin())
+
+
+def anchor_norm_weight(new_dim: int, zero: list[int], pad: float, gain: float, scale: float) -> torch.Tensor:
+    """Norm weight [new_dim]: 0 at `zero`, scale * gain * pad / sqrt(new_dim) elsewhere. With an anchor row
+    pad * a.x ~ pad the RMS is ~ pad |a.x| / sqrt(new_dim), so a real dim comes out as scale * gain * x / |a.x|
+    (gain: the least-squares fit of |a.x| over the calibration tokens)."""
+    w = torch.full((new_dim,), scale * gain * pad / new_dim**0.5, dtype=torch.float64)
+    w[zero] = 0.0
+    return w

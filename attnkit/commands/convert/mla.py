@@ -329,7 +329,8 @@ def _engine_layer(src: Source, weights: dict, hidden, cov, gamma, freqs, options
     import torch
 
     from attnkit.ops.gqa import augmented_rows, is_biased
-    from attnkit.ops.latent_norm import anchor_plan, anchor_row, fold_gamma, span_plan, substitute_constant
+    from attnkit.ops.anchor import anchor_row, substitute_constant
+    from attnkit.ops.latent_norm import anchor_plan, fold_gamma, span_plan
     from attnkit.ops.mla import convert_layer
     from attnkit.ops.mla_deepseek import engine_tensors, q_lora_readout
 
@@ -365,11 +366,12 @@ def without_o_bias(src: Source, weights: dict) -> dict:
     bias reaches the output as o_proj of it): same outputs, no o_proj bias for the engine route."""
     import torch
 
-    from attnkit.ops.mla_deepseek import fold_o_bias
+    from attnkit.ops.anchor import fold_o_bias
 
     if "o_bias" not in weights:
         return weights
-    delta, residual = fold_o_bias(weights["o"], weights["o_bias"], src.shape)
+    delta, residual = fold_o_bias(weights["o"], weights["o_bias"], src.shape.num_heads, src.shape.num_kv,
+                                  src.shape.head_dim)
     if residual > 1e-4:
         raise AttnkitError(f"{src.ckpt.ref}: o_proj's bias is not in the range of o_proj (residual "
                            f"{residual:.2g}); use --latent-norm bias (transformers only)")

@@ -2,10 +2,16 @@
 
 Qwen3 = the Llama layout plus RMSNorm over head_dim on q and k before RoPE (one weight shared by
 all heads), biases on q/k/v/o when attention_bias is set. Methods (attnkit.ops.qknorm):
-- pad (default): head_dim D -> D + 2; the two extra dims of each q/k head carry a constant bias B
+- anchor (default): no bias tensors, a head size serving kernels take (--head-dim; default the smallest
+  >= D + 2 that vLLM's CPU attention runs, e.g. 80 for D = 64; D itself gives up the weakest RoPE pair).
+  One pad dim of each q/k head is pad * a.x, where a.x ~ 1 is fitted on calibration activations
+  (attnkit.ops.anchor); it dominates the RMS, so the norm divides each head by ~|a.x|, a per-token scale
+  error of a few percent; source biases ride on a.x as well. Runs in llama.cpp and vLLM.
+- pad: head_dim D -> D + 2; the two extra dims of each q/k head carry a constant bias B
   that dominates the RMS, so the norm becomes a known scale folded into its weight, which is zero on
   the extra dims (v/o get zero rows/columns there). Exact up to |q|^2/(4 B^2); RoPE keeps the source
-  frequencies through rope_theta' = theta^((D+2)/D). KV cache grows by 2/D. No calibration needed.
+  frequencies through rope_theta' = theta^((D+2)/D). KV cache grows by 2/D. No calibration needed. Needs
+  bias tensors (all-zero v and o biases included) and a head size of D + 2: transformers only.
 - kl, lsq, scalar, unit: keep head_dim; fit the norm weights (and pre-norm scales of W_q/W_k rows)
   on calibration activations. Lossy: the per-token RMS of q and k cannot be expressed.
 """
@@ -32,14 +38,25 @@ DROP_KEYS = ("pretraining_tp", "mlp_bias", "architectures", "model_type", "auto_
 @dataclass
 class QKNormRequest:
     opts: RetrofitOptions
-    method: str = "pad"
+    method: str = "anchor"
     steps: int = 150
+    head_dim: int | None = None  # anchor: the new head size (default: default_head_dim)
+
+
+def default_head_dim(dim: int) -> int:
+    """The anchor method's head size: the smallest >= D + 2 that vLLM's CPU attention kernels run."""
+    from attnkit.engines.targets import vllm_cpu_head_size_ok
+
+    new = dim + 2
+    while not vllm_cpu_head_size_ok(new):
+        new += 2
+    return new
 
 
 def check_request(req: QKNormRequest):
     if req.method not in METHODS:
         raise UsageError(f"unknown --method {req.method!r}; choose from {', '.join(METHODS)}")
-    if req.method in ("kl", "lsq", "scalar") and not req.opts.calib:
+    if req.method in ("anchor", "kl", "lsq", "scalar") and not req.opts.calib:
         raise UsageError(f"--method {req.method} fits the norm weights on activations: pass --calib FILE")
     check_options(req.opts)
     src = open_source(req.opts.model)
@@ -57,13 +74,26 @@ def check_request(req: QKNormRequest):
         raise AttnkitError(f"{mt}: partial RoPE ({spec.partial_rotary_factor}) has no Qwen3 equivalent")
     if spec.head_dim % 2:
         raise AttnkitError(f"{mt}: odd head_dim {spec.head_dim}")
+    if req.head_dim is not None:
+        if req.method != "anchor":
+            raise UsageError("--head-dim applies to --method anchor")
+        if req.head_dim % 2 or not spec.head_dim <= req.head_dim <= 4 * spec.head_dim:
+            raise UsageError(f"--head-dim must be even and between the source's {spec.head_dim} and "
+                             f"{4 * spec.head_dim}, got {req.head_dim}")
     return src
 
 
-def _qwen3_config(src, method: str, bias: bool) -> dict:
-    """The Qwen3 config.json: source keys plus head_dim, attention_bias, sliding layers and (pad) RoPE base."""
-    from attnkit.ops.qknorm import pad_theta
+def new_head_dim(req: QKNormRequest, dim: int) -> int:
+    if req.method == "pad":
+        return dim + 2
+    if req.method == "anchor":
+        return req.head_dim or default_head_dim(dim)
+    return dim
 
+
+def _qwen3_config(src, method: str, bias: bool, dim: int) -> dict:
+    """The Qwen3 config.json: source keys plus head_dim `dim`, attention_bias, sliding layers and a RoPE base
+    that keeps the source's frequencies at the new head size."""
     spec, raw = src.spec, raw_config(src)
     config = {k: v for k, v in raw.items() if k not in DROP_KEYS}
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
@@ -71,10 +101,7 @@ def _qwen3_config(src, method: str, bias: bool) -> dict:
     rope["rope_theta"] = spec.rope_theta
     config.pop("rope_scaling", None)
     config.pop("rope_theta", None)
-    dim = spec.head_dim
-    if method == "pad":
-        dim += 2
-        rope["rope_theta"] = pad_theta(spec.rope_theta, spec.head_dim)
+    rope["rope_theta"] = float(spec.rope_theta) ** (dim / spec.head_dim)  # pair i keeps frequency theta^(-2i/D)
     windows_ = [w for w in spec.layer_windows if w is not None]
     config.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=dim, attention_bias=bias,
                   rope_parameters=rope, use_sliding_window=bool(windows_),
@@ -199,6 +226,124 @@ def _pad_biases(src, reader_get) -> list[tuple[float, float, float]]:
     return out
 
 
+@dataclass
+class AnchorFit:
+    """One layer's anchor: a.x ~ 1 on its attention input, the read-out gain that undoes 1/|a.x| on average,
+    the relative mean-square scale error left, and (a head that keeps its size) the RoPE pair it replaces."""
+
+    anchor: object  # torch.Tensor [n]
+    gain: float
+    scale_error: float
+    dropped_pair: int | None
+
+
+def _anchor_fits(req: QKNormRequest, src, new_dim: int) -> tuple[list[AnchorFit], dict]:
+    """Per-layer AnchorFit from one pass of the calibration text (decoder layers streamed when possible)."""
+    from attnkit.io.reader import LazyReader
+    from attnkit.ops.anchor import anchor_row, scale_error
+    from attnkit.ops.qknorm import weakest_pair
+    from attnkit.runtime.calibrate import attention_module_name, calibrate, token_rows
+    from attnkit.runtime.streaming import load_for_calibration
+
+    spec = src.spec
+    loaded = load_for_calibration(str(src.ckpt.root), req.opts.device)
+    wins = windows(loaded, req.opts.calib, req.opts.calib_seq_len, req.opts.calib_tokens)
+    modules = [attention_module_name(src.arch.tensors["k"], src.prefix, i) for i in range(spec.num_layers)]
+    fits: list = [None] * spec.num_layers
+    with LazyReader(src.ckpt.weight_files) as reader:
+        def on_layer(layer: int, hidden, *_):
+            x = token_rows(hidden, augment=False)  # [N, n] float64
+            a = anchor_row(x)
+            gain, err = scale_error(1.0 / (x @ a).abs().clamp_min(1e-12))
+            pair = None
+            if new_dim == spec.head_dim:
+                pair = weakest_pair(reader.get(src.tensor("q", layer)), reader.get(src.tensor("k", layer)),
+                                    x.T @ x / x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim)
+            fits[layer] = AnchorFit(a, gain, err, pair)
+
+        calibrate(loaded.model, wins, modules, on_layer)
+    return fits, {"files": list(req.opts.calib), "tokens": int(wins.numel()), "seq_len": int(wins.shape[1])}
+
+
+def _unbiased_rows(src, layer: int, role: str, t, biases: dict, anchor):
+    """role's weight [rows, n] with its bias folded in as b a^T (the constant 1 ~ a.x); v takes o_proj's bias
+    too (attention weights sum to 1), when o_proj's range holds it."""
+    import torch
+
+    from attnkit.ops.anchor import fold_o_bias, substitute_constant
+
+    spec = src.spec
+    w = t.to(torch.float64)
+    bias = biases.get((layer, role))
+    if role == "v" and (layer, "o") in biases:
+        delta, residual = fold_o_bias(biases[(layer, "o_weight")], biases[(layer, "o")], spec.num_heads,
+                                      spec.num_kv_heads, spec.head_dim)
+        if residual > 1e-4:
+            raise AttnkitError(f"{src.ckpt.ref}: o_proj's bias is not in the range of o_proj; use --method pad")
+        bias = delta if bias is None else bias.to(torch.float64) + delta
+    if bias is None:
+        return w
+    return substitute_constant(torch.cat([w, bias.to(torch.float64)[:, None]], dim=1), anchor)
+
+
+def _anchor_rewriter(src, fits: list[AnchorFit], pads: list, biases: dict, new_dim: int):
+    """rewrite(name, tensor) for the anchor method: no bias tensors; q/k rows get an anchor row and (new_dim > D)
+    zero pad rows, v/o zero pad rows/columns, and q_norm/k_norm weights that are 0 on every pad."""
+    import torch
+
+    from attnkit.ops.qknorm import anchor_norm_weight, anchor_slots, widen_columns, widen_rows
+
+    spec = src.spec
+    h, hkv, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    roles = {}
+    for i in range(spec.num_layers):
+        for role in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias"):
+            name = src.tensor(role, i)
+            if name:
+                roles[name] = (i, role)
+
+    def attn_name(i: int, leaf: str) -> str:
+        return f"{src.prefix}layers.{i}.self_attn.{leaf}"
+
+    def rewrite(name, t):
+        if name not in roles:
+            return {name: t}
+        i, role = roles[name]
+        if role.endswith("_bias"):
+            return {}  # folded into the weights (_unbiased_rows)
+        fit = fits[i]
+        slot, zero = anchor_slots(dim, new_dim, fit.dropped_pair)
+        if role == "o":
+            w = t.to(torch.float64)
+            out = {name: (widen_columns(w, h, dim, new_dim) if new_dim > dim else w).to(t.dtype)}
+            for which, pad, scale in (("q", pads[i][0], (new_dim / dim) ** 0.5), ("k", pads[i][1], 1.0)):
+                g = anchor_norm_weight(new_dim, zero, pad, fit.gain, scale)
+                out[attn_name(i, f"{which}_norm.weight")] = g.to(t.dtype)
+            return out
+        heads = h if role == "q" else hkv
+        w = _unbiased_rows(src, i, role, t, biases, fit.anchor)  # [heads * D, n]
+        w = (widen_rows(w, heads, dim, new_dim) if new_dim > dim else w.clone()).view(heads, new_dim, -1)
+        if role in ("q", "k"):
+            w[:, zero] = 0.0
+            w[:, slot] = (pads[i][0] if role == "q" else pads[i][1]) * fit.anchor
+        return {name: w.reshape(heads * new_dim, -1).to(t.dtype)}
+
+    return rewrite
+
+
+def _read_biases(src, reader_get) -> dict:
+    """(layer, role) -> bias [out] for every q/k/v/o bias, and (layer, "o_weight") where o_proj has a bias."""
+    out = {}
+    for i in range(src.spec.num_layers):
+        for role in ("q", "k", "v", "o"):
+            name = src.tensor(f"{role}_bias", i)
+            if name:
+                out[(i, role)] = reader_get(name)
+        if (i, "o") in out:
+            out[(i, "o_weight")] = reader_get(src.tensor("o", i))
+    return out
+
+
 def _rewriter(src, method: str, fits: list | None, pads: list | None, bias: bool):
     """rewrite(name, tensor) for stream_weights: per-layer q/k/v/o changes, new biases and norm weights."""
     import torch
@@ -288,42 +433,60 @@ def retrofit_qknorm(req: QKNormRequest) -> dict:
     src = check_request(req)
     spec = src.spec
     has_bias = any(src.tensor(r, 0) for r in ("q_bias", "k_bias", "v_bias", "o_bias"))
-    bias = has_bias or req.method == "pad"
-    config = _qwen3_config(src, req.method, bias)
-    if req.method == "pad":
+    bias = (has_bias and req.method != "anchor") or req.method == "pad"
+    dim = new_head_dim(req, spec.head_dim)
+    config = _qwen3_config(src, req.method, bias, dim)
+    if dim != spec.head_dim:
         check_rope(src, config)
     report = {"retrofit": "qknorm", "source": req.opts.model, "output": str(req.opts.out),
               "dry_run": req.opts.dry_run, "model_type": spec.model_type, "method": req.method,
-              "head_dim_before": spec.head_dim, "head_dim_after": config["head_dim"], "attention_bias": bias,
+              "head_dim_before": spec.head_dim, "head_dim_after": dim, "attention_bias": bias,
               "calibration": None, "layers": [], "warnings": [], "eval": None, "probe": None}
+    if dim > spec.head_dim:
+        report["warnings"].append(f"head_dim {spec.head_dim} -> {dim}: the KV cache grows by "
+                                  f"{100 * (dim - spec.head_dim) / spec.head_dim:.1f}%")
     if req.method == "pad":
-        report["warnings"].append(f"head_dim {spec.head_dim} -> {config['head_dim']}: the KV cache grows by "
-                                  f"{200 / spec.head_dim:.1f}%")
+        report["warnings"].append("--method pad writes q/k/v/o bias tensors (zero where the source has none) and "
+                                  f"head_dim {dim}: llama.cpp has no o_proj bias slot and vLLM's CPU attention "
+                                  "no such head size; --method anchor runs in both")
     if req.opts.dry_run:
         report["seconds"] = time.perf_counter() - started
         return report
     fits = pads = None
-    if req.method == "pad":
+    if req.method in ("pad", "anchor"):
         with LazyReader(src.ckpt.weight_files) as reader:
             pads = _pad_biases(src, reader.get)
+            biases = _read_biases(src, reader.get)
+    if req.method == "pad":
         report["layers"] = [{"layer": i, "pad_bias_q": bq, "pad_bias_k": bk, "max_rel_error": err, "attention_kl": None}
                             for i, (bq, bk, err) in enumerate(pads)]
-    elif req.method == "unit" and not req.opts.calib:
-        from attnkit.ops.qknorm import unit_fit
-
-        fits = [unit_fit(spec.num_heads, spec.num_kv_heads, spec.head_dim)] * spec.num_layers
+        rewrite = _rewriter(src, req.method, fits, pads, bias)
+    elif req.method == "anchor":
+        anchors, report["calibration"] = _anchor_fits(req, src, dim)
+        report["layers"] = [{"layer": i, "pad_bias_q": bq, "pad_bias_k": bk,
+                             "max_rel_error": a.scale_error ** 0.5, "attention_kl": None,
+                             "dropped_pair": a.dropped_pair} for i, ((bq, bk, _), a) in enumerate(zip(pads, anchors))]
+        rewrite = _anchor_rewriter(src, anchors, pads, biases, dim)
     else:
-        fits, report["calibration"] = _calibrate(req, src)
+        if req.method == "unit" and not req.opts.calib:
+            from attnkit.ops.qknorm import unit_fit
+
+            fits = [unit_fit(spec.num_heads, spec.num_kv_heads, spec.head_dim)] * spec.num_layers
+        else:
+            fits, report["calibration"] = _calibrate(req, src)
         report["layers"] = [{"layer": i, "pad_bias_q": None, "pad_bias_k": None, "max_rel_error": None,
                              "attention_kl": f.kl} for i, f in enumerate(fits)]
+        rewrite = _rewriter(src, req.method, fits, pads, bias)
+    added = "q_norm/k_norm weights per layer"
+    if bias and not src.tensor("o_bias", 0):
+        added += ", zero o_proj bias"
     manifest = {"retrofit": "qknorm",
-                "changes": {"model_type": f"{spec.model_type} -> qwen3", "head_dim": [spec.head_dim, config["head_dim"]],
-                            "attention_bias": bias, "added": "q_norm/k_norm weights per layer"
-                            + (", zero o_proj bias" if bias and not src.tensor("o_bias", 0) else "")},
+                "changes": {"model_type": f"{spec.model_type} -> qwen3", "head_dim": [spec.head_dim, dim],
+                            "attention_bias": bias, "added": added},
                 "why": "per-head RMSNorm on q and k (Qwen3 QK-norm) bounds attention logits",
-                "parameters": {"method": req.method, "steps": req.steps if req.method == "kl" else None},
+                "parameters": {"method": req.method, "steps": req.steps if req.method == "kl" else None,
+                               "head_dim": dim},
                 "calibration": report["calibration"], "layers": report["layers"], "warnings": report["warnings"]}
-    rewrite = _rewriter(src, req.method, fits, pads, bias)
     write_output(src, req.opts, config,
                  lambda folder: stream_weights(src, folder, req.opts.max_shard_bytes, rewrite),
                  manifest, report, check=_check_loads)

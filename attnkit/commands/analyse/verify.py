@@ -1,0 +1,316 @@
+"""`attnkit verify OUT`: run a checkpoint in each installed serving engine and diff it against transformers.
+
+The same tokens on every side. Greedy: a few prompts (sentences of the text); vLLM gets transformers' token
+ids and returns ids, llama.cpp tokenizes the prompt itself (its ids are checked) and returns the
+continuation's text. Perplexity: fixed windows of the text; vLLM scores every token after the first,
+llama.cpp the second half of each window (llama-perplexity's protocol) through its --kl-divergence mode,
+which reads the token ids from a file written here, so tokenization cannot differ. A greedy difference at a
+step where transformers' two best logits are within the tie margin is a tie, not a mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from attnkit.errors import AttnkitError, UsageError
+
+ENGINES = ("llama.cpp", "vllm")
+SAMPLE_TEXT = Path(__file__).resolve().parent.parent.parent / "engines" / "data" / "sample.txt"
+
+
+@dataclass
+class VerifyRequest:
+    model: str
+    engines: list[str] | None = None  # None: every engine that is found
+    texts: list[str] = field(default_factory=list)  # default: attnkit's sample English text
+    llama_cpp: str | None = None  # a llama.cpp tree; else $ATTNKIT_LLAMA_CPP, else PATH
+    convert_python: str | None = None  # runs convert_hf_to_gguf.py (default: this interpreter)
+    vllm_python: str | None = None  # an interpreter with vLLM (default: $ATTNKIT_VLLM_PYTHON, else this one)
+    prompts: int = 4
+    new_tokens: int = 32
+    ppl_tokens: int = 2048
+    ctx: int = 512
+    ppl_tolerance: float = 0.01  # relative perplexity difference allowed
+    tie_margin: float = 1e-3  # logits closer than this at a greedy step make either token right
+    threads: int = max(1, os.cpu_count() or 1)
+    timeout: float = 1800.0
+
+
+@dataclass
+class Reference:
+    """What transformers computes on the shared tokens."""
+
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+    greedy: list[list[int]]
+    margins: list[list[float]]  # per prompt and step: top-1 minus top-2 logit
+    texts: list[str]  # decoded continuations
+    windows: list[list[int]]
+    nll_full: list[float]  # every token after the first of each window
+    nll_half: list[float]  # positions ctx/2 .. ctx-1 (llama-perplexity's)
+    vocab: int
+
+
+def check_request(req: VerifyRequest) -> list[str]:
+    """Validate options and paths before any model loads; the engines asked for."""
+    from attnkit.io.resolve import resolve
+
+    for name in req.engines or []:
+        if name not in ENGINES:
+            raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {name!r}")
+    for path in req.texts:
+        if not Path(path).is_file():
+            raise UsageError(f"{path}: file not found")
+    for flag, value, low in (("--prompts", req.prompts, 1), ("--new-tokens", req.new_tokens, 1),
+                             ("--ctx", req.ctx, 16), ("--ppl-tokens", req.ppl_tokens, req.ctx)):
+        if value < low:
+            raise UsageError(f"{flag} must be at least {low}, got {value}")
+    if req.ctx % 2:
+        raise UsageError(f"--ctx must be even, got {req.ctx}")
+    if not req.ppl_tolerance > 0 or req.tie_margin < 0:
+        raise UsageError("--ppl-tolerance must be positive and --tie-margin non-negative")
+    ckpt = resolve(req.model)
+    if ckpt.kind not in ("folder", "hub") or not ckpt.weight_files:
+        raise UsageError(f"{req.model}: verify takes a Hugging Face folder (what attnkit writes), not {ckpt.kind}")
+    return list(req.engines or ENGINES)
+
+
+def _sentences(text: str, count: int, words: int = 12) -> list[str]:
+    """`count` prompts: the first `words` words of sentences spread evenly through the text."""
+    found = [s.strip() for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if len(s.split()) >= words]
+    if len(found) < count:
+        raise AttnkitError(f"the text has {len(found)} sentences of {words}+ words; need {count} prompts")
+    step = len(found) / count
+    return [" ".join(found[int(i * step)].split()[:words]) for i in range(count)]
+
+
+def reference(loaded, text: str, req: VerifyRequest) -> Reference:
+    """transformers' greedy continuations (with per-step logit margins) and per-window NLLs, fp32."""
+    import torch
+
+    tok, model = loaded.tokenizer, loaded.model
+    prompts = _sentences(text, req.prompts)
+    prompt_ids, greedy, margins = [], [], []
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=req.new_tokens, min_new_tokens=req.new_tokens,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
+        top2 = torch.stack([s[0].double().topk(2).values for s in out.logits])  # [steps, 2]
+        prompt_ids.append(ids[0].tolist())
+        greedy.append(out.sequences[0, ids.shape[1]:].tolist())
+        margins.append((top2[:, 0] - top2[:, 1]).tolist())
+    all_ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+    n_chunk = min(len(all_ids), req.ppl_tokens) // req.ctx
+    if n_chunk < 1:
+        raise AttnkitError(f"the text has {len(all_ids)} tokens, fewer than one --ctx window of {req.ctx}")
+    windows = [all_ids[c * req.ctx:(c + 1) * req.ctx] for c in range(n_chunk)]
+    nll_full, nll_half = [], []
+    first = req.ctx // 2
+    for w in windows:
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([w])).logits[0].double(), -1)  # [T, V]
+        token_nll = -logp[:-1].gather(1, torch.tensor(w[1:])[:, None])[:, 0]  # [T-1]
+        nll_full.extend(token_nll.tolist())
+        nll_half.extend(token_nll[first:].tolist())
+    return Reference(prompts, prompt_ids, greedy, margins,
+                     [tok.decode(g, skip_special_tokens=False) for g in greedy], windows, nll_full, nll_half,
+                     int(model.config.vocab_size))
+
+
+def _perplexity(nll: list[float]) -> float:
+    import math
+
+    return math.exp(sum(nll) / len(nll))
+
+
+def _greedy_verdict(ref: Reference, index: int, engine_ids: list[int] | None, engine_text: str | None,
+                    tokenizer, margin: float) -> str:
+    """"equal", "tie" (first difference at a step whose top-2 logits are within `margin`) or "differs"."""
+    want = ref.greedy[index]
+    if engine_ids is not None:
+        if engine_ids == want:
+            return "equal"
+        step = next((i for i, (a, b) in enumerate(zip(want, engine_ids)) if a != b), min(len(want), len(engine_ids)))
+    else:
+        if engine_text == ref.texts[index]:
+            return "equal"
+        step = next((i for i in range(1, len(want) + 1)
+                     if not engine_text.startswith(tokenizer.decode(want[:i], skip_special_tokens=False))),
+                    len(want)) - 1
+    if step < len(ref.margins[index]) and ref.margins[index][step] <= margin:
+        return "tie"
+    return "differs"
+
+
+def _row(engine: str) -> dict:
+    return {"engine": engine, "status": "not found", "detail": "", "greedy_equal": None, "greedy_ties": None,
+            "prompts": None, "perplexity_transformers": None, "perplexity_engine": None, "ppl_rel_diff": None,
+            "kl_mean": None, "kv_bytes_per_token": None, "notes": []}
+
+
+def _judge(row: dict, verdicts: list[str], ppl_ref: float, ppl_engine: float, tolerance: float) -> None:
+    row["prompts"] = len(verdicts)
+    row["greedy_equal"] = verdicts.count("equal")
+    row["greedy_ties"] = verdicts.count("tie")
+    row["perplexity_transformers"], row["perplexity_engine"] = ppl_ref, ppl_engine
+    row["ppl_rel_diff"] = abs(ppl_engine - ppl_ref) / ppl_ref
+    problems = []
+    if "differs" in verdicts:
+        problems.append(f"greedy continuation differs on {verdicts.count('differs')} of {len(verdicts)} prompts")
+    if row["ppl_rel_diff"] > tolerance:
+        problems.append(f"perplexity {ppl_engine:.4f} vs {ppl_ref:.4f} ({100 * row['ppl_rel_diff']:.2f}% apart)")
+    row["status"] = "mismatch" if problems else "ok"
+    row["detail"] = "; ".join(problems)
+
+
+def run_llama_cpp(req: VerifyRequest, ref: Reference, loaded, tools, workdir: Path) -> dict:
+    from attnkit.engines import llamacpp
+
+    row = _row("llama.cpp")
+    gguf = workdir / "model-f32.gguf"
+    llamacpp.convert(tools, Path(loaded.checkpoint.root), gguf, req.timeout)
+    if llamacpp.add_bos(gguf):
+        raise AttnkitError("the GGUF adds BOS to every llama-perplexity chunk; verify does not model that yet")
+    base = workdir / "transformers.kld"
+    llamacpp.write_kld_base(base, [t for w in ref.windows for t in w], req.ctx, ref.vocab,
+                            _half_logits(loaded.model, ref.windows, req.ctx))
+    scored = llamacpp.perplexity(tools, gguf, base, req.ctx, req.threads, req.timeout)
+    verdicts = []
+    for i, prompt in enumerate(ref.prompts):
+        ids, text = llamacpp.complete(tools, gguf, prompt, req.new_tokens, req.ctx, req.threads, req.timeout)
+        if ids != ref.prompt_ids[i]:
+            row["notes"].append(f"prompt {i}: llama.cpp tokenized it as {len(ids)} ids, transformers as "
+                                f"{len(ref.prompt_ids[i])}")
+            verdicts.append("differs")
+            continue
+        verdicts.append(_greedy_verdict(ref, i, None, text, loaded.tokenizer, req.tie_margin))
+    _judge(row, verdicts, _perplexity(ref.nll_half), scored["perplexity"], req.ppl_tolerance)
+    row["kl_mean"] = scored["kl_mean"]
+    row["notes"].append(f"f32 GGUF; perplexity on the second half of {len(ref.windows)} windows of {req.ctx} "
+                        f"(llama-perplexity's protocol), {100 * scored['same_top1']:.2f}% same top-1")
+    return row
+
+
+def _half_logits(model, windows: list[list[int]], ctx: int):
+    """Per window, transformers' fp32 logits at positions ctx/2 .. ctx-2 (the rows llama-perplexity scores)."""
+    import torch
+
+    for w in windows:
+        with torch.no_grad():
+            yield model(torch.tensor([w])).logits[0, ctx // 2: ctx - 1].float().numpy()
+
+
+def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: Path) -> dict:
+    from attnkit.engines.targets import MLA_SHAPES
+
+    row = _row("vllm")
+    config = loaded.model.config
+    mla = getattr(config, "kv_lora_rank", None) is not None
+    shape_ok = not mla or (config.kv_lora_rank, config.qk_rope_head_dim) in MLA_SHAPES["vllm"]
+    request = {"model": str(Path(loaded.checkpoint.root).resolve()), "prompts": ref.prompt_ids,
+               "new_tokens": req.new_tokens, "windows": ref.windows,
+               "max_model_len": max(req.ctx, max(len(p) for p in ref.prompt_ids) + req.new_tokens),
+               "mla_disable": not shape_ok, "attention_backend": "CPU_MLA" if mla and shape_ok else None}
+    (workdir / "vllm-request.json").write_text(json.dumps(request))
+    worker = Path(__file__).resolve().parent.parent.parent / "engines" / "vllm_worker.py"
+    log = workdir / "vllm.log"
+    with open(log, "w") as fh:
+        try:
+            proc = subprocess.run([python, str(worker), str(workdir / "vllm-request.json"),
+                                   str(workdir / "vllm-result.json")], stdout=fh, stderr=subprocess.STDOUT,
+                                  timeout=req.timeout, cwd=workdir)
+        except subprocess.TimeoutExpired:
+            raise AttnkitError(f"vLLM did not finish in {req.timeout:.0f}s") from None
+    if proc.returncode != 0:
+        tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
+        raise AttnkitError(f"vLLM failed (exit {proc.returncode}): {' '.join(tail)}")
+    result = json.loads((workdir / "vllm-result.json").read_text())
+    verdicts = [_greedy_verdict(ref, i, ids, None, loaded.tokenizer, req.tie_margin)
+                for i, ids in enumerate(result["greedy"])]
+    _judge(row, verdicts, _perplexity(ref.nll_full), _perplexity([x for w in result["nll"] for x in w]),
+           req.ppl_tolerance)
+    spec = result["kv_cache"]
+    row["kv_bytes_per_token"] = sum(layer["bytes_per_token"] for layer in spec.values())
+    kinds = sorted({layer["kind"] for layer in spec.values()})
+    row["notes"].append(f"fp32; KV cache {', '.join(kinds)} over {len(spec)} layers")
+    if not shape_ok:
+        row["notes"].append(f"MLA shape {config.kv_lora_rank}+{config.qk_rope_head_dim} is not one vLLM's MLA "
+                            "kernels take (512+64): run with VLLM_MLA_DISABLE=1, as plain attention")
+    return row
+
+
+def find_vllm(req: VerifyRequest) -> str | None:
+    """An interpreter that can import vllm: --vllm-python, $ATTNKIT_VLLM_PYTHON, or this one."""
+    for python in (req.vllm_python, os.environ.get("ATTNKIT_VLLM_PYTHON"), sys.executable):
+        if not python:
+            continue
+        try:
+            probe = subprocess.run([python, "-c", "import importlib.util,sys; "
+                                    "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True,
+                                   timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if probe.returncode == 0:
+            return python
+    return None
+
+
+def verify(req: VerifyRequest, log=lambda message: None) -> dict:
+    """Run the checks; the report (docs/verify.md). Engines that are not installed get a row saying so."""
+    from attnkit.engines.llamacpp import find_llama_cpp
+    from attnkit.runtime import load_model, read_texts
+
+    started = time.perf_counter()
+    wanted = check_request(req)
+    found: dict[str, object] = {}
+    missing: dict[str, str] = {}
+    if "llama.cpp" in wanted:
+        tools = find_llama_cpp(req.llama_cpp, req.convert_python or sys.executable)
+        (missing if isinstance(tools, str) else found)["llama.cpp"] = tools
+    if "vllm" in wanted:
+        python = find_vllm(req)
+        if python is None:
+            missing["vllm"] = "no interpreter imports vllm (pass --vllm-python or set ATTNKIT_VLLM_PYTHON)"
+        else:
+            found["vllm"] = python
+    if req.engines and missing:
+        name, why = next(iter(missing.items()))
+        raise AttnkitError(f"{name} was asked for and is not installed: {why}")
+    if not found:
+        raise AttnkitError("no serving engine found: " + "; ".join(f"{k}: {v}" for k, v in missing.items()))
+    text = "\n\n".join(read_texts(req.texts or [str(SAMPLE_TEXT)]))
+    log("transformers: greedy continuations and window perplexity ...")
+    loaded = load_model(req.model, device="cpu", dtype="float32")
+    ref = reference(loaded, text, req)
+    rows = []
+    for engine in wanted:
+        if engine in missing:
+            row = _row(engine)
+            row["detail"] = missing[engine]
+            rows.append(row)
+            continue
+        log(f"{engine}: running ...")
+        with tempfile.TemporaryDirectory(prefix="attnkit-verify-") as tmp:
+            try:
+                rows.append(run_llama_cpp(req, ref, loaded, found[engine], Path(tmp)) if engine == "llama.cpp"
+                            else run_vllm(req, ref, loaded, found[engine], Path(tmp)))
+            except AttnkitError as exc:
+                row = _row(engine)
+                row["status"], row["detail"] = "failed", str(exc)
+                rows.append(row)
+    return {"model": req.model, "model_type": loaded.model.config.model_type, "prompts": ref.prompts,
+            "new_tokens": req.new_tokens, "ctx": req.ctx, "windows": len(ref.windows),
+            "perplexity_transformers": {"all_tokens": _perplexity(ref.nll_full),
+                                        "second_half": _perplexity(ref.nll_half)},
+            "engines": rows, "mismatch": any(r["status"] in ("mismatch", "failed") for r in rows),
+            "seconds": time.perf_counter() - started}

