@@ -17,6 +17,7 @@ Grid: TransMLA's rope dim (qk_mqa_dim) 64 / 32 / 16 x every freqfold it accepts 
 cached values per token and layer (kv_lora_rank = budget - rope dim); TransMLA's defaults otherwise
 (no q low rank, balance_kv_ratio 1, no kv norm). One JSON row per line on stdout.
 --swap calibrates on heldout.txt and evaluates on calib.txt (5 windows); --settings 64:2,32:4 limits the grid.
+--eval NAME=FILE (repeatable) scores every result on these texts as well (4096 tokens each), in "texts".
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def main() -> None:
                     help="calibrate on heldout.txt and evaluate on calib.txt (a second split, for robustness)")
     ap.add_argument("--settings", default=None,
                     help="only these rope-dim:freqfold pairs, e.g. 64:2,32:4 (default: the whole grid)")
+    ap.add_argument("--eval", action="append", default=[], metavar="NAME=FILE",
+                    help="more held-out texts, each scored on its first 4096 tokens")
     args = ap.parse_args()
     only = {tuple(int(v) for v in pair.split(":")) for pair in args.settings.split(",")} if args.settings else None
     sys.path.insert(0, str(args.transmla / "transmla" / "transmla"))
@@ -91,8 +94,13 @@ def main() -> None:
     calib_file, heldout_file = ("heldout.txt", "calib.txt") if args.swap else ("calib.txt", "heldout.txt")
     calib, heldout = windows(tokenizer, PROSE / calib_file, 2048), windows(tokenizer, PROSE / heldout_file, 4096)
     loader = [{"input_ids": calib, "attention_mask": torch.ones_like(calib), "labels": calib}]
+    extra = {name: windows(tokenizer, Path(path), 4096) for name, path in (e.split("=", 1) for e in args.eval)}
+
+    def texts(model) -> dict:
+        return {name: perplexity(model, ids) for name, ids in extra.items()}
+
     source_ppl = perplexity(source, heldout)
-    print(json.dumps({"variant": "source", "ppl": source_ppl}), flush=True)
+    print(json.dumps({"variant": "source", "ppl": source_ppl, "texts": texts(source)}), flush=True)
 
     keys = get_qkv_calibrate_outputs(source, loader, "calibration")["key"]
     head_dim = source.config.hidden_size // source.config.num_attention_heads
@@ -116,7 +124,8 @@ def main() -> None:
                                    balance_kv_ratio=1)
                 print(json.dumps({"variant": "transmla", "values": budget, "R": budget - rope, "P": rope,
                                   "freqfold": freqfold, "ppl": perplexity(mla, heldout), "source_ppl": source_ppl,
-                                  "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+                                  "texts": texts(mla), "seconds": round(time.perf_counter() - started, 1)}),
+                      flush=True)
             freqfold *= 2
 
 

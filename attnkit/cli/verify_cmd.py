@@ -29,7 +29,8 @@ def register(app: typer.Typer) -> None:
                                                      "(default: $ATTNKIT_LLAMA_CPP, else PATH)."),
         convert_python: Optional[str] = typer.Option(None, "--convert-python",
                                                      help="Python that runs convert_hf_to_gguf.py (torch, "
-                                                          "transformers, sentencepiece); default: this one."),
+                                                          "transformers, sentencepiece); default: "
+                                                          "$ATTNKIT_CONVERT_PYTHON, else this one."),
         vllm_python: Optional[str] = typer.Option(None, "--vllm-python",
                                                   help="Python with vLLM (default: $ATTNKIT_VLLM_PYTHON, else "
                                                        "this one)."),
@@ -64,6 +65,6 @@ def register(app: typer.Typer) -> None:
                        f"{report['windows']} window(s) of {report['ctx']} tokens, fp32")
         for row in report["engines"]:
             for note in row["notes"]:
-                stderr.print(f"{row['engine']}: {note}", style="dim")
+                stderr.print(f"{row['engine']}: {note}", style="dim", markup=False)
         if report["mismatch"]:
             raise typer.Exit(EXIT_THRESHOLD)

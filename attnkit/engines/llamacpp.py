@@ -87,7 +87,7 @@ def add_bos(gguf: Path) -> bool:
     """Whether llama.cpp prepends BOS for this GGUF (tokenizer.ggml.add_bos_token; absent: false for BPE)."""
     from attnkit.io.gguf_header import parse_gguf_header
 
-    return bool(parse_gguf_header(gguf).metadata.get("tokenizer.ggml.add_bos_token", False))
+    return bool(parse_gguf_header(gguf).fields.get("tokenizer.ggml.add_bos_token", False))
 
 
 def write_kld_base(path: Path, tokens: list[int], n_ctx: int, vocab: int, chunk_logits) -> None:
@@ -142,8 +142,9 @@ def complete(tools: LlamaCpp, gguf: Path, prompt: str, new_tokens: int, n_ctx: i
     proc = _run([str(tools.completion), "-m", str(gguf), "-p", prompt, "-n", str(new_tokens), "--temp", "0",
                  "-no-cnv", "--no-warmup", "--ignore-eos", "-s", "1", "-t", str(threads), "-c", str(n_ctx),
                  "--no-display-prompt", "--verbose-prompt", "--no-escape", "-sp"], "llama-completion", timeout)
-    ids = [int(m.group(1)) for m in re.finditer(r"^\s*(\d+) -> '", proc.stderr, flags=re.M)]
-    return ids, proc.stdout
+    ids = [int(m.group(1)) for m in re.finditer(r"^(?:\S+ I)?\s*(\d+) -> '", proc.stderr, flags=re.M)]
+    text = proc.stdout
+    return ids, text[:-2] if text.endswith("\n\n") else text  # it ends its output with a blank line
 
 
 def nll_to_perplexity(nll: list[float]) -> float:

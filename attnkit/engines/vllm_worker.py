@@ -38,6 +38,8 @@ def main() -> None:
               "kv_cache_memory_bytes": req.get("kv_cache_bytes", 256 << 20)}
     if req.get("attention_backend"):
         kwargs["attention_backend"] = req["attention_backend"]
+    if req.get("custom_ops"):
+        kwargs["compilation_config"] = {"custom_ops": req["custom_ops"]}
     llm = LLM(**kwargs)
     greedy = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]],
                           SamplingParams(temperature=0.0, max_tokens=req["new_tokens"], ignore_eos=True))

