@@ -150,6 +150,8 @@ def mla(
                                  help="Key parts that lose RoPE: keep them position-free, fade them by E[cos] or drop them."),
     o_refit: float = typer.Option(0.1, "--o-refit", min=0.0,
                                   help="Ridge of the o_proj refit to the source attention output (0: off)."),
+    shrink: float = typer.Option(0.0, "--shrink", min=0.0, max=1.0,
+                                 help="Shrink the calibration covariance toward its diagonal by this much (0-1)."),
     weight_only: bool = typer.Option(False, "--weight-only",
                                      help="Ablation: plain SVD of the weights, no activations or read-out weights."),
     latent_norm: str = typer.Option("auto", "--latent-norm",
@@ -170,7 +172,8 @@ def mla(
 
     options = MLAOptions(key_weight="uniform" if weight_only else key_weight,
                          value_weight="none" if weight_only else value_weight, residual=residual,
-                         window=calib_seq_len, whiten=not weight_only, o_refit=0.0 if weight_only else o_refit)
+                         window=calib_seq_len, whiten=not weight_only, o_refit=0.0 if weight_only else o_refit,
+                         shrink=shrink)
     req = MLARequest(model=model, out=out, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, kv_budget=kv_budget,
                      calib=list(calib), calib_tokens=calib_tokens, calib_seq_len=calib_seq_len, eval=list(eval_files),
                      eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, sequential=sequential, options=options,

@@ -56,6 +56,7 @@ class MLAOptions:
     key_balance: float = 1.0  # weight of the (scaled) logit error against the output error
     whiten: bool = True  # False: fit on the weights alone (plain SVD, cov = I; errors still on activations)
     o_refit: float = 0.1  # ridge of the o_proj refit to the source attention output (0: no refit)
+    shrink: float = 0.0  # covariance shrinkage toward its diagonal: (1 - s) C + s diag(C)
     ridge: float = 1e-6
 
 
@@ -158,7 +159,9 @@ def convert_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
     options = options or MLAOptions()
     q, k, v, cov = (t.to(torch.float64) for t in (q, k, v, cov))
     d, hkv = s.head_dim, s.num_kv
-    fit = cov if options.whiten else torch.eye(cov.shape[0], dtype=torch.float64)
+    fit = (1 - options.shrink) * cov + options.shrink * torch.diag(cov.diagonal())  # the metric the fits use
+    if not options.whiten:
+        fit = torch.eye(cov.shape[0], dtype=torch.float64)
     q_gram = head_gram(q, s.num_heads, hkv, fit)  # [Hkv, D, D]: sum over readers of E[q q^T]
     if options.key_weight == "uniform":
         q_gram = torch.eye(d, dtype=torch.float64).expand(hkv, d, d).contiguous()

