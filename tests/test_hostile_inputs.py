@@ -191,3 +191,15 @@ def test_gguf_missing_a_block_is_incomplete(tmp_path):
     path.write_bytes(hostile.gguf_bytes(hostile.gguf_fields(layers=3), hostile.gguf_tensors(layers=2)))
     with pytest.raises(AttnkitError, match="block_count is 3 but block blk.2 has no tensors"):
         read_gguf(path)
+
+
+def test_a_side_file_linking_out_is_refused_before_work(runner, tiny, tmp_path):
+    from attnkit.cli import app
+
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE KEY")
+    src = tiny("llama")
+    (src / "tokenizer.json").symlink_to(secret)  # would be copied into the output next to the weights
+    result = runner.invoke(app, ["convert", "mqa", str(src), str(tmp_path / "out")])
+    assert result.exit_code == 1 and "outside the checkpoint folder" in result.stderr, result.output
+    assert not (tmp_path / "out").exists()

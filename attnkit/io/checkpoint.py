@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path, PurePosixPath
 
 from attnkit.errors import AttnkitError
@@ -63,6 +64,13 @@ def inside(folder: Path, name: str, source: Path) -> Path:
     if not any(real == a or a in real.parents for a in allowed):
         raise AttnkitError(f"{path}: links to {real}, outside the checkpoint folder; copy the file in instead")
     return path
+
+
+def side_files(folder: Path) -> list[Path]:
+    """The files of SIDE_FILES in a folder, config.json aside; refused when one links out of the folder."""
+    patterns = [p for p in SIDE_FILES if p != "config.json"]
+    return [inside(folder, f.name, f) for f in sorted(Path(folder).iterdir())
+            if f.is_file() and any(fnmatch(f.name, p) for p in patterns)]
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from attnkit.errors import AttnkitError
-from attnkit.io.checkpoint import INDEX_NAME, SIDE_FILES, safetensors_files
+from attnkit.io.checkpoint import INDEX_NAME, SIDE_FILES, inside, safetensors_files
 from attnkit.io.tempdirs import OLD_TAG, clean_stale, make_temp_dir, remove_tree, unmark
 
 SINGLE_NAME = "model.safetensors"
@@ -250,6 +250,7 @@ def copy_side_files(src_root: Path, dst: Path) -> list[str]:
     copied = []
     for src in sorted(Path(src_root).iterdir()):
         if src.is_file() and any(fnmatch.fnmatch(src.name, p) for p in patterns):
+            inside(Path(src_root), src.name, src)  # a link out of the checkpoint would copy that file into OUT
             shutil.copyfile(src, Path(dst) / src.name)  # follows hub-cache symlinks
             copied.append(src.name)
     return copied
