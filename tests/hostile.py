@@ -4,6 +4,7 @@ result or an AttnkitError, nothing else."""
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import struct
@@ -58,26 +59,31 @@ def mutate_safetensors(rng: random.Random) -> bytes:
     return safetensors_bytes(header, length=length)
 
 
+def _nasty(rng: random.Random, extra: list | tuple = ()):
+    """A fresh copy of a NASTY value (the pool's lists must not be edited in place by later mutations)."""
+    return copy.deepcopy(rng.choice([*NASTY, *extra]))
+
+
 def _replace_somewhere(rng: random.Random, header: dict) -> None:
     name = rng.choice(list(header))
     if name == "__metadata__":
-        header[name] = rng.choice(NASTY + [{"format": rng.choice(NASTY)}])
+        header[name] = _nasty(rng, [{"format": _nasty(rng)}])
         return
     entry = header[name]
     field = rng.choice(["dtype", "shape", "data_offsets", "entry", "drop", "offset0", "offset1", "dim"])
-    if not isinstance(entry, dict) or not all(isinstance(entry.get(k), list) and entry[k]
-                                              for k in ("shape", "data_offsets")):
+    if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and entry["shape"]
+            and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2):
         field = "entry"  # an earlier edit already broke this entry
     if field == "entry":
-        header[name] = rng.choice(NASTY)
+        header[name] = _nasty(rng)
     elif field == "drop":
         entry.pop(rng.choice(list(entry)), None)
     elif field in ("offset0", "offset1"):
-        entry["data_offsets"][int(field[-1])] = rng.choice(NASTY + [32, 63, 65, 80, 96, 97])
+        entry["data_offsets"][int(field[-1])] = _nasty(rng, [32, 63, 65, 80, 96, 97])
     elif field == "dim":
-        entry["shape"][rng.randrange(len(entry["shape"]))] = rng.choice(NASTY + [0, 3, 5])
+        entry["shape"][rng.randrange(len(entry["shape"]))] = _nasty(rng, [0, 3, 5])
     else:
-        entry[field] = rng.choice(NASTY)
+        entry[field] = _nasty(rng)
 
 
 def _flip_bytes(rng: random.Random, raw: bytes) -> bytes:
@@ -110,14 +116,14 @@ def mutate_index(rng: random.Random) -> bytes:
     if kind < 3:
         target = rng.choice(["weight_map", "value", "value", "doc", "key"])
         if target == "weight_map":
-            doc["weight_map"] = rng.choice(NASTY + [list(SHARDS)])
+            doc["weight_map"] = _nasty(rng, [list(SHARDS)])
         elif target == "value":
-            doc["weight_map"][rng.choice(list(doc["weight_map"]))] = rng.choice(
-                NASTY + ["../" * rng.randint(1, 6) + "etc/passwd", "sub/../../x.safetensors", "C:\\x.safetensors"])
+            doc["weight_map"][rng.choice(list(doc["weight_map"]))] = _nasty(
+                rng, ["../" * rng.randint(1, 6) + "etc/passwd", "sub/../../x.safetensors", "C:\\x.safetensors"])
         elif target == "key":
             doc["weight_map"][rng.choice(["", "\ud800", "x" * 1000])] = SHARDS[0]
         else:
-            doc = rng.choice(NASTY)
+            doc = _nasty(rng)
         return json.dumps(doc).encode()
     text = json.dumps(doc).encode()
     if kind == 3:
