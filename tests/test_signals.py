@@ -49,3 +49,27 @@ def test_a_signal_mid_write_removes_the_temp_folder(tiny, tmp_path, signum, code
     assert child.returncode == code and errors == [message] and "Traceback" not in err, err
     assert _leftovers(tmp_path) == [] and not out.exists()
     assert _tree(src) == before
+
+
+def test_a_signal_a_library_swallows_still_stops_the_next_read_and_the_commit(tiny, tmp_path, monkeypatch):
+    from attnkit import interrupts
+    from attnkit.cli.common import _on_signal
+    from attnkit.errors import Terminated
+    from attnkit.io.reader import LazyReader
+    from attnkit.io.writer import OutputDir
+
+    monkeypatch.setattr(interrupts, "_pending", None)
+    try:
+        _on_signal(signal.SIGTERM, None)
+    except Terminated:
+        pass  # what C code that calls back into Python may do with the exception
+    src = tiny("llama")
+    with LazyReader([src / "model.safetensors"]) as reader:
+        with pytest.raises(Terminated):
+            reader.get("model.norm.weight")
+    out = tmp_path / "out"
+    with pytest.raises(Terminated):
+        with OutputDir(out) as target:
+            (target.path / "a.txt").write_text("x")
+            target.commit()
+    assert not out.exists() and _leftovers(tmp_path) == []

@@ -85,17 +85,22 @@ def _os_message(exc: OSError) -> str:
 def _on_signal(signum, _frame) -> None:
     import signal
 
-    raise Terminated(signum, signal.Signals(signum).name)
+    from attnkit import interrupts
+
+    exc = KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum, signal.Signals(signum).name)
+    interrupts.request(exc)  # raised again at the next tensor read or write if a library swallows it here
+    raise exc
 
 
 def handle_signals() -> None:
-    """Make SIGTERM and SIGHUP unwind like Ctrl-C (temp folders removed, exit 143 / 129); main thread only."""
+    """Make SIGTERM and SIGHUP unwind like Ctrl-C (temp folders removed, exit 143 / 129), and make none of the
+    three lost when a library swallows the exception (attnkit.interrupts); main thread only."""
     import signal
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         return
-    for name in ("SIGTERM", "SIGHUP"):
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), _on_signal)
 

@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 from typing import Callable, Iterable
 
+from attnkit import interrupts
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import INDEX_NAME, SIDE_FILES, inside, safetensors_files
 from attnkit.io.tempdirs import OLD_TAG, clean_stale, make_temp_dir, remove_tree, unmark
@@ -119,6 +120,7 @@ class OutputDir:
             verifier(path)
         sync_tree(path)  # the data is on disk before the rename makes it visible
         self._check_target()  # the target may have changed while we worked
+        interrupts.check()  # a signal whose exception a library swallowed still stops the rename
         unmark(path)
         if self.target.is_dir():
             # Unmarked until the new folder is in place: a run killed between the two renames leaves the
@@ -169,6 +171,7 @@ class ShardedWriter:
 
     def add(self, name: str, tensor) -> None:
         """Queue `tensor` under `name`; writes a shard first when it would overflow the current one."""
+        interrupts.check()
         if name in self._names:
             raise AttnkitError(f"{self.folder}: tensor {name!r} added twice")
         tensor = tensor.detach().to("cpu").contiguous()
