@@ -10,8 +10,9 @@ Usage: python benchmarks/hostile_battery.py [--parts readers,cli,signals,gguf-si
   index    N mutated model.safetensors.index.json through io.checkpoint.safetensors_files (default 3,000).
   gguf     N mutated GGUF headers through io.gguf_meta.read_gguf (default 3,000).
   signals  `convert mqa --method mean` on SmolLM2-135M (fp32 folder, tests/realmodel.py) in a subprocess:
-           SIGTERM, SIGINT, SIGHUP at several moments, and SIGKILL followed by a clean run that must remove
-           what the killed one left.
+           SIGTERM at four moments (during the checks and reads, while the shard is written, after the
+           weights, just before the rename), SIGINT and SIGHUP, and SIGKILL at two moments, each followed
+           by a clean run that must remove what the killed one left.
   gguf-signals  SIGTERM, and SIGKILL then a clean run, while the dequantized SmolLM2 GGUF is written into
            a fresh cache (slower: each run dequantizes SmolLM2).
 Prints per part and in all: cases, ok (accepted / exit 0), clean errors (attnkit's one line, exit 1 or 2, or
@@ -355,8 +356,17 @@ def run_child(args, sig=None, delay=0.0, env=None, when=None) -> tuple[int, str,
     return child.returncode, err, time.monotonic() - started
 
 
+def _temp_holds(parent: Path, name: str, min_bytes: int = 0):
+    """A trigger: true once a temp folder in `parent` holds a file `name*` of at least `min_bytes`."""
+    def ready() -> bool:
+        return any(f.stat().st_size >= min_bytes for t in leftovers(parent) if t.is_dir() for f in t.glob(name + "*"))
+    return ready
+
+
 def folder_signals(tally: Tally, work: Path) -> None:
-    """convert mqa --method mean of the SmolLM2 folder, signalled at fractions of a clean run's time."""
+    """convert mqa --method mean of the SmolLM2 folder, signalled at moments seen from outside: after a share
+    of a warm run's time (checks, reading), while the shard is written, after the weights (verification,
+    config, fsync), and just before the rename."""
     from tests.realmodel import smollm2_folder
 
     smol = smollm2_folder()
@@ -364,26 +374,32 @@ def folder_signals(tally: Tally, work: Path) -> None:
     out_parent = work / "signals"
     out_parent.mkdir()
     base = [sys.executable, "-m", "attnkit", "convert", "mqa", str(smol)]
-    code, _, full = run_child([*base, str(out_parent / "clean")])
-    print(f"clean convert mqa --method mean on SmolLM2: exit {code}, {full:.1f}s", file=sys.stderr)
-    shutil.rmtree(out_parent / "clean", ignore_errors=True)
-    plan = [(signal.SIGTERM, f) for f in (0.2, 0.5, 0.8, 0.95)] + [(signal.SIGINT, 0.5), (signal.SIGHUP, 0.6)]
-    for i, (sig, frac) in enumerate(plan):
+    for _ in range(2):  # the second run is warm: the page cache holds the weights
+        code, _, full = run_child([*base, str(out_parent / "clean")])
+        shutil.rmtree(out_parent / "clean", ignore_errors=True)
+    print(f"warm convert mqa --method mean on SmolLM2: exit {code}, {full:.1f}s", file=sys.stderr)
+    moments = {"at 45% of a warm run": dict(delay=0.45 * full),
+               "mid-write (shard over 100 MB)": dict(when=_temp_holds(out_parent, ".shard-", 100 << 20)),
+               "after the weights (config.json written)": dict(when=_temp_holds(out_parent, "config.json")),
+               "before the rename (attnkit.json written)": dict(when=_temp_holds(out_parent, "attnkit.json"))}
+    plan = [(signal.SIGTERM, m) for m in moments] + [(signal.SIGINT, "mid-write (shard over 100 MB)"),
+                                                     (signal.SIGHUP, "after the weights (config.json written)")]
+    for i, (sig, moment) in enumerate(plan):
         out = out_parent / f"run{i}"
-        code, err, _ = run_child([*base, str(out)], sig, frac * full)
+        code, err, _ = run_child([*base, str(out)], sig, **moments[moment])
         _signal_tally(tally, "signals: convert mqa", sig, code, err, stat_digest(smol) != stats,
-                      leftovers(out_parent))
+                      leftovers(out_parent), moment)
         shutil.rmtree(out, ignore_errors=True)
-    for frac in (0.5, 0.9):  # SIGKILL: nothing can clean up; the next run into the same parent must
-        out = out_parent / f"killed{frac}"
-        run_child([*base, str(out)], signal.SIGKILL, frac * full)
+    for moment in ("mid-write (shard over 100 MB)", "after the weights (config.json written)"):
+        out = out_parent / "killed"  # SIGKILL: nothing can clean up; the next run into the same parent must
+        run_child([*base, str(out)], signal.SIGKILL, **moments[moment])
         left_after_kill = leftovers(out_parent)
         code, err, _ = run_child([*base, str(out_parent / "next")])
         left = leftovers(out_parent)
-        detail = (f"SIGKILL at {frac:.0%} left {len(left_after_kill)}; the next run exit {code}, "
+        detail = (f"SIGKILL {moment} left {len(left_after_kill)}; the next run exit {code}, "
                   f"{len(left)} left: {err.strip()[-200:]}")
-        tally.add("signals: convert mqa", "clean" if code == 0 else "crash", detail, stat_digest(smol) != stats,
-                  len(left))
+        outcome = "crash" if code != 0 else "clean" if left_after_kill else "ok"  # ok: the kill missed the write
+        tally.add("signals: convert mqa", outcome, detail, stat_digest(smol) != stats, len(left))
         print(detail, file=sys.stderr)
         for p in (out, out_parent / "next"):
             shutil.rmtree(p, ignore_errors=True)
@@ -402,7 +418,8 @@ def gguf_signals(tally: Tally, work: Path) -> None:
         shutil.rmtree(cache, ignore_errors=True)
         code, err, _ = run_child([*base, str(out_parent / "g")], sig, env=env, when=writing)
         if sig == signal.SIGTERM:
-            _signal_tally(tally, "signals: GGUF cache", sig, code, err, False, leftovers(out_parent, cache))
+            _signal_tally(tally, "signals: GGUF cache", sig, code, err, False, leftovers(out_parent, cache),
+                      "while the cache is written")
             continue
         left_after_kill = leftovers(cache)
         code, err, _ = run_child([*base, str(out_parent / "g2")], env=env)
@@ -413,7 +430,7 @@ def gguf_signals(tally: Tally, work: Path) -> None:
         print(detail, file=sys.stderr)
 
 
-def _signal_tally(tally, part, sig, code, err, modified, left) -> None:
+def _signal_tally(tally, part, sig, code, err, modified, left, moment="") -> None:
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     expected = {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGHUP: 129}[sig]
     if code == 0:
@@ -422,8 +439,8 @@ def _signal_tally(tally, part, sig, code, err, modified, left) -> None:
         outcome = "clean"
     else:
         outcome = "crash"
-    tally.add(part, outcome, f"{sig.name}: exit {code}: {err.strip()[-200:]}", modified, len(left))
-    print(f"{part}: {sig.name} -> exit {code}, {errors[-1] if errors else '(no error line)'}, "
+    tally.add(part, outcome, f"{sig.name} {moment}: exit {code}: {err.strip()[-200:]}", modified, len(left))
+    print(f"{part}: {sig.name} {moment} -> exit {code}, {errors[-1] if errors else '(no error line)'}, "
           f"{len(left)} leftover(s)", file=sys.stderr)
 
 
