@@ -22,3 +22,12 @@ class ThresholdError(AttnkitError):
     """A CI threshold was crossed (exit code 3)."""
 
     exit_code = EXIT_THRESHOLD
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGHUP) arrived: unwinds like Ctrl-C, so every cleanup runs; exit code 128 + signal."""
+
+    def __init__(self, signum: int, name: str):
+        super().__init__(name)
+        self.signum, self.name = signum, name
+        self.exit_code = 128 + signum

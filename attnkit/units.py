@@ -10,17 +10,28 @@ _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _BYTE_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4,
                "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
+#: Largest token count (2**40, a trillion tokens), batch size and memory size (1 PiB) the tables accept.
+MAX_TOKENS = 1 << 40
+MAX_COUNT = 1 << 32
+MAX_BYTES = 1 << 50
+
+
+def _shown(text: str) -> str:
+    """`text` quoted for a message, cut to 40 characters."""
+    return repr(text if len(text) <= 40 else text[:37] + "...")
 
 
 def parse_tokens(text: str) -> int:
     """'4k' -> 4096, '128k' -> 131072, '1m' -> 1048576, '1000' -> 1000 (binary k, as context sizes are)."""
     m = _TOKENS.match(text)
     if not m:
-        raise UsageError(f"not a token count: {text!r} (use e.g. 4096, 4k, 128k)")
+        raise UsageError(f"not a token count: {_shown(text)} (use e.g. 4096, 4k, 128k)")
     scale = {"": 1, "k": 1024, "m": 1024**2}[m.group(2).lower()]
     value = float(m.group(1)) * scale
+    if value > MAX_TOKENS:
+        raise UsageError(f"token count {_shown(text)} is over the limit of {MAX_TOKENS:,} (1024G tokens)")
     if value < 1 or value != int(value):
-        raise UsageError(f"not a positive whole token count: {text!r}")
+        raise UsageError(f"not a positive whole token count: {_shown(text)}")
     return int(value)
 
 
@@ -28,30 +39,36 @@ def parse_bytes(text: str) -> int:
     """'80GiB' or '80G' -> 80*2**30, '80GB' -> 80*10**9, '1024' -> 1024 bytes."""
     m = _BYTES.match(text)
     if not m:
-        raise UsageError(f"not a memory size: {text!r} (use e.g. 80GiB, 24GB, 512MiB)")
+        raise UsageError(f"not a memory size: {_shown(text)} (use e.g. 80GiB, 24GB, 512MiB)")
     unit = (m.group(2) or "").upper().replace("IB", "").replace("I", "")
     if unit not in _BYTE_UNITS:
-        raise UsageError(f"unknown memory unit in {text!r}")
+        raise UsageError(f"unknown memory unit in {_shown(text)}")
     value = float(m.group(1)) * _BYTE_UNITS[unit]
+    if value > MAX_BYTES:
+        raise UsageError(f"memory size {_shown(text)} is over the limit of 1 PiB")
     if value <= 0:
-        raise UsageError(f"memory size must be positive: {text!r}")
+        raise UsageError(f"memory size must be positive: {_shown(text)}")
     return int(value)
 
 
 def parse_list(text: str, parse) -> list:
     items = [t for t in (s.strip() for s in text.split(",")) if t]
     if not items:
-        raise UsageError(f"empty list: {text!r}")
+        raise UsageError(f"empty list: {_shown(text)}")
     return [parse(t) for t in items]
 
 
 def parse_positive_int(text: str) -> int:
+    if text.strip().isdigit() and len(text.strip()) > 12:  # int() of thousands of digits is slow, then refused
+        raise UsageError(f"{_shown(text)} is over the limit of {MAX_COUNT:,}")
     try:
         value = int(text)
     except ValueError:
-        raise UsageError(f"not a whole number: {text!r}") from None
+        raise UsageError(f"not a whole number: {_shown(text)}") from None
     if value < 1:
-        raise UsageError(f"must be at least 1: {text!r}")
+        raise UsageError(f"must be at least 1: {_shown(text)}")
+    if value > MAX_COUNT:
+        raise UsageError(f"{_shown(text)} is over the limit of {MAX_COUNT:,}")
     return value
 
 

@@ -12,7 +12,7 @@ import pytest
 from attnkit.archs import all_archs, get_arch, supported_model_types
 from attnkit.archs.schema import validate_arch
 from attnkit.archs.spec import attention_spec
-from attnkit.archs.tensors import find_prefix, role_shape
+from attnkit.archs.tensors import check_tensors, expected_names, find_prefix, role_shape
 from attnkit.errors import AttnkitError
 from tests.tiny import build_model
 
@@ -40,6 +40,11 @@ def _llama_doc() -> dict:
     (lambda d: d["tensors"].update(qq="layers.{i}.qq.weight"), "unknown tensor roles ['qq']"),
     (lambda d: d.update(qk_norm="per_head"), "q_norm/k_norm tensor roles missing"),
     (lambda d: d.update(causal="yes"), "'causal' must be bool"),
+    (lambda d: d.pop("required"), "missing keys ['required']"),
+    (lambda d: d["required"].update(layer=["layers.0.mlp.down_proj.weight"]), "must contain '{i}'"),
+    (lambda d: d["required"].update(layer=["layers.{i}.experts.{e}.w1.weight"]), "no num_experts role is mapped"),
+    (lambda d: d["required"].update(head=["lm_head.weight"]), "'required.head' must be a string"),
+    (lambda d: d["required"].update(extra=[]), "'required' takes keys"),
 ])
 def test_schema_rejects_bad_documents_naming_the_file(mutate, needle):
     doc = _llama_doc()
@@ -156,6 +161,26 @@ def test_templates_match_real_state_dicts(name):
             assert (name_ in shapes) == (role in present), (role, name_)
             if role in present:
                 assert shapes[name_] == role_shape(arch, spec, role), (role, name_)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_required_tensors_are_what_save_pretrained_writes(name, tmp_path):
+    """Every tensor the check expects is in a saved checkpoint, and taking any one of them out is caught."""
+    import tests.tiny
+    from attnkit.io.checkpoint import safetensors_files
+    from attnkit.io.safetensors_header import read_headers
+
+    model = build_model(name) if name in tests.tiny.FAMILIES else _extra_model(name)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    shapes = {n: i.shape for n, i in read_headers(safetensors_files(tmp_path)).items()}
+    arch, spec = get_arch(config["model_type"]), attention_spec(config)
+    prefix = check_tensors(arch, spec, config, shapes, tmp_path)
+    expected = expected_names(arch, spec, config, prefix)
+    assert len(set(expected)) == len(expected) and set(expected) <= set(shapes)
+    for missing in expected:
+        with pytest.raises(AttnkitError, match=f"e.g. {missing!r}"):
+            check_tensors(arch, spec, config, {n: s for n, s in shapes.items() if n != missing}, tmp_path)
 
 
 def test_shapes_written_out_for_gqa_fused_and_mla():

@@ -24,6 +24,8 @@ def _write_gguf(path, arch, **fields):
     writer.add_head_count(fields.get("heads", 8))
     writer.add_head_count_kv(fields.get("kv_heads", 2))
     writer.add_tensor("token_embd.weight", np.zeros((16, fields.get("hidden", 64)), dtype=np.float32))
+    for i in range(fields.get("layers", 2)):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(fields.get("hidden", 64), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -118,7 +120,7 @@ def test_not_a_gguf(tmp_path, content, words):
 def test_gguf_with_truncated_tensor_data(tmp_path):
     path = _write_gguf(tmp_path / "m.gguf", "llama")
     path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(AttnkitError, match=f"{path}: tensor 'token_embd.weight' runs past the end of the file"):
+    with pytest.raises(AttnkitError, match=f"{path}: tensor 'blk.1.attn_norm.weight' runs past the end of the file"):
         read_gguf(path)
 
 
@@ -134,7 +136,8 @@ def test_synthetic_gguf_config_and_folder_with_one_gguf(tmp_path):
     assert (config["model_type"], config["num_hidden_layers"], config["num_attention_heads"],
             config["num_key_value_heads"], config["head_dim"]) == ("llama", 3, 6, 2, 16)
     assert config["tie_word_embeddings"] is True  # no output.weight
-    assert [(t.name, t.numel) for t in tensors] == [("token_embd.weight", 16 * 96)]
+    assert [(t.name, t.numel) for t in tensors] == [("token_embd.weight", 16 * 96)] + [
+        (f"blk.{i}.attn_norm.weight", 96) for i in range(3)]
     ckpt = resolve(str(tmp_path))  # a folder holding only one GGUF
     assert ckpt.kind == "gguf" and ckpt.gguf_file == path
 

@@ -159,18 +159,20 @@ def test_verify_output_on_empty_folder(tmp_path):
 
 
 def test_copy_side_files(tmp_path):
-    src, dst = tmp_path / "src", tmp_path / "dst"
-    src.mkdir()
+    repo = tmp_path / "models--acme--tiny"  # how the HF cache stores files: snapshot links into blobs/
+    src, dst = repo / "snapshots" / "0123abc", tmp_path / "dst"
+    src.mkdir(parents=True)
     dst.mkdir()
     side = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
             "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json"]
     other = ["config.json", "model.safetensors", "model.safetensors.index.json", "README.md", "attnkit.json"]
     for name in side + other:
         (src / name).write_text(name)
-    blob = tmp_path / "blob"
+    (repo / "blobs").mkdir()
+    blob = repo / "blobs" / "deadbeef"
     blob.write_text("linked")
     (src / "tokenizer.json").unlink()
-    (src / "tokenizer.json").symlink_to(blob)  # how the HF cache stores files
+    (src / "tokenizer.json").symlink_to(blob)
     copied = copy_side_files(src, dst)
     assert sorted(copied) == sorted(side)
     assert sorted(p.name for p in dst.iterdir()) == sorted(side)

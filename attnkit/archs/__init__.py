@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import reprlib
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -34,11 +35,15 @@ class Arch:
 
     def config_value(self, config: dict, role: str, default: Any = None) -> Any:
         """First present config key for `role` (dotted keys walk nested dicts), else the default."""
+        return self.config_item(config, role, default)[1]
+
+    def config_item(self, config: dict, role: str, default: Any = None) -> tuple[str, Any]:
+        """(key, value) of the first present config key for `role`; ("default", default) when none is."""
         for key in self.data["config"].get(role, []):
             value = _lookup(config, key)
             if value is not None:
-                return value
-        return self.data.get("defaults", {}).get(role, default)
+                return key, value
+        return "default", self.data.get("defaults", {}).get(role, default)
 
     def tensor_name(self, role: str, layer: int, prefix: str = "") -> str | None:
         template = self.tensors.get(role)
@@ -86,8 +91,8 @@ def all_archs() -> list[Arch]:
 def get_arch(model_type: str | None) -> Arch:
     """The architecture for a config's `model_type`; unknown types list the supported ones."""
     reg = _registry()
-    if model_type in reg:
+    if isinstance(model_type, str) and model_type in reg:
         return reg[model_type]
     raise AttnkitError(
-        f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(reg))}"
+        f"unsupported model_type {reprlib.repr(model_type)}; supported: {', '.join(sorted(reg))}"
     )

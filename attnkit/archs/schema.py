@@ -39,13 +39,25 @@ TOP_LEVEL = {
     "family": str, "model_types": list, "description": str, "causal": bool,
     "position": str, "sliding_rule": str, "qk_norm": str, "qkv_layout": str,
     "mlp": str, "kv_heads_configurable": bool, "config": dict, "defaults": dict,
-    "tensors": dict, "transformers_class": str, "notes": str,
+    "tensors": dict, "required": dict, "transformers_class": str, "notes": str,
 }
 REQUIRED_TOP_LEVEL = {
     "family", "model_types", "description", "causal", "position", "sliding_rule",
-    "qk_norm", "qkv_layout", "mlp", "kv_heads_configurable", "config", "tensors",
+    "qk_norm", "qkv_layout", "mlp", "kv_heads_configurable", "config", "tensors", "required",
     "transformers_class",
 }
+#: Attention tensor roles every layer of a layout must have.
+LAYOUT_ROLES = {
+    "separate": {"q", "k", "v", "o"},
+    "fused_concat": {"qkv", "o"},
+    "fused_per_head": {"qkv", "o"},
+    "conv1d_concat": {"qkv", "o"},
+    "mla": {"kv_a", "kv_b", "o"},
+}
+#: Tensors besides attention that a checkpoint must hold (relative to the prefix, like the templates):
+#: "model" once, "layer" in every layer ("{e}" repeats a template per expert), "head" (a full name) unless
+#: the config ties it to the embeddings.
+REQUIRED_KEYS = {"model": list, "layer": list, "head": str}
 
 
 def validate_arch(data: Any, source: str) -> dict:
@@ -89,15 +101,25 @@ def validate_arch(data: Any, source: str) -> dict:
         if not isinstance(template, str) or "{i}" not in template:
             raise bad(f"tensor role '{role}' must be a template containing '{{i}}'")
     layout = data["qkv_layout"]
-    needs = {
-        "separate": {"q", "k", "v", "o"},
-        "fused_concat": {"qkv", "o"},
-        "fused_per_head": {"qkv", "o"},
-        "conv1d_concat": {"qkv", "o"},
-        "mla": {"kv_a", "kv_b", "o"},
-    }[layout]
+    needs = LAYOUT_ROLES[layout]
     if needs - set(tensors):
         raise bad(f"qkv_layout '{layout}' needs tensor roles {sorted(needs - set(tensors))}")
     if data["qk_norm"] != "none" and not {"q_norm", "k_norm"} <= set(tensors):
         raise bad("qk_norm set but q_norm/k_norm tensor roles missing")
+    _validate_required(data, bad)
     return data
+
+
+def _validate_required(data: dict, bad) -> None:
+    required = data["required"]
+    if set(required) - set(REQUIRED_KEYS) or not {"model", "layer"} <= set(required):
+        raise bad(f"'required' takes keys {sorted(REQUIRED_KEYS)} ('model' and 'layer' at least)")
+    for key, typ in REQUIRED_KEYS.items():
+        value = required.get(key, typ())
+        if not isinstance(value, typ) or (typ is list and not all(isinstance(t, str) for t in value)):
+            raise bad(f"'required.{key}' must be {'a list of strings' if typ is list else 'a string'}")
+    for template in required["layer"]:
+        if "{i}" not in template:
+            raise bad(f"required layer tensor {template!r} must contain '{{i}}'")
+        if "{e}" in template and "num_experts" not in data["config"]:
+            raise bad(f"required layer tensor {template!r} repeats per expert but no num_experts role is mapped")

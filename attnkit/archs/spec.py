@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from attnkit.archs import Arch, get_arch
+from attnkit.archs.validate import check_config
 from attnkit.errors import AttnkitError
 
 
@@ -78,15 +79,8 @@ def _fmt_windows(windows: list[int]) -> str:
 
 
 def _int(arch: Arch, config: dict, role: str, default=None) -> int | None:
-    value = arch.config_value(config, role, default)
-    if value is None:
-        return None
-    if isinstance(value, list):  # per-layer values (some GGUF files); the caller uses the first
-        value = value[0]
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise AttnkitError(f"config value for {role} is not an integer: {value!r}") from None
+    """A config value that check_config has already type-checked."""
+    return arch.config_value(config, role, default)
 
 
 def _layer_windows(arch: Arch, config: dict, num_layers: int) -> tuple[int | None, ...]:
@@ -96,8 +90,6 @@ def _layer_windows(arch: Arch, config: dict, num_layers: int) -> tuple[int | Non
         return (None,) * num_layers
     layer_types = arch.config_value(config, "layer_types")
     if layer_types is not None:
-        if len(layer_types) != num_layers:
-            raise AttnkitError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
         if window is None and any(t == "sliding_attention" for t in layer_types):
             raise AttnkitError("config has sliding_attention layers but no sliding_window")
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
@@ -120,13 +112,14 @@ def attention_spec(config: dict) -> AttentionSpec:
     """Derive the attention layout from a config dict (HF key names)."""
     model_type = config.get("model_type")
     arch = get_arch(model_type)
+    check_config(arch, config)
     num_layers = _int(arch, config, "num_layers")
     num_heads = _int(arch, config, "num_heads")
     hidden = _int(arch, config, "hidden_size")
-    if not num_layers or not num_heads or not hidden:
-        raise AttnkitError(f"config for {model_type} lacks layers, heads or hidden size")
-    num_kv_heads = _int(arch, config, "num_kv_heads", num_heads) or num_heads
+    num_kv_heads = _int(arch, config, "num_kv_heads", num_heads)
     head_dim = _int(arch, config, "head_dim") or hidden // num_heads
+    if head_dim < 1:
+        raise AttnkitError(f"config: hidden_size {hidden} is smaller than its {num_heads} heads and no head_dim is given")
     v_head_dim = head_dim
     mla = None
     if arch.qkv_layout == "mla":

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from attnkit.archs import Arch
+from attnkit.archs.schema import LAYOUT_ROLES
 from attnkit.archs.spec import AttentionSpec
 from attnkit.errors import AttnkitError
 
@@ -63,3 +64,49 @@ def role_shape(arch: Arch, spec: AttentionSpec, role: str) -> tuple[int, ...]:
     if role not in shapes:
         raise AttnkitError(f"tensor role {role!r} has no shape rule for {arch.family} ({arch.qkv_layout})")
     return shapes[role]
+
+
+def expected_names(arch: Arch, spec: AttentionSpec, config: dict, prefix: str) -> list[str]:
+    """Every tensor the config implies the checkpoint holds: attention per layer (the layout's roles, QK-norm,
+    MLA's norms, biases when attention_bias is set), the architecture's required norms/MLP per layer,
+    embeddings, final norm and (untied) head."""
+    roles = set(LAYOUT_ROLES[arch.qkv_layout])
+    if spec.qk_norm != "none":
+        roles |= {"q_norm", "k_norm"}
+    if spec.mla is not None:
+        roles |= {"kv_a_norm"} | ({"q_a", "q_a_norm", "q_b"} if spec.mla.q_lora_rank else {"q"})
+    if "sinks" in arch.tensors:
+        roles.add("sinks")
+    if arch.config_value(config, "attention_bias", False):
+        roles |= {r for r in arch.tensors if r.endswith("_bias") and r.removesuffix("_bias") in roles}
+    required = arch.data["required"]
+    experts = range(arch.config_value(config, "num_experts") or 0)
+    names = [prefix + t for t in required["model"]]
+    for layer in range(spec.num_layers):
+        names += [arch.tensor_name(role, layer, prefix) for role in sorted(roles)]
+        for template in required["layer"]:
+            if "{e}" in template:
+                names += [prefix + template.format(i=layer, e=e) for e in experts]
+            else:
+                names.append(prefix + template.format(i=layer))
+    if "head" in required and not arch.config_value(config, "tie_word_embeddings", False):
+        names.append(required["head"])
+    return names
+
+
+def check_tensors(arch: Arch, spec: AttentionSpec, config: dict, shapes: Mapping[str, tuple], where) -> str:
+    """Check that `shapes` (tensor name -> shape) holds every tensor the config implies, with attention tensors
+    of the shapes it implies; returns the name prefix. AttnkitError naming `where` and the first problem."""
+    prefix = find_prefix(arch, shapes)
+    missing = [name for name in expected_names(arch, spec, config, prefix) if name not in shapes]
+    if missing:
+        raise AttnkitError(f"{where}: incomplete checkpoint: {len(missing)} tensor(s) that its config implies are "
+                           f"missing, e.g. {missing[0]!r} (an interrupted download, or an index that leaves out "
+                           "a shard?)")
+    for role in arch.tensors:
+        for layer in range(spec.num_layers):
+            name = arch.tensor_name(role, layer, prefix)
+            if name in shapes and tuple(shapes[name]) != role_shape(arch, spec, role):
+                raise AttnkitError(f"{where}: tensor {name!r} has shape {list(shapes[name])} but the config implies "
+                                   f"{list(role_shape(arch, spec, role))}")
+    return prefix

@@ -11,6 +11,7 @@ from attnkit.cli import probe_cmd
 from attnkit.cli import convert_cmd
 from attnkit.cli import retrofit_cmd
 from attnkit.cli import verify_cmd
+from attnkit.cli.common import handle_signals
 
 app = typer.Typer(
     name="attnkit",
@@ -45,4 +46,5 @@ app.add_typer(retrofit_cmd.app)
 
 
 def main() -> None:
+    handle_signals()
     app()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -10,7 +11,7 @@ from typing import Callable, TypeVar
 
 import typer
 
-from attnkit.errors import AttnkitError, EXIT_RUNTIME
+from attnkit.errors import EXIT_RUNTIME, AttnkitError, Terminated
 
 F = TypeVar("F", bound=Callable)
 
@@ -52,13 +53,56 @@ def debug_enabled() -> bool:
 
 
 def fail(message: str, code: int = EXIT_RUNTIME) -> None:
-    """Print one line to stderr and exit with `code`."""
-    stderr.print(f"[bold red]error:[/] {message}", soft_wrap=True, markup=True)
+    """Print one line to stderr and exit with `code` (the message is shown as is, never read as markup)."""
+    from rich.markup import escape
+
+    try:
+        stderr.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, markup=True)
+    except Exception:  # noqa: BLE001 - a console that cannot print must not hide the exit code
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"error: {message.encode('ascii', 'backslashreplace').decode()}\n")
     raise typer.Exit(code)
 
 
-def _one_line(text: str) -> str:
+def _one_line(text) -> str:
     return " ".join(str(text).split())
+
+
+def _describe(exc: BaseException) -> str:
+    """str(exc) on one line; exceptions whose str() itself fails are named by their type."""
+    try:
+        return _one_line(exc)
+    except Exception:  # noqa: BLE001
+        return type(exc).__name__
+
+
+def _os_message(exc: OSError) -> str:
+    filename = getattr(exc, "filename", None)
+    where = f": {os.fsdecode(filename)}" if isinstance(filename, (str, bytes)) else ""
+    return _one_line(f"{exc.strerror or _describe(exc)}{where}")
+
+
+def _on_signal(signum, _frame) -> None:
+    import signal
+
+    from attnkit import interrupts
+
+    exc = KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum, signal.Signals(signum).name)
+    interrupts.request(exc)  # raised again at the next tensor read or write if a library swallows it here
+    raise exc
+
+
+def handle_signals() -> None:
+    """Make SIGTERM and SIGHUP unwind like Ctrl-C (temp folders removed, exit 143 / 129), and make none of the
+    three lost when a library swallows the exception (attnkit.interrupts); main thread only."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), _on_signal)
 
 
 def handle_errors(fn: F) -> F:
@@ -73,7 +117,11 @@ def handle_errors(fn: F) -> F:
         except AttnkitError as exc:
             if debug_enabled():
                 raise
-            fail(_one_line(str(exc)), exc.exit_code)
+            fail(_describe(exc), exc.exit_code)
+        except Terminated as exc:
+            if debug_enabled():
+                raise
+            fail(f"terminated ({exc.name})", exc.exit_code)
         except KeyboardInterrupt:
             if debug_enabled():
                 raise
@@ -81,12 +129,11 @@ def handle_errors(fn: F) -> F:
         except OSError as exc:
             if debug_enabled():
                 raise
-            where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
-            fail(_one_line(f"{exc.strerror or exc}{where}"))
+            fail(_os_message(exc))
         except Exception as exc:  # noqa: BLE001 - last-resort one-line report
             if debug_enabled():
                 raise
-            fail(_one_line(f"{type(exc).__name__}: {exc} (set ATTNKIT_DEBUG=1 for the traceback)"))
+            fail(f"{type(exc).__name__}: {_describe(exc)} (set ATTNKIT_DEBUG=1 for the traceback)")
 
     return wrapper  # type: ignore[return-value]
 

@@ -53,6 +53,11 @@ def register(app: typer.Typer) -> None:
         rules = [parse_rule(r) for r in fail_if or []]
         if not models:
             raise UsageError("give at least one model")
+        from attnkit.commands.analyse.probe_report import PLOT_SUFFIXES, TABLE_SUFFIXES, check_output_path
+
+        for path, option, suffixes in ((out, "--out", TABLE_SUFFIXES), (plot, "--plot", PLOT_SUFFIXES)):
+            if path:
+                check_output_path(path, option, suffixes)
         docs = read_texts(text_files, text)
         results = []
         for ref in models:

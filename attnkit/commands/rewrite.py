@@ -34,3 +34,30 @@ class CheckedSource:
     arch: object
     spec: object
     prefix: str
+
+
+def check_rewrite(req: RewriteRequest) -> None:
+    """What a rewrite checks before it resolves or loads anything: text files are UTF-8 text, token budgets
+    hold a window, --device exists, and OUT is usable and neither is, holds nor lies inside a local input."""
+    from attnkit.errors import UsageError
+    from attnkit.io.writer import OutputDir
+    from attnkit.runtime.loader import resolve_device
+    from attnkit.runtime.texts import check_text_files
+
+    check_text_files([*req.calib, *req.eval])
+    for kind, files, tokens, seq_len in (("calib", req.calib, req.calib_tokens, req.calib_seq_len),
+                                         ("eval", req.eval, req.eval_tokens, req.eval_seq_len)):
+        if files and tokens is not None and tokens < seq_len:
+            raise UsageError(f"--{kind}-tokens {tokens} is shorter than one window (--{kind}-seq-len {seq_len})")
+    resolve_device(req.device)
+    OutputDir(Path(req.out), overwrite=req.overwrite, sources=local_sources(req.model))  # checks only
+
+
+def local_sources(ref: str) -> list[Path]:
+    """The local files a model reference reads: a folder, or a weights file's folder; a GGUF file itself."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return [path]
+    if path.is_file():
+        return [path] if path.suffix.lower() == ".gguf" else [path.parent]
+    return []

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
+from fnmatch import fnmatch
+from pathlib import Path, PurePosixPath
 
 from attnkit.errors import AttnkitError
+from attnkit.io.jsonsafe import read_json_file
 
 INDEX_NAME = "model.safetensors.index.json"
 #: Files a command that runs the model needs besides weights.
@@ -37,17 +38,49 @@ def split_revision(ref: str) -> tuple[str, str | None]:
     return repo, rev or None
 
 
+def read_index(index: Path) -> dict[str, str]:
+    """The weight_map (tensor -> shard file name) of a model.safetensors.index.json."""
+    doc = read_json_file(index, "index")
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise AttnkitError(f"{index}: corrupt index (no weight_map)")
+    if not all(isinstance(v, str) for v in weight_map.values()):
+        raise AttnkitError(f"{index}: corrupt index (weight_map values must be shard file names)")
+    return weight_map
+
+
+def inside(folder: Path, name: str, source: Path) -> Path:
+    """`folder / name`, refused when `name` (from `source`) leaves the folder by '..', an absolute path or a
+    symlink. Hub snapshots may link into their repo's blobs/ folder, as huggingface_hub lays them out."""
+    rel = PurePosixPath(name)
+    if not name or "\0" in name or "\\" in name or rel.is_absolute() or ".." in rel.parts:
+        raise AttnkitError(f"{source}: file name {name!r} points outside the checkpoint folder")
+    path = Path(folder) / rel
+    root = Path(folder).resolve()
+    real = path.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        allowed.append(root.parent.parent / "blobs")
+    if not any(real == a or a in real.parents for a in allowed):
+        raise AttnkitError(f"{path}: links to {real}, outside the checkpoint folder; copy the file in instead")
+    return path
+
+
+def side_files(folder: Path) -> list[Path]:
+    """The files of SIDE_FILES in a folder, config.json aside; refused when one links out of the folder."""
+    patterns = [p for p in SIDE_FILES if p != "config.json"]
+    return [inside(folder, f.name, f) for f in sorted(Path(folder).iterdir())
+            if f.is_file() and any(fnmatch(f.name, p) for p in patterns)]
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     """The shards of a folder: from the index when there is one, else every *.safetensors file."""
+    folder = Path(folder)
     index = folder / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise AttnkitError(f"{index}: corrupt index (no weight_map)") from None
-        files = [folder / name for name in sorted(set(weight_map.values()))]
+    if index.exists():
+        files = [inside(folder, name, index) for name in sorted(set(read_index(index).values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise AttnkitError(f"{index}: shard {missing[0]} is missing")
         return files
-    return sorted(folder.glob("*.safetensors"))
+    return [inside(folder, f.name, folder) for f in sorted(folder.glob("*.safetensors"))]

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
+from attnkit.io.jsonsafe import read_json_file
 
 
 def read_config(path: str | Path) -> dict:
     """Parse a config.json; missing or malformed files give a one-line error naming the file."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise AttnkitError(f"missing config.json: {path} does not exist")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AttnkitError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    config = read_json_file(path, "config.json")
     if not isinstance(config, dict):
         raise AttnkitError(f"{path}: config must be a JSON object")
     return text_config(config)

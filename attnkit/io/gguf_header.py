@@ -16,6 +16,13 @@ STRING, ARRAY = 8, 9
 #: Numeric arrays up to this length are read into lists; longer ones (and string arrays) keep only their length.
 MAX_ARRAY_VALUES = 4096
 DEFAULT_ALIGNMENT = 32
+#: Longest key or tensor name (the GGUF spec allows 65535 bytes) and longest string value kept (chat templates
+#: are kilobytes); longer ones are refused rather than copied.
+MAX_NAME_BYTES = 65535
+MAX_STRING_BYTES = 16 * 2**20
+#: Most key/values and tensors a header may declare; each also needs at least this many bytes of the file.
+MAX_ENTRIES = 1 << 20
+KV_MIN_BYTES, TENSOR_MIN_BYTES = 13, 24
 
 
 class _Truncated(Exception):
@@ -46,20 +53,24 @@ class _Cursor:
     def one(self, fmt: str):
         return self.take(fmt)[0]
 
-    def string(self) -> str:
+    def string(self, limit: int = MAX_STRING_BYTES) -> str:
         n = self.one("Q")
         if self.pos + n > len(self.buf):
             raise _Truncated
+        if n > limit:
+            raise ValueError(f"a {n:,}-byte string at offset {self.pos - 8}, over the {limit:,}-byte limit")
         raw = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
     def skip_strings(self, count: int) -> None:
+        if count * 8 > len(self.buf) - self.pos:  # each string needs at least its 8-byte length
+            raise _Truncated
         for _ in range(count):
             n = self.one("Q")  # read before adding: `pos += one()` would use the old pos
             self.pos += n
-        if self.pos > len(self.buf):
-            raise _Truncated
+            if self.pos > len(self.buf):
+                raise _Truncated
 
     def value(self, vtype: int, key: str, header: GGUFHeader):
         if vtype == STRING:
@@ -94,6 +105,10 @@ def parse_gguf_header(path: Path) -> GGUFHeader:
                 return _parse(path, buf)
     except FileNotFoundError:
         raise AttnkitError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise AttnkitError(f"{path}: is a folder, not a GGUF file") from None
+    except OSError as exc:
+        raise AttnkitError(f"{path}: cannot read ({exc.strerror or exc})") from None
     except _Truncated:
         raise AttnkitError(f"{path}: truncated GGUF file (header runs past the end)") from None
     except (ValueError, OverflowError) as exc:
@@ -108,18 +123,32 @@ def _parse(path: Path, buf) -> GGUFHeader:
     version, n_tensors, n_kv = cur.take("IQQ")
     if version not in (2, 3):
         raise AttnkitError(f"{path}: unsupported GGUF version {version}")
+    _check_count(path, "key/values", n_kv, KV_MIN_BYTES, len(buf))
+    _check_count(path, "tensors", n_tensors, TENSOR_MIN_BYTES, len(buf))
     header = GGUFHeader(version)
     for _ in range(n_kv):
-        key = cur.string()
+        key = cur.string(MAX_NAME_BYTES)
+        if key in header.fields:
+            raise ValueError(f"key {key!r} appears twice")
         header.fields[key] = cur.value(cur.one("I"), key, header)
     for _ in range(n_tensors):
-        name = cur.string()
+        name = cur.string(MAX_NAME_BYTES)
         n_dims = cur.one("I")
         if n_dims > 8:
             raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
         dims = cur.take(f"{n_dims}Q")
         ggml_type, offset = cur.take("IQ")
         header.tensors.append((name, dims, ggml_type, offset))
-    alignment = int(header.fields.get("general.alignment") or DEFAULT_ALIGNMENT)
+    alignment = header.fields.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment must be a positive power of two, got {alignment!r}")
     header.data_start = math.ceil(cur.pos / alignment) * alignment
     return header
+
+
+def _check_count(path: Path, what: str, count: int, min_bytes: int, size: int) -> None:
+    """A declared count must fit the file (each entry takes at least `min_bytes`) and the MAX_ENTRIES limit."""
+    if count > MAX_ENTRIES:
+        raise AttnkitError(f"{path}: corrupt GGUF header ({count:,} {what}, over the limit of {MAX_ENTRIES:,})")
+    if count * min_bytes > size:
+        raise AttnkitError(f"{path}: corrupt GGUF header ({count:,} {what} cannot fit in {size:,} bytes)")

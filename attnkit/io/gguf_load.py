@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
+from attnkit.io.tempdirs import clean_stale, follow_umask, make_temp_dir, remove_tree, unmark
 
 
 def load_gguf_model(gguf_path: Path, dtype: str = "float32"):
@@ -78,23 +78,36 @@ def gguf_cache_folder(gguf_path: Path, cache_dir: Path | None = None, dtype: str
 
 
 def materialize_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> Path:
-    """Write config, safetensors weights and tokenizer of a GGUF model to `out_dir` (atomically, once)."""
+    """Write config, safetensors weights and tokenizer of a GGUF model to `out_dir` (atomically, once).
+
+    The temp folder is marked with this process as its owner, so a later run removes it when this one was
+    killed (attnkit.io.tempdirs); the result gets the umask's permissions."""
     out_dir = Path(out_dir)
     if (out_dir / "config.json").is_file():
         return out_dir
     model, tokenizer = load_gguf_model(gguf_path, dtype)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    clean_stale(out_dir.parent)
+    tmp = make_temp_dir(out_dir.parent, out_dir.name)
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         portable_tokenizer_config(tmp)
+        unmark(tmp)
+        follow_umask(tmp)
         tmp.rename(out_dir)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out_dir / "config.json").is_file():  # else another process finished first
-            raise
+    except Exception as exc:  # safetensors reports a full disk as SafetensorError, not OSError
+        remove_tree(tmp)
+        if (out_dir / "config.json").is_file():  # another process finished first
+            return out_dir
+        raise _write_error(out_dir, exc) from exc
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
         raise
     return out_dir
+
+
+def _write_error(out_dir: Path, exc: Exception) -> AttnkitError:
+    text = str(exc)
+    if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in text or "StorageFull" in text:
+        return AttnkitError(f"disk full while writing the GGUF cache folder {out_dir}")
+    return AttnkitError(f"cannot write the GGUF cache folder {out_dir} ({type(exc).__name__}: {text})")

@@ -49,12 +49,15 @@ class GGUFTensor:
 
 
 def read_gguf(path: str | Path) -> tuple[dict, list[GGUFTensor]]:
-    """A config dict (HF key names) and the tensor list of a GGUF file."""
+    """A config dict (HF key names) and the tensor list of a GGUF file, its values checked like any config's."""
+    from attnkit.archs import get_arch
+    from attnkit.archs.validate import check_config
+
     path = Path(path)
     header = parse_gguf_header(path)
     fields = header.fields
     arch = fields.get("general.architecture")
-    if arch not in GGUF_ARCH_TO_MODEL_TYPE:
+    if not isinstance(arch, str) or arch not in GGUF_ARCH_TO_MODEL_TYPE:
         raise AttnkitError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(GGUF_ARCH_TO_MODEL_TYPE))}"
         )
@@ -62,16 +65,41 @@ def read_gguf(path: str | Path) -> tuple[dict, list[GGUFTensor]]:
     for suffix, key in GGUF_KEYS.items():
         v = fields.get(f"{arch}.{suffix}")
         if v is not None:
-            config[key] = v
+            config[key] = _one_value(path, f"{arch}.{suffix}", v)
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in header.array_lengths:
         config["vocab_size"] = header.array_lengths["tokenizer.ggml.tokens"]
     config.setdefault("num_key_value_heads", config.get("num_attention_heads"))
-    if "head_dim" not in config and config.get("hidden_size") and config.get("num_attention_heads"):
+    try:
+        check_config(get_arch(config["model_type"]), config)
+    except AttnkitError as exc:
+        raise AttnkitError(f"{path}: {exc}") from None
+    if "head_dim" not in config:
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]  # llama.cpp's default
     tensors = _tensors(path, header)
     names = {t.name for t in tensors}
+    _check_blocks(path, names, config["num_hidden_layers"])
     config["tie_word_embeddings"] = "output.weight" not in names
     return config, tensors
+
+
+def _one_value(path: Path, key: str, value):
+    """A per-layer array (some GGUF files store head counts per layer) must repeat one value; scalars pass."""
+    if not isinstance(value, list):
+        return value
+    if not value or any(v != value[0] for v in value):
+        raise AttnkitError(f"{path}: {key} differs between layers ({len(value)} values); not supported")
+    return value[0]
+
+
+def _check_blocks(path: Path, names: set[str], layers: int) -> None:
+    """The token embedding and at least one tensor of every block blk.0 .. blk.{layers-1} are present."""
+    if "token_embd.weight" not in names:
+        raise AttnkitError(f"{path}: incomplete GGUF (no token_embd.weight)")
+    blocks = {name.split(".")[1] for name in names if name.startswith("blk.") and name.count(".") > 1}
+    missing = [i for i in range(layers) if str(i) not in blocks]
+    if missing:
+        raise AttnkitError(f"{path}: incomplete GGUF (block_count is {layers} but block blk.{missing[0]} has no "
+                           f"tensors; {len(missing)} block(s) missing)")
 
 
 def _tensors(path: Path, header: GGUFHeader) -> list[GGUFTensor]:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
+import glob
 import os
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
-from attnkit.io.checkpoint import INDEX_NAME, SIDE_FILES, Checkpoint, safetensors_files, split_revision
+from attnkit.io.checkpoint import INDEX_NAME, SIDE_FILES, Checkpoint, inside, read_index, safetensors_files, split_revision
 from attnkit.io.config import read_config
 
 
@@ -15,6 +15,11 @@ def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> AttnkitErr
     from huggingface_hub import errors
 
     name = f"{repo_id}@{revision}" if revision else repo_id
+    status = _http_status(exc)
+    if status is not None and (status >= 500 or status == 429):
+        why = "is overloaded (HTTP 429)" if status == 429 else f"answered HTTP {status} (a server error)"
+        return AttnkitError(f"hub model {name!r}: the hub {why}; try again later, or set HF_HUB_OFFLINE=1 "
+                            "to use the local cache")
     if isinstance(exc, errors.LocalEntryNotFoundError):
         why = "HF_HUB_OFFLINE=1 forbids downloads" if hub_offline() else "the hub cannot be reached"
         return AttnkitError(f"hub model {name!r}: files are not in the local cache and {why}; download them first")
@@ -27,6 +32,18 @@ def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> AttnkitErr
     if isinstance(exc, errors.EntryNotFoundError):
         return AttnkitError(f"hub model {name!r} has no config.json")
     return AttnkitError(f"hub model {name!r}: download failed ({type(exc).__name__}: {exc})")
+
+
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status behind a huggingface_hub error (it wraps server errors in LocalEntryNotFoundError)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        response = getattr(exc, "response", None)
+        status = getattr(response, "status_code", None)
+        if isinstance(status, int):
+            return status
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 def hub_offline() -> bool:
@@ -71,11 +88,10 @@ def _weight_patterns(repo_id: str, revision: str | None, offline: bool) -> list[
         index = Path(hf_hub_download(repo_id, INDEX_NAME, revision=revision, local_files_only=offline))
     except errors.EntryNotFoundError:  # no index in the repo, or (offline) none cached
         return ["*.safetensors"]
-    try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-        raise AttnkitError(f"{index}: corrupt index (no weight_map)") from None
-    return [INDEX_NAME, *shards]
+    shards = sorted(set(read_index(index).values()))
+    for name in shards:
+        inside(index.parent, name, index)  # refuses '..' and absolute names before anything is fetched
+    return [INDEX_NAME, *(glob.escape(name) for name in shards)]
 
 
 def hub_parameter_count(repo_id: str, revision: str | None) -> int | None:

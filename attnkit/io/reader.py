@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from attnkit import interrupts
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import Checkpoint
 from attnkit.io.safetensors_header import TensorInfo, read_headers
@@ -52,6 +53,7 @@ class LazyReader:
         """The tensor `name`, optionally cast to `dtype` (torch.dtype or name such as "bfloat16") and moved."""
         import torch
 
+        interrupts.check()
         info = self.info(name)
         handle = self._shard(info.file)
         try:

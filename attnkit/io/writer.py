@@ -8,12 +8,13 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterable
 
+from attnkit import interrupts
 from attnkit.errors import AttnkitError
-from attnkit.io.checkpoint import INDEX_NAME, SIDE_FILES, safetensors_files
+from attnkit.io.checkpoint import INDEX_NAME, SIDE_FILES, inside, safetensors_files
+from attnkit.io.tempdirs import OLD_TAG, clean_stale, make_temp_dir, remove_tree, unmark
 
 SINGLE_NAME = "model.safetensors"
 #: torch dtype name -> safetensors dtype code.
@@ -60,21 +61,27 @@ def sync_tree(folder: Path) -> None:
 class OutputDir:
     """Write into a temp folder next to `target`; `commit()` renames it into place, anything else removes it.
 
-    Leaving the `with` block without `commit()` (cleanly or by any exception, Ctrl-C included)
-    deletes the temp folder and leaves `target` untouched. `sources` (input folders or files)
-    may not be the target or lie inside it.
+    The temp folder is made when `path` is first used, so a command that works long before it writes
+    leaves nothing behind until then. Leaving the `with` block without `commit()` (cleanly or by any
+    exception, Ctrl-C and SIGTERM included) deletes it and leaves `target` untouched. Entering the block
+    removes temp folders that killed runs left next to `target` (attnkit.io.tempdirs). `sources` (input
+    folders or files) may not be the target, lie inside it, or hold it.
     """
 
     def __init__(self, target: Path, overwrite: bool = False, sources: Iterable[Path] = ()):
         self.target = Path(target).expanduser().absolute()
         self.overwrite = overwrite
-        self.path: Path | None = None
+        self._path: Path | None = None
+        self._entered = False
         self.committed = False
         real = self.target.resolve()
         for source in sources:
             source = Path(source).expanduser().resolve()
             if real == source or real in source.parents:
                 raise AttnkitError(f"{self.target}: output would replace the input {source}; choose another folder")
+            if source in real.parents:
+                raise AttnkitError(f"{self.target}: output would be written inside the input {source}; "
+                                   "choose a folder outside it")
         self._check_target()
 
     def _check_target(self) -> None:
@@ -83,38 +90,53 @@ class OutputDir:
         if self.target.is_dir() and any(self.target.iterdir()) and not self.overwrite:
             raise AttnkitError(f"{self.target}: folder is not empty (pass --overwrite to replace it)")
 
+    @property
+    def path(self) -> Path:
+        """The temp folder (created on first use)."""
+        if not self._entered or self.committed:
+            raise AttnkitError(f"{self.target}: the temp folder exists only inside an uncommitted `with` block")
+        if self._path is None:
+            self._path = make_temp_dir(self.target.parent, self.target.name)
+        return self._path
+
     def __enter__(self) -> OutputDir:
         self.target.parent.mkdir(parents=True, exist_ok=True)
-        self.path = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.attnkit-tmp-", dir=self.target.parent))
+        clean_stale(self.target.parent)
+        self._entered = True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if not self.committed and self.path is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
+        if not self.committed and self._path is not None:
+            remove_tree(self._path)
         if _disk_full(exc):
             raise AttnkitError(f"disk full while writing {self.target}") from exc
 
     def commit(self, verifier: Callable[[Path], None] | None = None) -> Path:
         """Run `verifier(temp folder)` if given, then move the result to the target; returns the target."""
-        if self.path is None or self.committed:
+        if not self._entered or self.committed:
             raise AttnkitError(f"{self.target}: commit() needs an open, uncommitted OutputDir")
+        path = self.path
         if verifier is not None:
-            verifier(self.path)
-        sync_tree(self.path)  # the data is on disk before the rename makes it visible
+            verifier(path)
+        sync_tree(path)  # the data is on disk before the rename makes it visible
         self._check_target()  # the target may have changed while we worked
+        interrupts.check()  # a signal whose exception a library swallowed still stops the rename
+        unmark(path)
         if self.target.is_dir():
-            old = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.attnkit-old-", dir=self.target.parent))
+            # Unmarked until the new folder is in place: a run killed between the two renames leaves the
+            # previous output in .<name>.attnkit-old-*, which no cleanup touches.
+            old = make_temp_dir(self.target.parent, self.target.name, OLD_TAG, marked=False)
             self.target.rename(old / "previous")
             try:
-                self.path.rename(self.target)
+                path.rename(self.target)
             except BaseException:
                 (old / "previous").rename(self.target)
-                shutil.rmtree(old, ignore_errors=True)
+                remove_tree(old)
                 raise
             self.committed = True
-            shutil.rmtree(old, ignore_errors=True)
+            remove_tree(old)
         else:
-            self.path.rename(self.target)
+            path.rename(self.target)
             self.committed = True
         _fsync_path(self.target.parent)  # and the rename itself
         return self.target
@@ -124,13 +146,15 @@ class ShardedWriter:
     """Buffer tensors and write safetensors shards of at most `max_shard_bytes` (a bigger tensor gets its own).
 
     Peak memory is about one shard plus one tensor. Tensors must not be modified in place
-    after `add` until `finish` returns.
+    after `add` until `finish` returns. `folder` may be a function that returns the folder: it is
+    called when the first shard is written (e.g. `lambda: out.path` of an OutputDir, so the temp
+    folder appears only once there is something to write).
     """
 
-    def __init__(self, folder: Path, max_shard_bytes: int = 5 * 2**30):
+    def __init__(self, folder: Path | Callable[[], Path], max_shard_bytes: int = 5 * 2**30):
         if max_shard_bytes <= 0:
             raise AttnkitError(f"max shard size must be positive, got {max_shard_bytes}")
-        self.folder = Path(folder)
+        self._folder = folder
         self.max_shard_bytes = max_shard_bytes
         self._buffer: dict = {}
         self._buffer_bytes = 0
@@ -139,8 +163,15 @@ class ShardedWriter:
         self.total_size = 0
         self.total_parameters = 0
 
+    @property
+    def folder(self) -> Path:
+        if callable(self._folder):
+            self._folder = self._folder()
+        return Path(self._folder)
+
     def add(self, name: str, tensor) -> None:
         """Queue `tensor` under `name`; writes a shard first when it would overflow the current one."""
+        interrupts.check()
         if name in self._names:
             raise AttnkitError(f"{self.folder}: tensor {name!r} added twice")
         tensor = tensor.detach().to("cpu").contiguous()
@@ -222,6 +253,7 @@ def copy_side_files(src_root: Path, dst: Path) -> list[str]:
     copied = []
     for src in sorted(Path(src_root).iterdir()):
         if src.is_file() and any(fnmatch.fnmatch(src.name, p) for p in patterns):
+            inside(Path(src_root), src.name, src)  # a link out of the checkpoint would copy that file into OUT
             shutil.copyfile(src, Path(dst) / src.name)  # follows hub-cache symlinks
             copied.append(src.name)
     return copied

@@ -79,6 +79,20 @@ def check_causal(ref: str, model_type: str | None) -> None:
         raise AttnkitError(f"{ref}: {model_type} is not a causal language model")
 
 
+def check_checkpoint(ckpt) -> None:
+    """Config values and (for registry architectures) every implied tensor, before anything is loaded;
+    other model types are left to transformers' own loading report (see load_model)."""
+    from attnkit.archs import get_arch, supported_model_types
+    from attnkit.archs.spec import attention_spec
+    from attnkit.io.complete import checked_weights
+
+    if not isinstance(ckpt.model_type, str) or ckpt.model_type in supported_model_types():
+        arch = get_arch(ckpt.model_type)  # refuses a model_type that is not a string
+        spec = attention_spec(ckpt.config)
+        if ckpt.weight_files:
+            checked_weights(ckpt, arch, spec)
+
+
 def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_map: str | None = None,
                trust_remote_code: bool = False, attn_implementation: str | None = None) -> LoadedModel:
     """Resolve `ref` and load it with AutoModelForCausalLM (GGUF files through attnkit.io.gguf_load)."""
@@ -98,6 +112,7 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_ma
     if ckpt.kind == "config":
         raise AttnkitError(f"{ref}: a config file has no weights to run")
     check_causal(ref, ckpt.model_type)
+    check_checkpoint(ckpt)
     if ckpt.kind == "gguf":
         from attnkit.io.gguf_load import load_gguf_model
 
@@ -114,13 +129,17 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_ma
         if device_map is not None:
             kwargs["device_map"] = device_map
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(ckpt.root), **kwargs)
+            model, info = AutoModelForCausalLM.from_pretrained(str(ckpt.root), output_loading_info=True, **kwargs)
         except ValueError as exc:
             if "Unrecognized configuration class" in str(exc) or "does not recognize" in str(exc):
                 raise AttnkitError(f"{ref}: {ckpt.model_type} is not a supported causal language model") from None
             raise AttnkitError(f"{ref}: cannot load model ({exc})") from None
-        except (OSError, ImportError) as exc:
-            raise AttnkitError(f"{ref}: cannot load model ({exc})") from None
+        except Exception as exc:  # transformers raises many types for checkpoints it cannot build
+            raise AttnkitError(f"{ref}: cannot load model ({type(exc).__name__}: {exc})") from None
+        missing = sorted(info["missing_keys"])
+        if missing:  # transformers would run them with random values
+            raise AttnkitError(f"{ref}: incomplete checkpoint: {len(missing)} weight(s) the model needs are missing, "
+                               f"e.g. {missing[0]!r}")
         if device_map is None:
             model = model.to(dev)
         tokenizer = load_tokenizer(ckpt.root)

@@ -76,9 +76,12 @@ def _weights(ckpt: Checkpoint, spec: AttentionSpec) -> tuple[int, float | None, 
             if count is not None:
                 return count, None, "hub", ()
     if files:
-        from attnkit.io.safetensors_header import read_headers
+        import dataclasses
 
-        infos = read_headers(files)
+        from attnkit.archs import get_arch
+        from attnkit.io.complete import checked_weights
+
+        infos, _ = checked_weights(dataclasses.replace(ckpt, weight_files=files), get_arch(spec.model_type), spec)
         return (sum(i.numel for i in infos.values()), float(sum(i.nbytes for i in infos.values())),
                 "headers", tuple(infos))
     return estimate_parameters(ckpt.config, spec), None, "estimate", ()

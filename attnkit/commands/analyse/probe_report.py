@@ -5,23 +5,35 @@ from __future__ import annotations
 from pathlib import Path
 
 from attnkit.errors import AttnkitError, UsageError
+from attnkit.io.tempdirs import atomic_file
+
+
+TABLE_SUFFIXES = (".parquet", ".csv")
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def check_output_path(path: str, option: str, suffixes: tuple[str, ...]) -> None:
+    """An --out/--plot file name with a known suffix that is not a folder (checked before any model loads)."""
+    if Path(path).suffix.lower() not in suffixes:
+        raise UsageError(f"{option} {path}: use a {' or '.join(suffixes)} file name")
+    if Path(path).is_dir():
+        raise UsageError(f"{option} {path}: is a folder")
 
 
 def write_table(results, path: str) -> None:
-    """All models' per-head rows to .parquet or .csv."""
+    """All models' per-head rows to .parquet or .csv, atomically (a failed write leaves no partial file)."""
     import pandas as pd
 
+    check_output_path(path, "--out", TABLE_SUFFIXES)
     frame = pd.DataFrame([row for res in results for row in res.heads])
-    suffix = Path(path).suffix.lower()
-    if suffix == ".parquet":
-        try:
-            frame.to_parquet(path, index=False)
-        except ImportError:
-            raise AttnkitError("writing parquet needs pyarrow (pip install 'attnkit[parquet]')") from None
-    elif suffix == ".csv":
-        frame.to_csv(path, index=False)
-    else:
-        raise UsageError(f"--out {path}: use a .parquet or .csv file name")
+    with atomic_file(Path(path)) as tmp:
+        if tmp.suffix.lower() == ".parquet":
+            try:
+                frame.to_parquet(tmp, index=False)
+            except ImportError:
+                raise AttnkitError("writing parquet needs pyarrow (pip install 'attnkit[parquet]')") from None
+        else:
+            frame.to_csv(tmp, index=False)
 
 
 def _grid(rows: list[dict], key: str):
@@ -39,6 +51,7 @@ def _grid(rows: list[dict], key: str):
 
 def plot(results, path: str) -> None:
     """One row per model: layer x head heatmap of the max logit, and per-layer log Z (mean and max over heads)."""
+    check_output_path(path, "--plot", PLOT_SUFFIXES)
     try:
         import matplotlib
     except ImportError:
@@ -61,5 +74,8 @@ def plot(results, path: str) -> None:
         line.set(title=f"{res.model}: attention log Z per layer", xlabel="layer", ylabel="log Z")
         line.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with atomic_file(Path(path)) as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)

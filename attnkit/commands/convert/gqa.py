@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from attnkit import __version__
-from attnkit.commands.rewrite import CheckedSource, RewriteRequest
+from attnkit.commands.rewrite import CheckedSource, RewriteRequest, check_rewrite
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.ops.gqa import KV_ROLES, METHODS, LayerShape, MergeOptions
 
@@ -44,17 +44,14 @@ def check_request(req: ConvertRequest) -> Source:
     """Validate everything that can be checked without reading tensors; one-line errors."""
     from attnkit.archs import get_arch
     from attnkit.archs.spec import attention_spec
-    from attnkit.archs.tensors import find_prefix
+    from attnkit.io.complete import checked_weights
     from attnkit.io.resolve import resolve
-    from attnkit.io.safetensors_header import read_headers
 
     if req.method not in METHODS:
         raise UsageError(f"unknown --method {req.method!r}; choose from {', '.join(METHODS)}")
     if req.method == "merge" and not req.calib:
         raise UsageError("--method merge needs calibration text: pass --calib FILE")
-    for path in [*req.calib, *req.eval]:
-        if path != "-" and not Path(path).is_file():
-            raise UsageError(f"{path}: file not found")
+    check_rewrite(req)
     if req.kv_heads < 1:
         raise UsageError(f"--kv-heads must be at least 1, got {req.kv_heads}")
     ckpt = resolve(req.model)
@@ -67,8 +64,8 @@ def check_request(req: ConvertRequest) -> Source:
     spec = attention_spec(ckpt.config)
     _check_heads(spec, req.kv_heads)
     _output_dir(req, Path(ckpt.root))
-    names = set(read_headers(ckpt.weight_files))
-    prefix = find_prefix(arch, names)
+    infos, prefix = checked_weights(ckpt, arch, spec)
+    names = set(infos)
     rotary = int(spec.head_dim * spec.partial_rotary_factor)
     shape = LayerShape(spec.num_heads, spec.num_kv_heads, req.kv_heads, spec.head_dim, rotary - rotary % 2,
                        spec.qk_norm)
@@ -150,7 +147,8 @@ def _calibrate(req: ConvertRequest, src: Source) -> tuple[list, dict]:
     from attnkit.runtime.streaming import load_for_calibration
 
     loaded = load_for_calibration(str(src.ckpt.root), req.device)  # decoder layers streamed when possible
-    windows = make_windows(loaded.tokenizer, read_texts(req.calib), req.calib_seq_len, req.calib_tokens)
+    windows = make_windows(loaded.tokenizer, read_texts(req.calib), req.calib_seq_len, req.calib_tokens,
+                           flags=("--calib-seq-len", "--calib-tokens"))
     template = src.arch.tensors.get("k") or src.arch.tensors["qkv"]
     modules = [attention_module_name(template, src.prefix, i) for i in range(src.spec.num_layers)]
     plans: list = [None] * src.spec.num_layers
@@ -258,7 +256,8 @@ def _evaluate(req: ConvertRequest, source_root: Path, result_root: Path) -> dict
     if result.model.config.num_key_value_heads != req.kv_heads:
         raise AttnkitError(f"the written model loads with {result.model.config.num_key_value_heads} KV heads, "
                            f"expected {req.kv_heads}")
-    windows = make_windows(source.tokenizer, read_texts(req.eval), req.eval_seq_len, req.eval_tokens)
+    windows = make_windows(source.tokenizer, read_texts(req.eval), req.eval_seq_len, req.eval_tokens,
+                           flags=("--eval-seq-len", "--eval-tokens"))
     res = evaluate(result, windows, reference=source)
     return {"files": list(req.eval), "tokens": res.tokens, "seq_len": req.eval_seq_len,
             "source_perplexity": res.reference_perplexity, "perplexity": res.perplexity,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnkit import __version__
-from attnkit.commands.rewrite import CheckedSource, RewriteRequest
+from attnkit.commands.rewrite import CheckedSource, RewriteRequest, check_rewrite
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, VALUE_WEIGHTS, MLAOptions, MLAShape
 
@@ -169,16 +169,13 @@ def check_request(req: MLARequest) -> Source:
     """Validate family, ranks, files and target without reading tensors; one-line errors."""
     from attnkit.archs import get_arch
     from attnkit.archs.spec import attention_spec
-    from attnkit.archs.tensors import find_prefix
+    from attnkit.io.complete import checked_weights
     from attnkit.io.resolve import resolve
-    from attnkit.io.safetensors_header import read_headers
     from attnkit.io.writer import OutputDir
 
     if not req.calib and not req.dry_run:
         raise UsageError("convert mla needs calibration text: pass --calib FILE")
-    for path in [*req.calib, *req.eval]:
-        if path != "-" and not Path(path).is_file():
-            raise UsageError(f"{path}: file not found")
+    check_rewrite(req)
     _check_options(req.options)
     _check_route(req)
     ckpt = resolve(req.model)
@@ -200,8 +197,8 @@ def check_request(req: MLARequest) -> Source:
     if rope["rope_type"] not in ROPE_TYPES:
         raise AttnkitError(f"{req.model}: rope_type {rope['rope_type']!r} depends on the rotary width; "
                            f"convertible: {', '.join(ROPE_TYPES)}")
-    names = set(read_headers(ckpt.weight_files))
-    prefix = find_prefix(arch, names)
+    infos, prefix = checked_weights(ckpt, arch, spec)
+    names = set(infos)
     layer_names = []
     for layer in range(spec.num_layers):
         roles = {r: arch.tensor_name(r, layer, prefix) for r in ATTN_ROLES}
@@ -419,7 +416,8 @@ def _calibrate_and_convert(req: MLARequest, src: Source, config, writer, expecte
     from attnkit.runtime.streaming import load_for_calibration
 
     loaded = load_for_calibration(str(src.ckpt.root), req.device)  # decoder layers streamed when possible
-    windows = make_windows(loaded.tokenizer, read_texts(req.calib), req.calib_seq_len, req.calib_tokens)
+    windows = make_windows(loaded.tokenizer, read_texts(req.calib), req.calib_seq_len, req.calib_tokens,
+                           flags=("--calib-seq-len", "--calib-tokens"))
     modules = [attention_module_name(src.arch.tensors["k"], src.prefix, i) for i in range(src.spec.num_layers)]
     rows: list = [None] * src.spec.num_layers
     with LazyReader(src.ckpt.weight_files) as reader:
@@ -516,7 +514,8 @@ def _evaluate(req: MLARequest, source_root: Path, result_root: Path) -> dict:
 
     source = load_model(str(source_root), device=req.device, dtype="float32")
     result = load_model(str(result_root), device=req.device, dtype="float32")
-    windows = make_windows(source.tokenizer, read_texts(req.eval), req.eval_seq_len, req.eval_tokens)
+    windows = make_windows(source.tokenizer, read_texts(req.eval), req.eval_seq_len, req.eval_tokens,
+                           flags=("--eval-seq-len", "--eval-tokens"))
     res = evaluate(result, windows, reference=source)
     return {"files": list(req.eval), "tokens": res.tokens, "seq_len": req.eval_seq_len,
             "source_perplexity": res.reference_perplexity, "perplexity": res.perplexity,
@@ -559,7 +558,7 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
         return report
     log("calibrating and converting layer by layer ...")
     with OutputDir(Path(req.out), overwrite=req.overwrite, sources=[Path(src.ckpt.root)]) as out:
-        writer = ShardedWriter(out.path, req.max_shard_bytes)
+        writer = ShardedWriter(lambda: out.path, req.max_shard_bytes)  # temp folder made at the first write
         config = target_config(src, bias_route=req.latent_norm == "bias")
         expected = expected_shapes(config)
         report["layers"], report["calibration"] = _calibrate_and_convert(req, src, config, writer, expected)

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Callable
 
 from attnkit import __version__
-from attnkit.commands.rewrite import CheckedSource, RewriteRequest
-from attnkit.errors import AttnkitError, UsageError
+from attnkit.commands.rewrite import CheckedSource, RewriteRequest, check_rewrite
+from attnkit.errors import AttnkitError
 
 
 @dataclass(kw_only=True)
@@ -37,22 +37,16 @@ class Source(CheckedSource):
 
 
 def check_options(opts: RetrofitOptions) -> None:
-    """Text files exist, the target is usable (empty, absent, or --overwrite)."""
-    from attnkit.io.writer import OutputDir
-
-    for path in [*opts.calib, *opts.eval]:
-        if path != "-" and not Path(path).is_file():
-            raise UsageError(f"{path}: file not found")
-    OutputDir(Path(opts.out), overwrite=opts.overwrite)  # checks only; creates nothing
+    """Text files, token budgets, --device and the target (see attnkit.commands.rewrite.check_rewrite)."""
+    check_rewrite(opts)
 
 
 def open_source(ref: str) -> Source:
     """Resolve `ref` (GGUF files are materialized to safetensors first) and match its tensor names."""
     from attnkit.archs import get_arch
     from attnkit.archs.spec import attention_spec
-    from attnkit.archs.tensors import find_prefix
+    from attnkit.io.complete import checked_weights
     from attnkit.io.resolve import resolve
-    from attnkit.io.safetensors_header import read_headers
 
     ckpt = resolve(ref)
     if ckpt.kind == "config":
@@ -70,8 +64,9 @@ def open_source(ref: str) -> Source:
         ckpt.weight_files = resolve_hub(ckpt.ref, need_weights=True).weight_files
     if not ckpt.weight_files:
         raise AttnkitError(f"{ref}: no safetensors weights found")
-    names = set(read_headers(ckpt.weight_files))
-    return Source(ckpt, arch, attention_spec(ckpt.config), find_prefix(arch, names), names)
+    spec = attention_spec(ckpt.config)
+    infos, prefix = checked_weights(ckpt, arch, spec)
+    return Source(ckpt, arch, spec, prefix, set(infos))
 
 
 def raw_config(src: Source) -> dict:
@@ -86,11 +81,12 @@ def load(ref, device: str):
     return load_model(str(ref), device=device, dtype="float32")
 
 
-def windows(loaded, files: list[str], seq_len: int, tokens: int | None):
-    """Token windows [N, seq_len] from text files."""
+def windows(loaded, files: list[str], seq_len: int, tokens: int | None, kind: str = "calib"):
+    """Token windows [N, seq_len] from text files; `kind` (calib, eval) names the options in messages."""
     from attnkit.runtime import make_windows, read_texts
 
-    return make_windows(loaded.tokenizer, read_texts(files), seq_len, tokens)
+    return make_windows(loaded.tokenizer, read_texts(files), seq_len, tokens,
+                        flags=(f"--{kind}-seq-len", f"--{kind}-tokens"))
 
 
 def stream_weights(src: Source, folder: Path, max_shard_bytes: int,
@@ -122,7 +118,7 @@ def write_output(src: Source, opts: RetrofitOptions, config: dict, write_weights
     """
     from attnkit.io.writer import OutputDir, copy_side_files, verify_output
 
-    with OutputDir(Path(opts.out), overwrite=opts.overwrite) as out:
+    with OutputDir(Path(opts.out), overwrite=opts.overwrite, sources=[Path(src.ckpt.root)]) as out:
         expected = write_weights(out.path)
         (out.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copy_side_files(Path(src.ckpt.root), out.path)
@@ -145,7 +141,7 @@ def compare(opts: RetrofitOptions, source_root: Path, result_root: Path) -> dict
     from attnkit.commands.analyse.probe import probe
 
     source, result = load(source_root, opts.device), load(result_root, opts.device)
-    wins = windows(source, opts.eval, opts.eval_seq_len, opts.eval_tokens)
+    wins = windows(source, opts.eval, opts.eval_seq_len, opts.eval_tokens, kind="eval")
     res = evaluate(result, wins, reference=source)
     before, after = probe(source, wins, name="source"), probe(result, wins, name="result")
     return {"eval": {"files": list(opts.eval), "tokens": res.tokens, "seq_len": opts.eval_seq_len,

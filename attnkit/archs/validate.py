@@ -1,0 +1,84 @@
+"""Check the config values an architecture maps (types and sane bounds) before anything is derived from them."""
+
+from __future__ import annotations
+
+import math
+import reprlib
+
+from attnkit.archs import Arch
+from attnkit.errors import AttnkitError
+
+#: Bounds far above any published model, so a crafted config cannot make the work or memory explode.
+MAX_LAYERS = 4096
+MAX_HEADS = 65536
+MAX_HEAD_DIM = 65536
+MAX_WIDTH = 1 << 22  # hidden, intermediate and latent sizes
+MAX_VOCAB = 1 << 24
+MAX_POSITIONS = 1 << 40
+MAX_EXPERTS = 1 << 16
+
+#: role -> (kind, lowest, highest); kinds: int, number (finite), bool, str, str_list. None values are absent.
+#: num_experts may be 0: an all-dense DeepseekV3 (what convert mla writes) has no routed experts.
+RULES: dict[str, tuple[str, float | None, float | None]] = {
+    "num_layers": ("int", 1, MAX_LAYERS), "num_heads": ("int", 1, MAX_HEADS), "num_kv_heads": ("int", 1, MAX_HEADS),
+    "head_dim": ("int", 1, MAX_HEAD_DIM), "hidden_size": ("int", 1, MAX_WIDTH), "vocab_size": ("int", 1, MAX_VOCAB),
+    "intermediate_size": ("int", 1, MAX_WIDTH), "max_positions": ("int", 1, MAX_POSITIONS),
+    "sliding_window": ("int", 1, MAX_POSITIONS), "sliding_window_pattern": ("int", 1, MAX_LAYERS),
+    "max_window_layers": ("int", 0, MAX_LAYERS),
+    "kv_lora_rank": ("int", 1, MAX_WIDTH), "q_lora_rank": ("int", 1, MAX_WIDTH),
+    "qk_rope_head_dim": ("int", 1, MAX_HEAD_DIM), "qk_nope_head_dim": ("int", 1, MAX_HEAD_DIM),
+    "v_head_dim": ("int", 1, MAX_HEAD_DIM),
+    "num_experts": ("int", 0, MAX_EXPERTS), "moe_intermediate_size": ("int", 1, MAX_WIDTH),
+    "num_shared_experts": ("int", 0, MAX_EXPERTS), "first_dense_layers": ("int", 0, MAX_LAYERS),
+    "rope_theta": ("number", 0, None), "partial_rotary_factor": ("number", 0, 1),
+    "attn_softcap": ("number", 0, None), "final_softcap": ("number", 0, None),
+    "query_pre_attn_scalar": ("number", 0, None),
+    "rope_type": ("str", None, None), "layer_types": ("str_list", None, None),
+    "use_sliding_window": ("bool", None, None), "tie_word_embeddings": ("bool", None, None),
+    "attention_bias": ("bool", None, None),
+}
+#: Roles every config must give (MLA configs also their latent and head dims).
+REQUIRED = ("num_layers", "num_heads", "hidden_size")
+REQUIRED_MLA = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+
+def check_config(arch: Arch, config: dict) -> None:
+    """Every role `arch` maps must hold a value of the right type within RULES' bounds; one-line AttnkitError."""
+    required = REQUIRED + (REQUIRED_MLA if arch.qkv_layout == "mla" else ())
+    for role in arch.data["config"]:
+        key, value = arch.config_item(config, role)
+        if value is None:
+            if role in required:
+                raise AttnkitError(f"config for {arch.family} lacks {' or '.join(arch.data['config'][role])}")
+            continue
+        problem = _problem(value, *RULES[role])
+        if problem:
+            raise AttnkitError(f"config value {key} = {reprlib.repr(value)} {problem}")
+    layers = arch.config_value(config, "num_layers")
+    layer_types = arch.config_value(config, "layer_types")
+    if layer_types is not None and len(layer_types) != layers:
+        raise AttnkitError(f"layer_types has {len(layer_types)} entries for {layers} layers")
+
+
+def _problem(value, kind: str, low, high) -> str | None:
+    """Why `value` breaks the rule, or None."""
+    if kind == "bool":
+        return None if isinstance(value, bool) else "must be true or false"
+    if kind == "str":
+        return None if isinstance(value, str) else "must be a string"
+    if kind == "str_list":
+        ok = isinstance(value, list) and len(value) <= MAX_LAYERS and all(isinstance(v, str) for v in value)
+        return None if ok else f"must be a list of at most {MAX_LAYERS} strings"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "must be a number" if kind == "number" else "must be a whole number"
+    if kind == "int":
+        if not isinstance(value, int):
+            return "must be a whole number"
+        if value < low:
+            return f"must be at least {low}"
+        if value > high:
+            return f"is over the limit of {high:,}"
+        return None
+    if not math.isfinite(value) or value <= low or (high is not None and value > high):
+        return f"must be a number in (0, {high}]" if high is not None else "must be a positive number"
+    return None

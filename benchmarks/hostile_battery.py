@@ -1,0 +1,481 @@
+"""The hostile-user battery of issue 12, rerun: bad CLI inputs, mutated metadata in-process, signals on SmolLM2.
+
+Usage: python benchmarks/hostile_battery.py [--parts readers,cli,signals,gguf-signals] [--headers N]
+                                            [--index N] [--gguf N] [--seed S]
+  (default parts: readers, cli, signals)
+  cli      about 340 bad inputs through the CLI (in-process, typer's runner) on tiny checkpoints: damaged
+           configs, headers, indexes and texts, missing tensors, bad option values, outputs inside inputs.
+  headers  N mutated safetensors files through io.safetensors_header.read_header (default 25,120), each
+           also given to the safetensors library: "lax" counts files we accept and it refuses.
+  index    N mutated model.safetensors.index.json through io.checkpoint.safetensors_files (default 3,000).
+  gguf     N mutated GGUF headers through io.gguf_meta.read_gguf (default 3,000).
+  signals  `convert mqa --method mean` on SmolLM2-135M (fp32 folder, tests/realmodel.py) in a subprocess:
+           SIGTERM at four moments (during the checks and reads, while the shard is written, after the
+           weights, just before the rename), SIGINT and SIGHUP, and SIGKILL at two moments, each followed
+           by a clean run that must remove what the killed one left.
+  gguf-signals  SIGTERM, and SIGKILL then a clean run, while the dequantized SmolLM2 GGUF is written into
+           a fresh cache (slower: each run dequantizes SmolLM2).
+Prints per part and in all: cases, ok (accepted / exit 0), clean errors (attnkit's one line, exit 1 or 2, or
+143/130/129 after a signal), crashes (tracebacks, exceptions other than AttnkitError, more than one line,
+other exit codes), inputs modified and leftovers (.attnkit-tmp/old/del folders or files after the case).
+Everything runs offline (HF_HUB_OFFLINE=1) in a temp folder that is removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+from tests import hostile  # noqa: E402
+
+LEFTOVER_TAGS = (".attnkit-tmp-", ".attnkit-old-", ".attnkit-del-")
+
+
+class Tally:
+    """Counts per part: cases, ok, clean, crash, modified, leftovers; keeps the first crash descriptions."""
+
+    def __init__(self):
+        self.parts: dict[str, Counter] = {}
+        self.crashes: list[str] = []
+
+    def add(self, part: str, outcome: str, detail: str = "", modified: bool = False, leftovers: int = 0) -> None:
+        c = self.parts.setdefault(part, Counter())
+        c["cases"] += 1
+        c[outcome] += 1
+        c["inputs modified"] += int(modified)
+        c["leftovers"] += leftovers
+        if outcome == "crash" and len(self.crashes) < 30:
+            self.crashes.append(f"[{part}] {detail}")
+
+    def report(self) -> str:
+        keys = ["cases", "ok", "clean", "crash", "inputs modified", "leftovers", "lax", "strict"]
+        rows = [(name, c) for name, c in self.parts.items()] + [("total", sum(self.parts.values(), Counter()))]
+        lines = ["| part | " + " | ".join(k if k != "clean" else "clean errors" for k in keys) + " |",
+                 "|---|" + "---:|" * len(keys)]
+        lines += [f"| {name} | " + " | ".join(f"{c[k]:,}" for k in keys) + " |" for name, c in rows]
+        if self.crashes:
+            lines += ["", "crashes:"] + [f"- {c}" for c in self.crashes]
+        return "\n".join(lines)
+
+
+def leftovers(*roots: Path) -> list[Path]:
+    found = []
+    for root in roots:
+        if root.exists():
+            found += [p for p in root.rglob("*") if any(t in p.name for t in LEFTOVER_TAGS)]
+    return found
+
+
+def digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        h.update(str(p.relative_to(folder)).encode())
+        if p.is_file() and not p.is_symlink():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def stat_digest(folder: Path) -> tuple:
+    """Names, sizes and mtimes: enough to see a change to a large checkpoint without reading it."""
+    return tuple((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")))
+
+
+# ------------------------------------------------------------------ in-process readers
+
+def run_reader(fn) -> tuple[str, str]:
+    from attnkit.errors import AttnkitError
+
+    try:
+        fn()
+    except AttnkitError:
+        return "clean", ""
+    except Exception as exc:  # noqa: BLE001 - what the battery counts
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        return "crash", f"{type(exc).__name__} in {frame.name} ({Path(frame.filename).name}:{frame.lineno}): {exc}"[:300]
+    return "ok", ""
+
+
+def readers(tally: Tally, work: Path, n_headers: int, n_index: int, n_gguf: int, seed: int) -> None:
+    from safetensors import safe_open
+
+    from attnkit.io.checkpoint import INDEX_NAME, safetensors_files
+    from attnkit.io.gguf_meta import read_gguf
+    from attnkit.io.safetensors_header import read_header
+
+    rng = random.Random(seed)
+    folder = work / "readers"
+    folder.mkdir()
+    path = folder / "model.safetensors"
+    for _ in range(n_headers):
+        path.write_bytes(hostile.mutate_safetensors(rng))
+        outcome, detail = run_reader(lambda: read_header(path))
+        tally.add("safetensors headers", outcome, detail)
+        try:
+            with safe_open(str(path), framework="np"):
+                library = True
+        except Exception:  # noqa: BLE001 - the library's verdict
+            library = False
+        c = tally.parts["safetensors headers"]
+        c["lax"] += int(outcome == "ok" and not library)
+        c["strict"] += int(outcome == "clean" and library)
+    path.unlink(missing_ok=True)
+    for shard in hostile.SHARDS:
+        (folder / shard).write_bytes(hostile.safetensors_bytes(hostile.safetensors_header()))
+    for _ in range(n_index):
+        (folder / INDEX_NAME).write_bytes(hostile.mutate_index(rng))
+        tally.add("index JSON", *run_reader(lambda: safetensors_files(folder)))
+    gguf = folder / "model.gguf"
+    for _ in range(n_gguf):
+        gguf.write_bytes(hostile.mutate_gguf(rng))
+        tally.add("GGUF headers", *run_reader(lambda: read_gguf(gguf)))
+
+
+# ------------------------------------------------------------------ CLI
+
+def cli_outcome(result) -> tuple[str, str]:
+    """ok / clean / crash for one CliRunner result."""
+    stderr = result.stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        return "crash", f"{type(result.exception).__name__}: {result.exception}"[:300]
+    if "Traceback" in result.output or "set ATTNKIT_DEBUG=1 for the traceback" in stderr:
+        return "crash", (errors or [stderr.strip()[-300:]])[-1][:300]
+    if result.exit_code == 0:
+        return "ok", ""
+    if result.exit_code in (1, 2) and len(errors) == 1:
+        return "clean", ""
+    if result.exit_code == 2 and "--help' for help." in stderr:  # typer's own usage message (bad option value)
+        return "clean", ""
+    return "crash", f"exit {result.exit_code}: {stderr.strip()[-300:]}"
+
+
+def cli_cases(work: Path) -> tuple[list[tuple[str, list[str]]], list[Path]]:
+    """(label, argv) cases and the input folders whose contents must never change."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_runtime import PROSE, char_tokenizer
+    from tests.tiny import make_checkpoint
+
+    inputs = work / "inputs"
+    inputs.mkdir()
+    good = char_tokenizer(make_checkpoint(inputs / "good", "llama_gqa"))
+    sharded = char_tokenizer(make_checkpoint(inputs / "sharded", "llama_gqa", max_shard_size="100KB"))
+    texts = inputs / "texts"
+    texts.mkdir()
+    (texts / "good.txt").write_text(PROSE * 8)
+    (texts / "binary.txt").write_bytes(b"\x7fELF\0\0\0\x01" * 64)
+    (texts / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 100)
+    (texts / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    (texts / "deep.jsonl").write_bytes(b"[" * 100000 + b"\n")
+    (texts / "bigint.jsonl").write_bytes(b'{"text": ' + b"9" * 5000 + b"}\n")
+    (texts / "empty.txt").write_text("")
+    (texts / "folder.txt").mkdir()
+    gguf = inputs / "tiny.gguf"
+    gguf.write_bytes(hostile.gguf_bytes(hostile.gguf_fields(), hostile.gguf_tensors()))
+
+    def variant(name: str, edit) -> Path:
+        folder = inputs / name
+        shutil.copytree(good, folder)
+        edit(folder)
+        return folder
+
+    def config_edit(**changes):
+        def edit(folder):
+            config = json.loads((folder / "config.json").read_text())
+            config.update(changes)
+            (folder / "config.json").write_text(json.dumps(config))
+        return edit
+
+    def drop(*names):
+        def edit(folder):
+            state = load_file(folder / "model.safetensors")
+            for n in names:
+                del state[n]
+            save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+        return edit
+
+    def raw(name, data: bytes):
+        return lambda folder: (folder / name).write_bytes(data)
+
+    models = [good]
+    for i, changes in enumerate([
+            {"num_hidden_layers": -2}, {"num_attention_heads": 8.5}, {"num_key_value_heads": 0},
+            {"num_key_value_heads": [8]}, {"num_hidden_layers": 50_000_000}, {"hidden_size": "64"},
+            {"num_key_value_heads": 3}, {"num_key_value_heads": 4}, {"head_dim": 0}, {"vocab_size": -1},
+            {"rope_parameters": {"rope_type": "default", "rope_theta": "x"}}, {"tie_word_embeddings": "no"},
+            {"model_type": ["llama"]}, {"model_type": "falcon9"}, {"max_position_embeddings": 2**80}]):
+        models.append(variant(f"config{i}", config_edit(**changes)))
+    models.append(variant("config-latin1", raw("config.json", b'{"model_type": "ll\xe9ama"}')))
+    models.append(variant("config-list", raw("config.json", b"[1, 2]")))
+    models.append(variant("config-deep", raw("config.json", b"[" * 100000)))
+    for i, names in enumerate([["model.norm.weight"], ["model.layers.1.mlp.down_proj.weight"],
+                               ["model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"],
+                               ["lm_head.weight"], ["model.layers.0.self_attn.k_proj.weight"]]):
+        models.append(variant(f"missing{i}", drop(*names)))
+    rng = random.Random(7)
+    for i in range(12):
+        models.append(variant(f"header{i}", raw("model.safetensors", hostile.mutate_safetensors(rng))))
+    for i in range(6):
+        folder = inputs / f"index{i}"
+        shutil.copytree(sharded, folder)
+        (folder / "model.safetensors.index.json").write_bytes(hostile.mutate_index(rng))
+        models.append(folder)
+    leave_out = inputs / "index-leaves-out-a-shard"
+    shutil.copytree(sharded, leave_out)
+    index = json.loads((leave_out / "model.safetensors.index.json").read_text())
+    last = sorted(set(index["weight_map"].values()))[-1]
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != last}
+    (leave_out / "model.safetensors.index.json").write_text(json.dumps(index))
+    models.append(leave_out)
+    escape = inputs / "index-escape"
+    shutil.copytree(sharded, escape)
+    index = json.loads((escape / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = "../../../../etc/passwd"
+    (escape / "model.safetensors.index.json").write_text(json.dumps(index))
+    models.append(escape)
+
+    out = work / "out"
+    txt = str(texts / "good.txt")
+    cases: list[tuple[str, list[str]]] = []
+    for m in models:
+        cases += [(f"{m.name}: inspect", ["inspect", str(m)]),
+                  (f"{m.name}: kvmem", ["kvmem", str(m), "--context", "4k"]),
+                  (f"{m.name}: convert mqa", ["convert", "mqa", str(m), str(out / f"{m.name}-mqa")]),
+                  (f"{m.name}: retrofit softcap", ["retrofit", "softcap", str(m), str(out / f"{m.name}-cap"),
+                                                   "--attn-cap", "30"]),
+                  (f"{m.name}: eval", ["eval", str(m), txt, "--seq-len", "64"])]
+    for name in ("binary.txt", "latin1.txt", "latin1.jsonl", "deep.jsonl", "bigint.jsonl", "empty.txt",
+                 "folder.txt", "absent.txt"):
+        t = str(texts / name)
+        cases += [(f"text {name}: eval", ["eval", str(good), t]), (f"text {name}: probe", ["probe", str(good), t]),
+                  (f"text {name}: --calib", ["convert", "mqa", str(good), str(out / "calib"), "--method", "merge",
+                                             "--calib", t]),
+                  (f"text {name}: --eval", ["convert", "mqa", str(good), str(out / "ev"), "--eval", t])]
+    g, k8b = str(good), "llama-3.1-8b"
+    options = [["kvmem", k8b, "--context", c] for c in
+               ["99999999999999999999999k", "9" * 5000, "-4k", "0", "1.5", "abc", "", ",", "4k,,", "nan", "inf", "1e9"]]
+    options += [["kvmem", k8b, "--batch", b] for b in ["0", "-1", "9" * 5000, "1.5", "x"]]
+    options += [["kvmem", k8b, "--dtype", d] for d in ["bf17", "", "fp8,,int3"]]
+    options += [["kvmem", k8b, "--variant", v] for v in
+                ["gqa:0", "gqa:abc", "gqa:-8", "mla:1e9+3", "mla:5", "mla:a+b", "mqa:2", "gqa:3", "gqa:" + "9" * 30]]
+    options += [["kvmem", k8b, "--gpu-mem", m] for m in ["0", "-80GiB", "80XB", "1e400GiB", "9" * 400 + "GiB"]]
+    options += [["kvmem", k8b, "--gpu-mem", "80GiB", "--tp", "0"], ["kvmem", k8b, "--tp", "2"],
+                ["kvmem", k8b, "--weight-dtype", "int3"], ["kvmem", str(gguf)], ["inspect", str(gguf)]]
+    options += [["convert", "gqa", g, str(out / "g"), "--kv-heads", k] for k in ["0", "-1", "3", "99"]]
+    merge = ["--method", "merge", "--calib", txt]
+    options += [
+        ["convert", "mqa", g, str(out / "d"), "--device", "tpu9"],
+        ["convert", "mqa", g, str(out / "d"), *merge, "--device", "cuda:99"],
+        ["convert", "mqa", g, str(out / "s"), "--max-shard-size", "0"],
+        ["convert", "mqa", g, str(out / "s"), "--max-shard-size", "-1GiB"],
+        ["convert", "mqa", g, str(out / "s"), *merge, "--calib-tokens", "10", "--calib-seq-len", "512"],
+        ["convert", "mqa", g, str(out / "s"), *merge, "--calib-seq-len", "100000", "--calib-tokens", "100000"],
+        ["convert", "mqa", g, str(out / "s"), "--o-refit", "-1"],
+        ["convert", "mqa", g, str(out / "s"), "--key-weight", "both"],
+        ["convert", "mla", g, str(out / "mla"), "--kv-budget", "2", "--calib", txt],
+        ["convert", "mla", g, str(out / "mla"), "--kv-lora-rank", "1", "--rope-dim", "3", "--calib", txt],
+        ["convert", "mqa", g, g], ["convert", "mqa", g, str(good / "sub")], ["convert", "mqa", g, str(good / "a/b")],
+        ["convert", "mqa", str(good / "model.safetensors"), str(good / "x")],
+        ["convert", "mqa", g, str(good.parent), "--overwrite"], ["convert", "mqa", g, str(texts / "good.txt")],
+        ["retrofit", "softcap", g, str(good / "a" / "b"), "--attn-cap", "30"],
+    ]
+    options += [["retrofit", "softcap", g, str(out / "c"), "--attn-cap", c] for c in ["0", "-3", "nan", "inf", "abc"]]
+    options += [
+        ["eval", g, txt, "--dtype", "bf16"], ["eval", g, txt, "--device", "tpu9"], ["eval", g, txt, "--seq-len", "1"],
+        ["eval", g, txt, "--seq-len", "0"], ["eval", g, txt, "--max-tokens", "1"], ["eval", g, txt, "--batch-size", "0"],
+        ["probe", g, txt, "--out", str(out / "stats.txt")], ["probe", g, txt, "--plot", str(out / "p.bmpx")],
+        ["probe", g, txt, "--out", str(texts / "good.txt") + "/x.csv"], ["probe", g, txt, "--fail-if", "max_logit>>3"],
+        ["probe", g, txt, "--fail-if", "nonsense"], ["probe", g, txt, "--top", "-1"],
+        ["inspect", str(work / "absent")], ["inspect", "./absent.gguf"], ["inspect", "not a model!"],
+        ["inspect", "acme/not-cached"], ["inspect", "acme/not-cached@v9"], ["eval", "acme/not-cached", txt],
+        ["inspect", str(texts / "good.txt")], ["inspect", str(texts / "folder.txt")],
+        ["inspect", str(good / "config.json")], ["eval", str(good / "config.json"), txt],
+    ]
+    cases += [(" ".join(a)[:80], a) for a in options]
+    return cases, [inputs]
+
+
+def cli(tally: Tally, work: Path) -> None:
+    from typer.testing import CliRunner
+
+    from attnkit.cli import app
+
+    cases, inputs = cli_cases(work)
+    before = {folder: digest(folder) for folder in inputs}
+    runner = CliRunner()
+    for label, argv in cases:
+        result = runner.invoke(app, argv)
+        outcome, detail = cli_outcome(result)
+        modified = any(digest(folder) != before[folder] for folder in inputs)
+        if modified:
+            before = {folder: digest(folder) for folder in inputs}
+        left = leftovers(work)
+        for path in left:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        tally.add("CLI bad inputs", outcome, f"{label}: {detail}", modified, len(left))
+        if modified or left:
+            print(f"{label}: inputs modified {modified}, leftovers {[p.name for p in left]}", file=sys.stderr)
+        shutil.rmtree(work / "out", ignore_errors=True)
+
+
+# ------------------------------------------------------------------ signals
+
+def run_child(args, sig=None, delay=0.0, env=None, when=None) -> tuple[int, str, float]:
+    """Run `args`; send `sig` after `delay` seconds, or once `when()` is true (polled). (exit code, stderr, s)"""
+    started = time.monotonic()
+    child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, **(env or {})})
+    if sig is not None:
+        if when is None:
+            time.sleep(delay)
+        while when is not None and not when() and child.poll() is None:
+            time.sleep(0.05)
+        if child.poll() is None:
+            child.send_signal(sig)
+    _, err = child.communicate(timeout=900)
+    return child.returncode, err, time.monotonic() - started
+
+
+def _temp_holds(parent: Path, name: str, min_bytes: int = 0):
+    """A trigger: true once a temp folder in `parent` holds a file `name*` of at least `min_bytes`."""
+    def ready() -> bool:
+        return any(f.stat().st_size >= min_bytes for t in leftovers(parent) if t.is_dir() for f in t.glob(name + "*"))
+    return ready
+
+
+def folder_signals(tally: Tally, work: Path) -> None:
+    """convert mqa --method mean of the SmolLM2 folder, signalled at moments seen from outside: after a share
+    of a warm run's time (checks, reading), while the shard is written, after the weights (verification,
+    config, fsync), and just before the rename."""
+    from tests.realmodel import smollm2_folder
+
+    smol = smollm2_folder()
+    stats = stat_digest(smol)
+    out_parent = work / "signals"
+    out_parent.mkdir()
+    base = [sys.executable, "-m", "attnkit", "convert", "mqa", str(smol)]
+    for _ in range(2):  # the second run is warm: the page cache holds the weights
+        code, _, full = run_child([*base, str(out_parent / "clean")])
+        shutil.rmtree(out_parent / "clean", ignore_errors=True)
+    print(f"warm convert mqa --method mean on SmolLM2: exit {code}, {full:.1f}s", file=sys.stderr)
+    moments = {"at 45% of a warm run": dict(delay=0.45 * full),
+               "mid-write (shard over 100 MB)": dict(when=_temp_holds(out_parent, ".shard-", 100 << 20)),
+               "after the weights (config.json written)": dict(when=_temp_holds(out_parent, "config.json")),
+               "before the rename (attnkit.json written)": dict(when=_temp_holds(out_parent, "attnkit.json"))}
+    plan = [(signal.SIGTERM, m) for m in moments] + [(signal.SIGINT, "mid-write (shard over 100 MB)"),
+                                                     (signal.SIGHUP, "after the weights (config.json written)")]
+    for i, (sig, moment) in enumerate(plan):
+        out = out_parent / f"run{i}"
+        code, err, _ = run_child([*base, str(out)], sig, **moments[moment])
+        _signal_tally(tally, "signals: convert mqa", sig, code, err, stat_digest(smol) != stats,
+                      leftovers(out_parent), moment)
+        shutil.rmtree(out, ignore_errors=True)
+    for moment in ("mid-write (shard over 100 MB)", "after the weights (config.json written)"):
+        out = out_parent / "killed"  # SIGKILL: nothing can clean up; the next run into the same parent must
+        run_child([*base, str(out)], signal.SIGKILL, **moments[moment])
+        left_after_kill = leftovers(out_parent)
+        code, err, _ = run_child([*base, str(out_parent / "next")])
+        left = leftovers(out_parent)
+        detail = (f"SIGKILL {moment} left {len(left_after_kill)}; the next run exit {code}, "
+                  f"{len(left)} left: {err.strip()[-200:]}")
+        outcome = "crash" if code != 0 else "clean" if left_after_kill else "ok"  # ok: the kill missed the write
+        tally.add("signals: convert mqa", outcome, detail, stat_digest(smol) != stats, len(left))
+        print(detail, file=sys.stderr)
+        for p in (out, out_parent / "next"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def gguf_signals(tally: Tally, work: Path) -> None:
+    """convert mqa of the SmolLM2 GGUF into a fresh cache, signalled while the dequantized model is written."""
+    from tests.realmodel import smollm2_gguf
+
+    cache, out_parent = work / "gguf-cache", work / "gguf-signals"
+    out_parent.mkdir()
+    env = {"ATTNKIT_CACHE": str(cache)}
+    base = [sys.executable, "-m", "attnkit", "convert", "mqa", str(smollm2_gguf())]
+    writing = lambda: bool(leftovers(cache))  # noqa: E731 - the cache's temp folder exists
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        shutil.rmtree(cache, ignore_errors=True)
+        code, err, _ = run_child([*base, str(out_parent / "g")], sig, env=env, when=writing)
+        if sig == signal.SIGTERM:
+            _signal_tally(tally, "signals: GGUF cache", sig, code, err, False, leftovers(out_parent, cache),
+                      "while the cache is written")
+            continue
+        left_after_kill = leftovers(cache)
+        code, err, _ = run_child([*base, str(out_parent / "g2")], env=env)
+        left = leftovers(out_parent, cache)
+        detail = (f"SIGKILL while writing the cache left {len(left_after_kill)}; the next run exit {code}, "
+                  f"{len(left)} left: {err.strip()[-200:]}")
+        tally.add("signals: GGUF cache", "clean" if code == 0 else "crash", detail, False, len(left))
+        print(detail, file=sys.stderr)
+
+
+def _signal_tally(tally, part, sig, code, err, modified, left, moment="") -> None:
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    expected = {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGHUP: 129}[sig]
+    if code == 0:
+        outcome = "ok"  # finished before the signal arrived
+    elif code == expected and len(errors) == 1 and "Traceback" not in err:
+        outcome = "clean"
+    else:
+        outcome = "crash"
+    tally.add(part, outcome, f"{sig.name} {moment}: exit {code}: {err.strip()[-200:]}", modified, len(left))
+    print(f"{part}: {sig.name} {moment} -> exit {code}, {errors[-1] if errors else '(no error line)'}, "
+          f"{len(left)} leftover(s)", file=sys.stderr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--headers", type=int, default=25_120)
+    parser.add_argument("--index", type=int, default=3_000)
+    parser.add_argument("--gguf", type=int, default=3_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parts", default="readers,cli,signals",
+                        help="comma-separated: readers, cli, signals, gguf-signals")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    tally = Tally()
+    work = Path(tempfile.mkdtemp(prefix="hostile-battery-"))
+    os.environ["ATTNKIT_CACHE"] = str(work / "cache")
+    try:
+        if "readers" in parts:
+            started = time.perf_counter()
+            readers(tally, work, args.headers, args.index, args.gguf, args.seed)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(f"readers: {time.perf_counter() - started:.1f}s, peak RSS {peak:.0f} MiB", file=sys.stderr)
+        if "cli" in parts:
+            started = time.perf_counter()
+            cli(tally, work)
+            print(f"CLI: {time.perf_counter() - started:.1f}s", file=sys.stderr)
+        del os.environ["ATTNKIT_CACHE"]  # the real-model parts read SmolLM2 from the test cache
+        if "signals" in parts:
+            folder_signals(tally, work)
+        if "gguf-signals" in parts:
+            gguf_signals(tally, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(tally.report())
+
+
+if __name__ == "__main__":
+    main()
