@@ -39,7 +39,7 @@ def _modules_after(args: list[str]) -> set[str]:
         f"    app({args!r})\n"
         "except SystemExit:\n"
         "    pass\n"
-        "heavy = [m for m in ('torch', 'transformers', 'pandas') if m in sys.modules]\n"
+        "heavy = [m for m in ('torch', 'transformers', 'pandas', 'pydantic') if m in sys.modules]\n"
         "sys.stderr.write('HEAVY=' + ','.join(heavy))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -186,3 +186,7 @@ def qkclip(
                Column("max_logit_after", "max logit after", _num)]
     caption = f"{report['model_type']}, tau {report['tau']:g}: {report['clipped_heads']} head(s) clipped"
     _finish(report, rows, columns, fmt, f"retrofit qkclip: {model} (clipped heads)", caption)
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="retrofit")

@@ -1,0 +1,51 @@
+"""How the CLI starts: only the invoked command is registered, and `python -m attnkit` works from a folder
+that holds a folder named attnkit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnkit.cli import COMMANDS, app, build_app, invoked
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["kvmem", "llama-3.1-8b"], ["kvmem"]), (["convert", "mla", "--help"], ["convert"]), (["--version"], []),
+    (["--help"], None), ([], None), (["kvmemm"], None), (["-x", "kvmem"], None),
+])
+def test_invoked_names_what_a_run_needs(args, expected):
+    assert invoked(args) == expected
+
+
+def _cli_modules(args: list[str]) -> set[str]:
+    code = ("import sys\nfrom attnkit.cli import main\nsys.argv = ['attnkit', *sys.argv[1:]]\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "sys.stderr.write('MODULES=' + ','.join(m for m in sys.modules if m.startswith('attnkit.cli.')))\n")
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    line = [l for l in out.stderr.splitlines() if l.startswith("MODULES=")][-1]
+    return set(line[len("MODULES="):].split(","))
+
+
+def test_main_imports_only_the_invoked_commands_module():
+    assert _cli_modules(["kvmem", "llama-3.1-8b", "--format", "json"]) == {
+        "attnkit.cli.common", "attnkit.cli.output", "attnkit.cli.kvmem_cmd"}
+    assert {f"attnkit.cli.{m}" for m in COMMANDS.values()} <= _cli_modules(["--help"])
+
+
+def test_every_command_is_registered_for_help_and_the_app():
+    names = {c.name for c in app.registered_commands} | {g.name for g in app.registered_groups}
+    assert names == set(COMMANDS)
+    assert {c.name for c in build_app(["presets"]).registered_commands} == {"presets"}
+
+
+def test_python_dash_m_from_a_folder_holding_a_folder_named_attnkit(tmp_path):
+    (tmp_path / "attnkit").mkdir()  # e.g. a clone's parent folder, or a data folder of that name
+    out = subprocess.run([sys.executable, "-m", "attnkit", "kvmem", "llama-3.1-8b", "--format", "json"],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert '"bytes_per_token": 131072' in out.stdout
