@@ -49,12 +49,18 @@ def cache_dtype(name: str) -> CacheDtype:
 _VARIANT = re.compile(r"^(native|mha|mqa|gqa:(\d+)|mla:(\d+)\+(\d+))$")
 
 
+def check_variant(variant: str) -> str:
+    """The variant's spelling checked before any model is read (apply_variant checks it against the model)."""
+    text = variant.strip().lower()
+    if not _VARIANT.match(text):
+        raise UsageError(f"unknown variant {variant!r}; use native, mha, gqa:G, mqa or mla:R+P (e.g. mla:512+64)")
+    return text
+
+
 def apply_variant(spec: AttentionSpec, variant: str) -> AttentionSpec:
     """The spec as it would be after a conversion: native, mha, gqa:G, mqa or mla:R+P."""
-    text = variant.strip().lower()
+    text = check_variant(variant)
     m = _VARIANT.match(text)
-    if not m:
-        raise UsageError(f"unknown variant {variant!r}; use native, mha, gqa:G, mqa or mla:R+P (e.g. mla:512+64)")
     if text == "native":
         return spec
     base = dataclasses.replace(spec, mla=None)
@@ -105,9 +111,13 @@ def kv_bytes(spec: AttentionSpec, dtype: CacheDtype, context: int, batch: int, t
     return batch * cached_tokens(spec, context) * layer_bytes_per_token(spec, dtype, tp)
 
 
+#: The longest context max_context searches (2**40 tokens): reaching it means sliding windows cap the cache.
+MAX_CONTEXT = 1 << 40
+
+
 def max_context(spec: AttentionSpec, dtype: CacheDtype, batch: int, budget: float, tp: int = 1,
-                limit: int = 1 << 40) -> int:
-    """Largest context whose cache fits `budget` bytes (binary search; cache size is monotone)."""
+                limit: int = MAX_CONTEXT) -> int:
+    """Largest context up to `limit` whose cache fits `budget` bytes (binary search; cache size is monotone)."""
     if budget <= 0 or kv_bytes(spec, dtype, 1, batch, tp) > budget:
         return 0
     lo, hi = 1, limit

@@ -1,4 +1,4 @@
-"""Parse and print sizes: token counts (4k = 4096) and byte sizes (80GiB, 80GB)."""
+"""Parse and print sizes: token counts (4k = 4096) and byte sizes (80GiB, 80GB; a unit is required)."""
 
 from __future__ import annotations
 
@@ -35,12 +35,18 @@ def parse_tokens(text: str) -> int:
     return int(value)
 
 
-def parse_bytes(text: str) -> int:
-    """'80GiB' or '80G' -> 80*2**30, '80GB' -> 80*10**9, '1024' -> 1024 bytes."""
+def parse_bytes(text: str, option: str | None = None) -> int:
+    """'80GiB' or '80G' -> 80*2**30, '80GB' -> 80*10**9, '1024B' -> 1024 bytes. A number without a unit is
+    refused: '--gpu-mem 80' means 80 GiB to a person and 80 bytes to a parser."""
     m = _BYTES.match(text)
+    where = f"{option} " if option else ""
     if not m:
-        raise UsageError(f"not a memory size: {_shown(text)} (use e.g. 80GiB, 24GB, 512MiB)")
-    unit = (m.group(2) or "").upper().replace("IB", "").replace("I", "")
+        raise UsageError(f"{where}not a memory size: {_shown(text)} (use e.g. 80GiB, 24GB, 512MiB)")
+    if not m.group(2):
+        number = m.group(1)
+        raise UsageError(f"{where}{_shown(text)} has no unit: write {number}GiB (binary), {number}GB (decimal) "
+                         f"or {number}B (bytes)")
+    unit = m.group(2).upper().replace("IB", "").replace("I", "")
     if unit not in _BYTE_UNITS:
         raise UsageError(f"unknown memory unit in {_shown(text)}")
     value = float(m.group(1)) * _BYTE_UNITS[unit]

@@ -8,7 +8,17 @@ from pathlib import Path
 
 import pytest
 
-CACHE = Path(os.environ.get("ATTNKIT_TEST_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
+def _cache() -> Path:
+    """The test cache: $ATTNKIT_TEST_CACHE, else a tests/ folder in attnkit's cache (outside the checkout, shared
+    by every checkout of this user; the dequantized SmolLM2 is about 520 MB per installed GGUF file)."""
+    if os.environ.get("ATTNKIT_TEST_CACHE"):
+        return Path(os.environ["ATTNKIT_TEST_CACHE"]).expanduser()
+    from attnkit.io.gguf_load import cache_root
+
+    return cache_root() / "tests"
+
+
+CACHE = _cache()
 
 
 def _package_dir(name: str) -> Path | None:

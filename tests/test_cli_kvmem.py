@@ -111,3 +111,72 @@ def test_inspect_real_gguf(runner):
     assert (spec["num_layers"], spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]) == (30, 9, 3, 64)
     assert doc["kv_bytes_per_token_bf16"] == 30 * 3 * 64 * 2 * 2
     assert doc["parameters_origin"] == "gguf" and doc["parameters"] > 130_000_000
+
+
+def test_max_context_is_capped_by_the_models_positions(runner):
+    doc = run_json(runner, ["kvmem", "llama-3.1-8b", "--context", "4k", "--gpu-mem", "80GiB", "--format", "json"])
+    row = doc["rows"][0]
+    free = 80 * 2**30 - 8030261248 * 2
+    assert free // 131072 > 131072  # memory alone would hold about 532k tokens
+    assert row["max_context"] == 131072 and row["max_context_capped"] is True
+    small = run_json(runner, ["kvmem", "llama-3.1-8b", "--context", "4k", "--batch", "16", "--gpu-mem", "80GiB",
+                              "--format", "json"])["rows"][0]
+    assert small["max_context"] == free // (16 * 131072) and small["max_context_capped"] is False
+
+
+def test_csv_has_every_json_row_key(runner):
+    result = runner.invoke(app, ["kvmem", "llama-3.1-8b", "--context", "4k,256k", "--gpu-mem", "80GiB",
+                                 "--format", "csv"])
+    assert result.exit_code == 0, result.output
+    header, *rows = result.stdout.strip().splitlines()
+    doc = run_json(runner, ["kvmem", "llama-3.1-8b", "--context", "4k,256k", "--gpu-mem", "80GiB", "--format", "json"])
+    assert header.split(",") == list(doc["rows"][0])
+    exceeds = header.split(",").index("exceeds_max_positions")
+    assert [r.split(",")[exceeds] for r in rows] == ["false", "true"]
+
+
+@pytest.mark.parametrize("value", ["80", "80.5", " 24 "])
+def test_memory_without_a_unit_is_refused(runner, value):
+    result = runner.invoke(app, ["kvmem", "llama-3.1-8b", "--gpu-mem", value])
+    assert result.exit_code == 2
+    assert "--gpu-mem" in result.stderr and "has no unit" in result.stderr and "GiB" in result.stderr
+
+
+def test_a_mistyped_preset_gets_a_suggestion_without_the_hub(runner, monkeypatch):
+    import attnkit.io.resolve as resolve_module
+
+    def no_hub(*_a, **_k):
+        raise AssertionError("a typo must not reach the hub")
+
+    monkeypatch.setattr(resolve_module, "resolve", no_hub)
+    result = runner.invoke(app, ["kvmem", "llama3.1-8b"])
+    assert result.exit_code == 2 and "did you mean llama-3.1-8b?" in result.stderr
+
+
+def test_dtype_spellings_of_torch_are_accepted(runner):
+    short = run_json(runner, ["kvmem", "llama-3.1-8b", "--context", "4k", "--dtype", "bf16", "--gpu-mem", "80GiB",
+                              "--weight-dtype", "bf16", "--format", "json"])
+    long = run_json(runner, ["kvmem", "llama-3.1-8b", "--context", "4k", "--dtype", "bfloat16", "--gpu-mem", "80GiB",
+                             "--weight-dtype", "bfloat16", "--format", "json"])
+    assert short["rows"] == long["rows"]
+
+
+def test_bad_cache_dtype_is_refused_before_the_model_is_read(runner, monkeypatch):
+    import attnkit.commands.analyse.modelinfo as modelinfo
+
+    monkeypatch.setattr(modelinfo, "find_preset", lambda _ref: pytest.fail("model read before the options"))
+    for option, value in (("--dtype", "int3"), ("--variant", "gqa")):
+        result = runner.invoke(app, ["kvmem", "llama-3.1-8b", option, value])
+        assert result.exit_code == 2, result.output
+
+
+def test_inspect_csv_is_data(runner):
+    result = runner.invoke(app, ["inspect", "deepseek-v3", "--format", "csv"])
+    assert result.exit_code == 0, result.output
+    import csv
+    import io
+
+    (values,) = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert values["num_layers"] == "61" and values["mla_kv_lora_rank"] == "512"
+    assert values["kv_bytes_per_token_bf16"] == str(61 * (512 + 64) * 2)
+    assert "field" not in values

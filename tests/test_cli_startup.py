@@ -1,5 +1,5 @@
-"""How the CLI starts: only the invoked command is registered, and `python -m attnkit` works from a folder
-that holds a folder named attnkit."""
+"""How the CLI starts: only the invoked command is registered, help pages show examples in plain notation,
+and `python -m attnkit` works from a folder that holds a folder named attnkit."""
 
 from __future__ import annotations
 

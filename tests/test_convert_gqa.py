@@ -171,3 +171,32 @@ def test_sharded_source_streams_to_shards(runner, tmp_path):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(str(out)).config.num_key_value_heads == 4
+
+
+def test_eval_report_carries_greedy_samples_of_source_and_result(runner, tmp_path):
+    src = _source(tmp_path, "llama", groups=2, num_key_value_heads=8)
+    text = str(_calib(tmp_path))
+    args = ["gqa", str(src), str(tmp_path / "out"), "--kv-heads", "2", "--eval", text, "--eval-tokens", "128",
+            "--eval-seq-len", "64", "--sample-prompt", "the cat", "--sample-prompt", "a dog"]
+    report = _convert(runner, *args)
+    samples = report["eval"]["samples"]
+    assert [s["prompt"] for s in samples] == ["the cat", "a dog"]
+    assert all(s["source"] and s["source"] == s["result"] for s in samples)  # a lossless conversion says the same
+    manifest = json.loads((tmp_path / "out" / "attnkit.json").read_text())
+    assert manifest["eval"]["samples"] == samples
+    table = runner.invoke(app, ["convert", *args[:2], str(tmp_path / "out2"), *args[3:]])
+    assert table.exit_code == 0 and "greedy sample: 'the cat'" in table.stdout
+
+
+def test_manifest_names_a_gguf_source_as_gguf():
+    from attnkit.commands.rewrite import CheckedSource, source_record
+    from attnkit.io.checkpoint import Checkpoint
+
+    class Spec:
+        model_type = "llama"
+
+    folder = Checkpoint("m.gguf", "folder", {}, root=Path("/cache/m-float32-abc"), dequantized_from=Path("m.gguf"))
+    record = source_record("m.gguf", CheckedSource(folder, None, Spec(), ""))
+    assert record["kind"] == "gguf" and record["dequantized"] == "/cache/m-float32-abc"
+    plain = source_record("x", CheckedSource(Checkpoint("x", "folder", {}, root=Path("/x")), None, Spec(), ""))
+    assert plain["kind"] == "folder" and plain["dequantized"] is None

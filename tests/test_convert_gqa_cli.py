@@ -36,7 +36,8 @@ def src(tiny):
 
 @pytest.mark.parametrize("args,code,needle", [
     (["gqa", "--kv-heads", "3"], 2, "--kv-heads 3 is more than the model's 2 KV heads"),
-    (["gqa", "--kv-heads", "4"], 2, "valid: 1, 2"),
+    (["gqa", "--kv-heads", "4"], 2, "valid: 1"),
+    (["gqa", "--kv-heads", "2"], 2, "the model already has 2 KV heads: --kv-heads 2 would write an unchanged copy"),
     (["gqa", "--kv-heads", "0"], 2, "--kv-heads must be at least 1"),
     (["mqa", "--method", "merge"], 2, "--method merge needs calibration text"),
     (["mqa", "--method", "median"], 2, "unknown --method 'median'"),
@@ -52,7 +53,7 @@ def test_bad_arguments_are_one_line_usage_errors(runner, src, tmp_path, args, co
 def test_kv_heads_not_dividing(runner, tiny, tmp_path):
     src = char_tokenizer(tiny("qwen2"))  # 4 KV heads
     result = runner.invoke(app, ["convert", "gqa", str(src), str(tmp_path / "out"), "--kv-heads", "3"])
-    _one_line_error(result, 2, "--kv-heads 3 does not divide the model's 4 KV heads; valid: 1, 2, 4")
+    _one_line_error(result, 2, "--kv-heads 3 does not divide the model's 4 KV heads; valid: 1, 2")
 
 
 @pytest.mark.parametrize("family,needle", [

@@ -174,6 +174,19 @@ def test_dry_run_writes_nothing(runner, tmp_path):
     assert not out.exists()
 
 
+def test_rank_flags_are_R_and_P_and_the_old_r_p_still_work(runner, tmp_path):
+    src = _source(tmp_path, "llama_gqa")
+    plans = {}
+    for flags in (["-R", "12", "-P", "4"], ["--kv-lora-rank", "12", "--rope-dim", "4"], ["-r", "12", "-p", "4"]):
+        result = runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "out"), *flags, "--dry-run",
+                                     "--format", "json"])
+        assert result.exit_code == 0, result.output
+        doc = json.loads(result.stdout)
+        plans[flags[0]] = (doc["kv_lora_rank"], doc["rope_dim"], doc["parameters"]["sequential"])
+        assert ("-r is now -R/--kv-lora-rank" in result.stderr) == (flags[0] == "-r")
+    assert set(plans.values()) == {(12, 4, True)}  # sequential calibration is the default, as documented
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--kv-lora-rank", "1", "--rope-dim", "4"], "--kv-lora-rank must be between 2"),
     (["--kv-lora-rank", "34", "--rope-dim", "4", "--latent-norm", "bias"], "and 33"),

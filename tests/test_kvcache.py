@@ -92,8 +92,11 @@ def test_units():
     assert parse_tokens("4k") == 4096 and parse_tokens("128k") == 131072 and parse_tokens("1000") == 1000
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("80G") == 80 * 2**30
     assert parse_bytes("24GB") == 24 * 10**9 and parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("1024B") == 1024
     with pytest.raises(UsageError):
         parse_bytes("eighty")
+    with pytest.raises(UsageError, match="--gpu-mem '80' has no unit: write 80GiB"):
+        parse_bytes("80", "--gpu-mem")
     with pytest.raises(UsageError):
         parse_tokens("0")
     with pytest.raises(UsageError):

@@ -177,3 +177,30 @@ def test_probe_smollm2_matches_manual_head():
     assert row["max_logit"] == pytest.approx(s.max().item(), rel=1e-5)
     assert row["logz_max"] == pytest.approx(torch.logsumexp(s, -1).max().item(), rel=1e-5)
     assert len(res.heads) == model.config.num_hidden_layers * model.config.num_attention_heads
+
+
+def test_plot_uses_one_colour_scale_and_marks_the_fail_if_bound(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from attnkit.commands.analyse.probe import ProbeResult, max_logit_limit, parse_rule
+    from attnkit.commands.analyse.probe_report import plot
+
+    def result(name, scale):
+        heads = [{"layer": l, "head": h, "max_logit": scale * (h + l), "logz_mean": 1.0, "logz_max": 2.0}
+                 for l in range(2) for h in range(4)]
+        return ProbeResult(model=name, tokens=1, windows=1, seq_len=1, threshold=100, z_lambda=0, heads=heads)
+
+    figures = []
+    def savefig(fig, path, **_kwargs):
+        figures.append(fig)
+        open(path, "wb").close()
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    limit = max_logit_limit([parse_rule("max_logit>40"), parse_rule("max_logit>=12"), parse_rule("z_loss>1")])
+    assert limit == 12
+    plot([result("source", 10.0), result("clipped", 1.0)], str(tmp_path / "p.png"), limit=limit)
+    (fig,) = figures
+    images = [ax.images[0] for ax in fig.axes if ax.images]
+    assert [im.get_clim() for im in images] == [(0.0, 40.0), (0.0, 40.0)]
+    bars = [ax for ax in fig.axes if ax.get_ylabel() == "max attention logit"]
+    assert len(bars) == 2 and all(any(line.get_ydata()[0] == 12 for line in bar.lines) for bar in bars)

@@ -52,7 +52,7 @@ def test_softcap_auto_writes_config_copies_weights_and_measures(runner, tiny, te
     assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
     manifest = json.loads((out / "attnkit.json").read_text())
     assert manifest["retrofit"] == "softcap" and manifest["auto"]["attn"]["cap"] == auto["cap"]
-    assert doc["eval"]["kl_mean"] >= -1e-6 and doc["eval"]["tokens"] == 126
+    assert doc["eval"]["kl_mean"] >= -1e-6 and doc["eval"]["predicted"] == 126 and doc["eval"]["tokens"] == 128
     assert "ignore attn_logit_softcapping" in res.stderr
     assert len(doc["probe"]["layers"]) == 2
 
@@ -191,6 +191,8 @@ def test_qkclip_clips_only_heads_above_tau(runner, tiny, text, tmp_path):
     calib = ("--calib", text, "--calib-tokens", "256", "--calib-seq-len", "64")
     res, dry = _run(runner, "qkclip", src, tmp_path / "probe", "--tau", "1e9", *calib, "-f", "json")
     assert res.exit_code == 0 and dry["clipped_heads"] == 0
+    assert dry["output"] is None and not (tmp_path / "probe").exists()  # no unchanged copy
+    assert "nothing to clip" in res.stderr and "not written" in res.stderr
     layer0 = sorted(r["max_logit_before"] for r in dry["heads"] if r["layer"] == 0)
     tau = (layer0[3] + layer0[4]) / 2  # clips the 4 largest heads of layer 0
     res, doc = _run(runner, "qkclip", src, tmp_path / "out", "--tau", tau, *calib, "-f", "json")
@@ -244,3 +246,21 @@ def test_smollm2_through_all_three_retrofits(runner, tmp_path):
     for doc in (soft, norm, clip):
         e = doc["eval"]
         assert e["perplexity"] > 1 and e["kl_mean"] >= -1e-6 and doc["probe"]["layers"]
+
+
+def test_softcap_that_changes_nothing_is_refused(runner, tiny, tmp_path):
+    res, _ = _run(runner, "softcap", tiny("gemma2"), tmp_path / "o", "--attn-cap", "50", "--final-cap", "30")
+    assert res.exit_code == 2 and "nothing to change" in res.stderr and "attn_logit_softcapping = 50" in res.stderr
+    assert not (tmp_path / "o").exists()
+    res, _ = _run(runner, "softcap", tiny("gemma2"), tmp_path / "o", "--attn-cap", "40", "--dry-run")
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.real_model
+def test_a_gguf_source_is_recorded_as_gguf(runner, tmp_path):
+    from tests.realmodel import smollm2_gguf
+
+    res, doc = _run(runner, "softcap", smollm2_gguf(), tmp_path / "s", "--attn-cap", "50", "-f", "json")
+    assert res.exit_code == 0, res.output
+    source = json.loads((tmp_path / "s" / "attnkit.json").read_text())["source"]
+    assert source["kind"] == "gguf" and source["ref"] == str(smollm2_gguf()) and source["dequantized"]

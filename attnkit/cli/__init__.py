@@ -66,7 +66,8 @@ def __getattr__(name: str):
 
 
 def main() -> None:
-    from attnkit.cli.common import handle_signals
+    from attnkit.cli.common import handle_signals, quiet_libraries
 
     handle_signals()
+    quiet_libraries()
     build_app(invoked(sys.argv[1:]))()

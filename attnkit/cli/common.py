@@ -45,7 +45,25 @@ FORMAT_OPTION = typer.Option(
 )
 #: --device and --dtype of the commands that run a model (eval, probe).
 DEVICE_OPTION = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps.")
-DTYPE_OPTION = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16.")
+DTYPE_OPTION = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16 (or fp32, bf16, fp16).")
+
+
+#: --sample-prompt of the commands that rewrite a checkpoint (convert, retrofit).
+SAMPLE_OPTION = typer.Option([], "--sample-prompt",
+                             help="With --eval: a prompt both models continue greedily (16 tokens) in the report; "
+                                  "repeatable (default: 'The capital of the United States is').")
+
+
+def sample_prompts_or_default(prompts: list[str]) -> list[str]:
+    """The --sample-prompt values, or attnkit.commands.quality's default prompt."""
+    from attnkit.commands.quality import DEFAULT_PROMPTS
+
+    return list(prompts) or list(DEFAULT_PROMPTS)
+
+
+def examples(*lines: str) -> str:
+    """The epilog of a command's --help: its example command lines."""
+    return "Examples:\n\n" + "\n\n".join(f"  {line}" for line in lines)
 
 
 def debug_enabled() -> bool:
@@ -105,13 +123,36 @@ def handle_signals() -> None:
             signal.signal(getattr(signal, name), _on_signal)
 
 
+def quiet_libraries() -> None:
+    """What the libraries print on their own is off in CLI runs, which show one progress display of their
+    own (attnkit.progress): transformers logs errors only, FutureWarning and DeprecationWarning are hidden,
+    as are the UserWarnings of torch, transformers, accelerate and huggingface_hub, and when stderr is not a
+    terminal every tqdm bar (transformers' loading, GGUF and shard-writing bars) is off. Set before those
+    libraries are imported; ATTNKIT_DEBUG=1 leaves everything on."""
+    import warnings
+
+    if debug_enabled():
+        return
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    if not is_terminal():
+        os.environ.setdefault("TQDM_DISABLE", "1")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"(torch|transformers|accelerate|huggingface_hub)\b")
+
+
 def handle_errors(fn: F) -> F:
-    """Turn exceptions into one-line messages and exit codes (traceback with ATTNKIT_DEBUG=1)."""
+    """Turn exceptions into one-line messages and exit codes (traceback with ATTNKIT_DEBUG=1); the command runs
+    inside one progress display (attnkit.progress, shown in a terminal only)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from attnkit.progress import display
+
         try:
-            return fn(*args, **kwargs)
+            with display(_stderr_console):
+                return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except AttnkitError as exc:

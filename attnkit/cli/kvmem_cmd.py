@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, handle_errors
+from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors
 from attnkit.cli.output import Column, render
 from attnkit.units import human_bytes, human_tokens
 
@@ -16,13 +16,16 @@ def _bytes(v) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("kvmem")
+    @app.command("kvmem", epilog=examples(
+        "attnkit kvmem llama-3.1-8b --context 4k,32k,128k --batch 1,8 --gpu-mem 80GiB",
+        "attnkit kvmem llama-3.1-70b --context 8k,128k --dtype bf16,fp8,int4 --gpu-mem 80GiB --tp 8",
+        "attnkit kvmem llama-2-7b --variant native,gqa:4,mqa,mla:512+64 --format markdown"))
     @handle_errors
     def kvmem(
         model: str = typer.Argument(..., help="Preset name (see `attnkit presets`), folder, file, config.json or hub id."),
         context: str = typer.Option("4k,32k,128k", "--context", "-c", help="Context lengths, e.g. 4k,32k,128k (k = 1024)."),
         batch: str = typer.Option("1", "--batch", "-b", help="Batch sizes, e.g. 1,8,32."),
-        dtype: str = typer.Option("bf16", "--dtype", help="Cache dtypes: fp32,bf16,fp16,fp8,fp8-token,int8,int4,int2."),
+        dtype: str = typer.Option("bf16", "--dtype", help="Cache dtypes: fp32,bf16,fp16,fp8,fp8-token,int8,int4,int2 (bfloat16 etc. also accepted)."),
         variant: str = typer.Option("native", "--variant", help="What-if variants: native,mha,gqa:G,mqa,mla:R+P."),
         gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Memory of one GPU, e.g. 80GiB; adds fit columns."),
         tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel degree (GPUs sharing the model)."),
@@ -32,17 +35,19 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """KV-cache bytes per token and in total, and with --gpu-mem what fits on each GPU."""
         from attnkit.commands.analyse.kvmem import GpuBudget, kvmem_rows
-        from attnkit.commands.analyse.modelinfo import WEIGHT_DTYPE_BYTES, model_info
+        from attnkit.commands.analyse.modelinfo import model_info, weight_dtype_name
         from attnkit.errors import UsageError
+        from attnkit.kvcache import cache_dtype, check_variant
         from attnkit.units import parse_bytes, parse_list, parse_positive_int, parse_tokens
 
         contexts = parse_list(context, parse_tokens)
         batches = parse_list(batch, parse_positive_int)
-        dtypes = parse_list(dtype, str)
-        variants = parse_list(variant, str)
-        if weight_dtype is not None and weight_dtype not in WEIGHT_DTYPE_BYTES:
-            raise UsageError(f"unknown --weight-dtype {weight_dtype!r}; choose from {', '.join(WEIGHT_DTYPE_BYTES)}")
-        gpu = GpuBudget(parse_bytes(gpu_mem), tp, parse_bytes(reserve) if reserve != "0" else 0) if gpu_mem else None
+        dtypes = parse_list(dtype, lambda name: cache_dtype(name).name)  # checked before the model is read
+        variants = parse_list(variant, check_variant)
+        if weight_dtype is not None:
+            weight_dtype = weight_dtype_name(weight_dtype)
+        gpu = GpuBudget(parse_bytes(gpu_mem, "--gpu-mem"), tp,
+                        parse_bytes(reserve, "--reserve") if reserve != "0" else 0) if gpu_mem else None
         if gpu is None and tp != 1:
             raise UsageError("--tp needs --gpu-mem")
         info = model_info(model)

@@ -64,15 +64,17 @@ def render(
     json_obj: Any = None,
     caption: str | None = None,
 ) -> None:
-    """Print `rows` in the chosen format; JSON prints `json_obj` (or the rows) instead."""
+    """Print `rows` in the chosen format; JSON prints `json_obj` (or the rows) instead, CSV every key of the
+    rows (the JSON row names), the table and Markdown the `columns`."""
     if fmt == OutputFormat.json:
         write_json(json_obj if json_obj is not None else list(rows))
     elif fmt == OutputFormat.csv:
+        keys = list(dict.fromkeys(k for row in rows for k in row)) or [c.key for c in columns]
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
-        writer.writerow([c.key for c in columns])
+        writer.writerow(keys)
         for row in rows:
-            writer.writerow(["" if row.get(c.key) is None else _csv_value(row.get(c.key)) for c in columns])
+            writer.writerow(["" if row.get(k) is None else _csv_value(row.get(k)) for k in keys])
         sys.stdout.write(buf.getvalue())
     elif fmt == OutputFormat.markdown:
         lines = []
@@ -99,6 +101,25 @@ def render(
 
 
 def _csv_value(value: Any) -> Any:
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, (list, tuple)):
-        return ";".join(str(v) for v in value)
+        return ";".join("" if v is None else str(v) for v in value)
+    if isinstance(value, dict):
+        return json.dumps(value, default=_json_default)
     return value
+
+
+def render_samples(evaluation: dict | None, fmt: OutputFormat) -> None:
+    """A rewrite's greedy samples (source vs result) after its table, in table and Markdown output."""
+    if not evaluation or not evaluation.get("samples") or fmt not in (OutputFormat.table, OutputFormat.markdown):
+        return
+    lines = []
+    for sample in evaluation["samples"]:
+        if fmt == OutputFormat.markdown:
+            lines += [f"\n**greedy sample:** {sample['prompt']}", "", f"- source: {sample['source']!r}",
+                      f"- result: {sample['result']!r}"]
+        else:
+            lines += [f"greedy sample: {sample['prompt']!r}", f"  source: {sample['source']!r}",
+                      f"  result: {sample['result']!r}"]
+    sys.stdout.write("\n".join(lines) + "\n")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, handle_errors
+from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors
 from attnkit.cli.output import Column, render
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("presets")
+    @app.command("presets", epilog=examples("attnkit presets", "attnkit presets --format json"))
     @handle_errors
     def presets(fmt: OutputFormat = FORMAT_OPTION) -> None:
         """List embedded model presets (published configs, usable offline) with their sources."""

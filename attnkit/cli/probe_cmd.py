@@ -6,7 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from attnkit.cli.common import DEVICE_OPTION, DTYPE_OPTION, FORMAT_OPTION, OutputFormat, handle_errors, stderr
+from attnkit.cli.common import (DEVICE_OPTION, DTYPE_OPTION, FORMAT_OPTION, OutputFormat, examples, handle_errors,
+                                stderr)
 from attnkit.cli.output import Column, render
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -23,7 +24,9 @@ def _num(v) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("probe")
+    @app.command("probe", epilog=examples(
+        "attnkit probe ./my-model prose.txt --fail-if 'max_logit>100' --plot heads.png",
+        "attnkit probe ./my-model ./clipped heldout.txt --out heads.parquet --format json"))
     @handle_errors
     def probe_(
         args: List[str] = typer.Argument(..., help="Models (folder, .safetensors, .gguf, hub id), then text files "
@@ -44,10 +47,11 @@ def register(app: typer.Typer) -> None:
         fmt: OutputFormat = FORMAT_OPTION,
     ) -> None:
         """Attention logits (max, min, mean, std, share above --threshold), log Z, entropy and q/k norms per head."""
-        from attnkit.commands.analyse.probe import check_rules, parse_rule, probe
+        from attnkit.commands.analyse.probe import check_rules, max_logit_limit, parse_rule, probe
         from attnkit.errors import UsageError
         from attnkit.runtime import load_model, make_windows, read_texts
-        from attnkit.runtime.progress import progress_bar
+        from attnkit.runtime.loader import check_models
+        from attnkit.runtime.texts import check_text_files
 
         models, text_files = _split(args)
         rules = [parse_rule(r) for r in fail_if or []]
@@ -58,15 +62,16 @@ def register(app: typer.Typer) -> None:
         for path, option, suffixes in ((out, "--out", TABLE_SUFFIXES), (plot, "--plot", PLOT_SUFFIXES)):
             if path:
                 check_output_path(path, option, suffixes)
+        check_text_files(text_files)
+        check_models(models, device, dtype)
         docs = read_texts(text_files, text)
         results = []
         for ref in models:
             loaded = load_model(ref, device=device, dtype=dtype)
             windows = make_windows(loaded.tokenizer, docs, seq_len, max_tokens)
             stderr.print(f"probing {ref}: {windows.shape[0]} window(s) of {seq_len} tokens", style="dim")
-            with progress_bar(windows.shape[0], f"probe {ref}") as advance:
-                results.append(probe(loaded, windows, threshold=threshold, z_lambda=z_lambda,
-                                     batch_size=batch_size, progress=advance, name=ref))
+            results.append(probe(loaded, windows, threshold=threshold, z_lambda=z_lambda, batch_size=batch_size,
+                                 name=ref))
             del loaded
         if out:
             from attnkit.commands.analyse.probe_report import write_table
@@ -75,7 +80,7 @@ def register(app: typer.Typer) -> None:
         if plot:
             from attnkit.commands.analyse.probe_report import plot as write_plot
 
-            write_plot(results, plot)
+            write_plot(results, plot, limit=max_logit_limit(rules))
         _render(results, fmt, top, threshold)
         check_rules(results, rules)
 
@@ -97,8 +102,6 @@ def _render(results, fmt: OutputFormat, top: int, threshold: float) -> None:
             columns = columns[1:]
         if all(r["max_logit"] == r["max_logit_precap"] for r in rows):
             columns = [c for c in columns if c.key != "max_logit_precap"]
-    elif fmt == OutputFormat.csv:
-        columns = [Column(k, k) for k in results[0].heads[0]]
     caption = "; ".join(f"{res.model}: final logits max {_num(res.final['final_logit_max'])}, "
                         f"logZ mean {_num(res.final['final_logz_mean'])} std {_num(res.final['final_logz_std'])} "
                         f"max {_num(res.final['final_logz_max'])}, z-loss {_num(res.final['z_loss'])} "

@@ -9,8 +9,9 @@ from typing import List, Optional
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, handle_errors, stderr
-from attnkit.cli.output import Column, render
+from attnkit.cli.common import (FORMAT_OPTION, SAMPLE_OPTION, OutputFormat, examples, handle_errors,
+                                sample_prompts_or_default, stderr)
+from attnkit.cli.output import Column, render, render_samples
 
 app = typer.Typer(name="retrofit", no_args_is_help=True,
                   help="Add soft-capping, QK-norm or QK-clip to an existing checkpoint and measure the cost.")
@@ -24,10 +25,11 @@ def _common():
     return dict(
         calib=typer.Option([], "--calib", help="Calibration text file(s) (.txt, .jsonl)."),
         calib_tokens=typer.Option(2048, "--calib-tokens", min=2, help="Calibration tokens (whole windows)."),
-        calib_seq_len=typer.Option(256, "--calib-seq-len", min=2, help="Tokens per calibration window."),
+        calib_seq_len=typer.Option(512, "--calib-seq-len", min=2, help="Tokens per calibration window."),
         eval_files=typer.Option([], "--eval", help="Held-out text: perplexity and KL vs the source, probe before/after."),
         eval_tokens=typer.Option(4096, "--eval-tokens", min=2, help="At most this many evaluation tokens."),
         eval_seq_len=typer.Option(512, "--eval-seq-len", min=2, help="Tokens per evaluation window."),
+        sample_prompts=SAMPLE_OPTION,
         max_shard_size=typer.Option("1GiB", "--max-shard-size", help="Largest output shard."),
         device=typer.Option("auto", "--device", help="Calibration/eval device: auto, cpu, cuda, cuda:N, mps."),
         overwrite=typer.Option(False, "--overwrite", help="Replace a non-empty OUT."),
@@ -38,15 +40,16 @@ def _common():
 _O = _common()
 
 
-def _options(model, out, calib, calib_tokens, calib_seq_len, eval_files, eval_tokens, eval_seq_len,
+def _options(model, out, calib, calib_tokens, calib_seq_len, eval_files, eval_tokens, eval_seq_len, sample_prompts,
              max_shard_size, device, overwrite, dry_run):
     from attnkit.commands.retrofit.common import RetrofitOptions
     from attnkit.units import parse_bytes
 
     return RetrofitOptions(model=model, out=out, calib=list(calib), calib_tokens=calib_tokens,
                            calib_seq_len=calib_seq_len, eval=list(eval_files), eval_tokens=eval_tokens,
-                           eval_seq_len=eval_seq_len, overwrite=overwrite, dry_run=dry_run, device=device,
-                           max_shard_bytes=int(parse_bytes(max_shard_size)),
+                           eval_seq_len=eval_seq_len, sample_prompts=sample_prompts_or_default(sample_prompts),
+                           overwrite=overwrite, dry_run=dry_run, device=device,
+                           max_shard_bytes=parse_bytes(max_shard_size, "--max-shard-size"),
                            command=shlex.join(["attnkit", *sys.argv[1:]]))
 
 
@@ -66,8 +69,12 @@ def _finish(report: dict, rows: list, columns: list, fmt: OutputFormat, title: s
     """Print the warnings (stderr), the main table and, outside JSON/CSV, the probe summary table."""
     for warning in report.get("warnings", []):
         stderr.print(f"[yellow]warning:[/] {warning}", soft_wrap=True, markup=True)
-    caption += " (dry run, nothing written)" if report["dry_run"] else f"; wrote {report['output']}"
+    if report["dry_run"]:
+        caption += " (dry run, nothing written)"
+    else:
+        caption += f"; wrote {report['output']}" if report["output"] else "; nothing written"
     render(rows, columns, fmt, title=title, json_obj=report, caption=caption + _eval_caption(report))
+    render_samples(report.get("eval"), fmt)
     probe = report.get("probe")
     if probe and fmt in (OutputFormat.table, OutputFormat.markdown):
         cols = [Column("layer", "layer")] + [
@@ -91,7 +98,9 @@ def _cap(text: Optional[str], name: str):
         raise UsageError(f"{name} must be a positive number or 'auto', got {text!r}") from None
 
 
-@app.command("softcap")
+@app.command("softcap", epilog=examples(
+    "attnkit retrofit softcap ./my-model ./capped --attn-cap 50 --eval heldout.txt",
+    "attnkit retrofit softcap ./my-model ./capped --auto --calib calib.txt --final-cap 30"))
 @handle_errors
 def softcap(
     model: str = MODEL_ARG,
@@ -103,7 +112,8 @@ def softcap(
     affect_rel: float = typer.Option(0.01, "--affect-rel", help="A logit is affected when the cap moves it by more than this fraction."),
     calib: List[str] = _O["calib"], calib_tokens: int = _O["calib_tokens"], calib_seq_len: int = _O["calib_seq_len"],
     eval_files: List[str] = _O["eval_files"], eval_tokens: int = _O["eval_tokens"],
-    eval_seq_len: int = _O["eval_seq_len"], max_shard_size: str = _O["max_shard_size"], device: str = _O["device"],
+    eval_seq_len: int = _O["eval_seq_len"], sample_prompts: List[str] = _O["sample_prompts"],
+    max_shard_size: str = _O["max_shard_size"], device: str = _O["device"],
     overwrite: bool = _O["overwrite"], dry_run: bool = _O["dry_run"], fmt: OutputFormat = FORMAT_OPTION,
 ) -> None:
     """Write attn_logit_softcapping / final_logit_softcapping into the config (weights unchanged)."""
@@ -116,7 +126,7 @@ def softcap(
         raise UsageError(f"--affect-rel must be in (0, 1), got {affect_rel}")
     req = SoftcapRequest(
         opts=_options(model, out, calib, calib_tokens, calib_seq_len, eval_files, eval_tokens, eval_seq_len,
-                      max_shard_size, device, overwrite, dry_run),
+                      sample_prompts, max_shard_size, device, overwrite, dry_run),
         attn_cap="auto" if auto else _cap(attn_cap, "--attn-cap"), final_cap=_cap(final_cap, "--final-cap"),
         affect_fraction=affect_fraction, affect_rel=affect_rel)
     report = retrofit_softcap(req)
@@ -131,7 +141,8 @@ def softcap(
     _finish(report, rows, columns, fmt, f"retrofit softcap: {model}", f"{report['model_type']}")
 
 
-@app.command("qknorm")
+@app.command("qknorm", epilog=examples(
+    "attnkit retrofit qknorm ./my-model ./qknormed --calib calib.txt --eval heldout.txt"))
 @handle_errors
 def qknorm(
     model: str = MODEL_ARG,
@@ -146,14 +157,15 @@ def qknorm(
     steps: int = typer.Option(150, "--steps", min=0, help="kl: gradient steps per layer."),
     calib: List[str] = _O["calib"], calib_tokens: int = _O["calib_tokens"], calib_seq_len: int = _O["calib_seq_len"],
     eval_files: List[str] = _O["eval_files"], eval_tokens: int = _O["eval_tokens"],
-    eval_seq_len: int = _O["eval_seq_len"], max_shard_size: str = _O["max_shard_size"], device: str = _O["device"],
+    eval_seq_len: int = _O["eval_seq_len"], sample_prompts: List[str] = _O["sample_prompts"],
+    max_shard_size: str = _O["max_shard_size"], device: str = _O["device"],
     overwrite: bool = _O["overwrite"], dry_run: bool = _O["dry_run"], fmt: OutputFormat = FORMAT_OPTION,
 ) -> None:
     """Turn a Llama, Mistral or Qwen2 checkpoint into a stock Qwen3 checkpoint with per-head QK-norm."""
     from attnkit.commands.retrofit.qknorm import QKNormRequest, retrofit_qknorm
 
     req = QKNormRequest(opts=_options(model, out, calib, calib_tokens, calib_seq_len, eval_files, eval_tokens,
-                                      eval_seq_len, max_shard_size, device, overwrite, dry_run),
+                                      eval_seq_len, sample_prompts, max_shard_size, device, overwrite, dry_run),
                         method=method, steps=steps, head_dim=head_dim)
     report = retrofit_qknorm(req)
     columns = [Column("layer", "layer"), Column("pad_bias_q", "pad bias q", _num), Column("pad_bias_k", "pad bias k", _num),
@@ -163,7 +175,8 @@ def qknorm(
     _finish(report, report["layers"], columns, fmt, f"retrofit qknorm: {model}", caption)
 
 
-@app.command("qkclip")
+@app.command("qkclip", epilog=examples(
+    "attnkit retrofit qkclip ./my-model ./clipped --tau 100 --calib calib.txt --eval heldout.txt"))
 @handle_errors
 def qkclip(
     model: str = MODEL_ARG,
@@ -171,14 +184,15 @@ def qkclip(
     tau: float = typer.Option(100.0, "--tau", help="Largest attention logit a head may reach on the --calib text."),
     calib: List[str] = _O["calib"], calib_tokens: int = _O["calib_tokens"], calib_seq_len: int = _O["calib_seq_len"],
     eval_files: List[str] = _O["eval_files"], eval_tokens: int = _O["eval_tokens"],
-    eval_seq_len: int = _O["eval_seq_len"], max_shard_size: str = _O["max_shard_size"], device: str = _O["device"],
+    eval_seq_len: int = _O["eval_seq_len"], sample_prompts: List[str] = _O["sample_prompts"],
+    max_shard_size: str = _O["max_shard_size"], device: str = _O["device"],
     overwrite: bool = _O["overwrite"], dry_run: bool = _O["dry_run"], fmt: OutputFormat = FORMAT_OPTION,
 ) -> None:
     """QK-Clip once: scale W_q of every head whose max logit on --calib text exceeds --tau by tau / max."""
     from attnkit.commands.retrofit.qkclip import QKClipRequest, retrofit_qkclip
 
     req = QKClipRequest(opts=_options(model, out, calib, calib_tokens, calib_seq_len, eval_files, eval_tokens,
-                                      eval_seq_len, max_shard_size, device, overwrite, dry_run), tau=tau)
+                                      eval_seq_len, sample_prompts, max_shard_size, device, overwrite, dry_run), tau=tau)
     report = retrofit_qkclip(req)
     rows = report["heads"] if fmt == OutputFormat.json else [r for r in report["heads"] if r["clipped"]]
     columns = [Column("layer", "layer"), Column("head", "head"), Column("max_logit_before", "max logit source", _num),

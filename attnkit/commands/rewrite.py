@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnkit.commands.quality import DEFAULT_PROMPTS
+
 
 @dataclass(kw_only=True)
 class RewriteRequest:
@@ -18,6 +20,8 @@ class RewriteRequest:
     eval: list[str] = field(default_factory=list)
     eval_tokens: int | None = 4096
     eval_seq_len: int = 512
+    sample_prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))  # greedy samples with --eval
+    sample_tokens: int = 16
     overwrite: bool = False
     dry_run: bool = False
     device: str = "auto"
@@ -34,6 +38,19 @@ class CheckedSource:
     arch: object
     spec: object
     prefix: str
+
+
+def source_record(ref: str, src: CheckedSource) -> dict:
+    """The "source" of an attnkit.json manifest: the reference as given, its kind (a GGUF file stays "gguf"
+    although its weights were read from the dequantized cache folder named in "dequantized"), hub repo and
+    revision (a hub snapshot's commit when none was asked for) and model type."""
+    ckpt = src.ckpt
+    gguf = getattr(ckpt, "dequantized_from", None)
+    revision = ckpt.revision
+    if revision is None and ckpt.kind == "hub" and ckpt.root is not None:
+        revision = Path(ckpt.root).name  # snapshots/<commit>
+    return {"ref": ref, "kind": "gguf" if gguf else ckpt.kind, "repo_id": ckpt.repo_id, "revision": revision,
+            "model_type": src.spec.model_type, "dequantized": str(ckpt.root) if gguf else None}
 
 
 def check_rewrite(req: RewriteRequest) -> None:

@@ -27,6 +27,7 @@ class Checkpoint:
     gguf_file: Path | None = None
     repo_id: str | None = None
     revision: str | None = None
+    dequantized_from: Path | None = None  # the GGUF file a cached folder was made from (attnkit.io.gguf_load)
 
     @property
     def model_type(self) -> str | None:

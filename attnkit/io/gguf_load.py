@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -11,16 +12,44 @@ from attnkit.errors import AttnkitError
 from attnkit.io.tempdirs import clean_stale, follow_umask, make_temp_dir, remove_tree, unmark
 
 
+@contextlib.contextmanager
+def _dequantize_progress(description: str):
+    """transformers' GGUF loop draws its own tqdm bar; route it to a phase of attnkit's display instead."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from attnkit.progress import phase
+
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None:
+        yield
+        return
+
+    def bar(iterable, *_args, **_kwargs):
+        with phase(description, len(iterable), "tensors") as advance:
+            for item in iterable:
+                yield item
+                advance(1)
+
+    gguf_utils.tqdm = bar
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
 def load_gguf_model(gguf_path: Path, dtype: str = "float32"):
     """(model, tokenizer) from a GGUF file, dequantized to `dtype`, rebuilt without quantization_config."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     gguf_path = Path(gguf_path)
     torch_dtype = getattr(torch, dtype)
     folder, name = str(gguf_path.parent), gguf_path.name
+    hf_logging.disable_progress_bar()  # attnkit.progress shows the work instead
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype)
+        with _dequantize_progress(f"dequantizing {name}"):
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as exc:  # transformers raises many types for unsupported/corrupt GGUF
         raise AttnkitError(f"{gguf_path}: cannot load GGUF through transformers ({type(exc).__name__}: {exc})") from None
@@ -104,6 +133,18 @@ def materialize_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> 
         remove_tree(tmp)
         raise
     return out_dir
+
+
+def dequantized(ckpt):
+    """A GGUF checkpoint as its fp32 safetensors folder in the cache (dequantized on first use, then reused),
+    keeping the reference as given and recording the GGUF file; other checkpoints unchanged."""
+    if ckpt.gguf_file is None:
+        return ckpt
+    from attnkit.io.resolve import resolve
+
+    folder = resolve(str(materialize_gguf(ckpt.gguf_file, gguf_cache_folder(ckpt.gguf_file))))
+    folder.ref, folder.dequantized_from = ckpt.ref, Path(ckpt.gguf_file)
+    return folder
 
 
 def _write_error(out_dir: Path, exc: Exception) -> AttnkitError:

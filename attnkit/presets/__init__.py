@@ -55,3 +55,13 @@ def find_preset(ref: str) -> Preset | None:
         if key in names:
             return preset
     return None
+
+
+def suggest(ref: str) -> str | None:
+    """The preset name or alias closest to a mistyped `ref` ('llama3.1-8b' -> 'llama-3.1-8b'), or None."""
+    import difflib
+
+    names = [n for p in all_presets().values() for n in (p.name, *p.aliases)]
+    lowered = {n.lower(): n for n in names}
+    close = difflib.get_close_matches(ref.strip().lower(), list(lowered), n=1, cutoff=0.8)
+    return lowered[close[0]] if close else None

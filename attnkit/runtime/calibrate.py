@@ -46,6 +46,8 @@ def calibrate(model, windows, module_names: list[str], on_layer: Callable[..., d
     """
     import torch
 
+    from attnkit.progress import phase
+
     reached: list[int] = []
 
     def make_hook(layer: int):
@@ -56,10 +58,12 @@ def calibrate(model, windows, module_names: list[str], on_layer: Callable[..., d
                 param = model.get_parameter(name)
                 param.data.copy_(tensor.to(device=param.device, dtype=param.dtype))
             reached.append(layer)
+            advance(1)
 
         return hook
 
     handles = []
+    label = f"calibrating on {windows.numel():,} tokens"
     try:
         for layer, name in enumerate(module_names):
             try:
@@ -67,7 +71,7 @@ def calibrate(model, windows, module_names: list[str], on_layer: Callable[..., d
             except AttributeError:
                 raise AttnkitError(f"calibration: the loaded model has no module {name!r}") from None
             handles.append(module.register_forward_pre_hook(make_hook(layer), with_kwargs=True))
-        with torch.no_grad():
+        with torch.no_grad(), phase(label, len(module_names), "layers") as advance:
             model(input_ids=windows.to(model.get_input_embeddings().weight.device), use_cache=False, logits_to_keep=1)
     finally:
         for handle in handles:

@@ -8,6 +8,19 @@ from typing import Any
 from attnkit.errors import AttnkitError, UsageError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: kvmem's short spellings, accepted wherever a --dtype names a torch dtype.
+DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16",
+                 "half": "float16"}
+
+
+def dtype_name(dtype: str) -> str:
+    """A --dtype as torch names it (bf16 -> bfloat16, fp16 -> float16, fp32 -> float32; auto stays)."""
+    name = str(dtype).strip().lower()
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise UsageError(f"unknown --dtype {dtype!r}; choose from auto, float32 (fp32), bfloat16 (bf16) or "
+                         "float16 (fp16)")
+    return name
 
 
 @dataclass
@@ -51,8 +64,7 @@ def resolve_dtype(dtype: str, device, config: dict):
     """auto: float32 on CPU, the stored 16-bit dtype (else float32) on accelerators."""
     import torch
 
-    if dtype not in DTYPES:
-        raise UsageError(f"unknown --dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    dtype = dtype_name(dtype)
     if dtype != "auto":
         return getattr(torch, dtype)
     stored = config.get("dtype") or config.get("torch_dtype")
@@ -93,19 +105,34 @@ def check_checkpoint(ckpt) -> None:
             checked_weights(ckpt, arch, spec)
 
 
+def check_models(refs: list[str], device: str, dtype: str) -> None:
+    """--device, --dtype and every model reference (files, config, completeness; hub ids downloaded) checked
+    before the first model is loaded, so the second of two models cannot fail after the first one ran."""
+    from attnkit.io.resolve import resolve
+
+    dtype_name(dtype)
+    resolve_device(device)
+    for ref in refs:
+        ckpt = resolve(ref)
+        if ckpt.kind == "config":
+            raise AttnkitError(f"{ref}: a config file has no weights to run")
+        check_causal(ref, ckpt.model_type)
+        check_checkpoint(ckpt)
+
+
 def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_map: str | None = None,
                trust_remote_code: bool = False, attn_implementation: str | None = None) -> LoadedModel:
-    """Resolve `ref` and load it with AutoModelForCausalLM (GGUF files through attnkit.io.gguf_load)."""
-    import sys
-
+    """Resolve `ref` and load it with AutoModelForCausalLM. A GGUF file is dequantized once into the cache
+    (attnkit.io.gguf_load.dequantized) and loaded from there. transformers' own progress bars are turned off:
+    attnkit's commands show theirs (attnkit.progress)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from attnkit.io.gguf_load import dequantized
     from attnkit.io.resolve import resolve
     from attnkit.runtime.softcap import apply_softcaps
 
-    if not sys.stderr.isatty():
-        hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()
     ckpt = resolve(ref)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev, ckpt.config)
@@ -113,36 +140,29 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_ma
         raise AttnkitError(f"{ref}: a config file has no weights to run")
     check_causal(ref, ckpt.model_type)
     check_checkpoint(ckpt)
-    if ckpt.kind == "gguf":
-        from attnkit.io.gguf_load import load_gguf_model
-
-        if device_map is not None:
-            raise UsageError("device_map is not supported for GGUF files (they are dequantized into memory whole)")
-        model, tokenizer = load_gguf_model(ckpt.gguf_file, str(torch_dtype).removeprefix("torch."))
+    if ckpt.gguf_file is not None:
+        ckpt = dequantized(ckpt)
+        check_checkpoint(ckpt)
+    kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(ckpt.root), output_loading_info=True, **kwargs)
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc) or "does not recognize" in str(exc):
+            raise AttnkitError(f"{ref}: {ckpt.model_type} is not a supported causal language model") from None
+        raise AttnkitError(f"{ref}: cannot load model ({exc})") from None
+    except Exception as exc:  # transformers raises many types for checkpoints it cannot build
+        raise AttnkitError(f"{ref}: cannot load model ({type(exc).__name__}: {exc})") from None
+    missing = sorted(info["missing_keys"])
+    if missing:  # transformers would run them with random values
+        raise AttnkitError(f"{ref}: incomplete checkpoint: {len(missing)} weight(s) the model needs are missing, "
+                           f"e.g. {missing[0]!r}")
+    if device_map is None:
         model = model.to(dev)
-        if attn_implementation:
-            model.set_attn_implementation(attn_implementation)
-    else:
-        kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
-        if attn_implementation:
-            kwargs["attn_implementation"] = attn_implementation
-        if device_map is not None:
-            kwargs["device_map"] = device_map
-        try:
-            model, info = AutoModelForCausalLM.from_pretrained(str(ckpt.root), output_loading_info=True, **kwargs)
-        except ValueError as exc:
-            if "Unrecognized configuration class" in str(exc) or "does not recognize" in str(exc):
-                raise AttnkitError(f"{ref}: {ckpt.model_type} is not a supported causal language model") from None
-            raise AttnkitError(f"{ref}: cannot load model ({exc})") from None
-        except Exception as exc:  # transformers raises many types for checkpoints it cannot build
-            raise AttnkitError(f"{ref}: cannot load model ({type(exc).__name__}: {exc})") from None
-        missing = sorted(info["missing_keys"])
-        if missing:  # transformers would run them with random values
-            raise AttnkitError(f"{ref}: incomplete checkpoint: {len(missing)} weight(s) the model needs are missing, "
-                               f"e.g. {missing[0]!r}")
-        if device_map is None:
-            model = model.to(dev)
-        tokenizer = load_tokenizer(ckpt.root)
+    tokenizer = load_tokenizer(ckpt.root)
     model.eval()
     apply_softcaps(model)  # config soft-caps that stock transformers ignores for this family
     return LoadedModel(model=model, tokenizer=tokenizer, checkpoint=ckpt,

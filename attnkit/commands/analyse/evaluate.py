@@ -11,9 +11,11 @@ from attnkit.runtime.loader import unwrap
 
 @dataclass
 class EvalResult:
-    """Token-level scores over every predicted position (N windows x (seq_len - 1) tokens)."""
+    """Token-level scores over every predicted position: `tokens` = N windows x seq_len tokens read (the count
+    probe reports for the same windows), of which `predicted` = N x (seq_len - 1) predict a next token."""
 
     tokens: int
+    predicted: int
     nll_mean: float
     perplexity: float
     kl_mean: float | None = None
@@ -45,20 +47,23 @@ def evaluate(model, windows, *, reference=None, batch_size: int = 1,
 
     import torch
 
+    from attnkit.progress import phase
     from attnkit.runtime.texts import batches
 
     model, reference = unwrap(model), unwrap(reference) if reference is not None else None
     nll_sum = ref_nll_sum = kl_sum = 0.0
     kl_max = 0.0
-    agree = tokens = 0
-    with torch.no_grad():
+    agree = predicted = 0
+    n, t = windows.shape
+    label = f"scoring {n} window(s) x {t} tokens" + (" against the reference" if reference is not None else "")
+    with torch.no_grad(), phase(label, n, "windows") as advance:
         for ids in batches(windows, batch_size):  # ids [B, T]
             targets = ids[:, 1:]  # [B, T-1]
             ref_chunks = _log_probs(reference, ids) if reference is not None else None
             for start, logp in _log_probs(model, ids):  # logp [B, c, V]
                 tgt = targets[:, start:start + logp.shape[1]].to(logp.device)  # [B, c]
                 nll_sum -= logp.gather(-1, tgt.unsqueeze(-1)).sum(dtype=torch.float64).item()
-                tokens += tgt.numel()
+                predicted += tgt.numel()
                 if ref_chunks is not None:
                     _, ref_logp = next(ref_chunks)
                     ref_logp = ref_logp.to(logp.device)
@@ -70,12 +75,13 @@ def evaluate(model, windows, *, reference=None, batch_size: int = 1,
                     kl_sum += kl.sum(dtype=torch.float64).item()
                     kl_max = max(kl_max, kl.max().item())
                     agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
+            advance(ids.shape[0])
             if progress is not None:
                 progress(ids.shape[0])
-    nll = nll_sum / tokens
-    result = EvalResult(tokens=tokens, nll_mean=nll, perplexity=math.exp(nll))
+    nll = nll_sum / predicted
+    result = EvalResult(tokens=int(windows.numel()), predicted=predicted, nll_mean=nll, perplexity=math.exp(nll))
     if reference is not None:
-        result.kl_mean, result.kl_max, result.top1_agreement = kl_sum / tokens, kl_max, agree / tokens
-        result.reference_nll_mean = ref_nll_sum / tokens
+        result.kl_mean, result.kl_max, result.top1_agreement = kl_sum / predicted, kl_max, agree / predicted
+        result.reference_nll_mean = ref_nll_sum / predicted
         result.reference_perplexity = math.exp(result.reference_nll_mean)
     return result

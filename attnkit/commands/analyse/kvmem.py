@@ -36,22 +36,25 @@ def kvmem_rows(info: ModelInfo, variants: list[str], dtypes: list[str], contexts
                         "exceeds_max_positions": bool(max_positions and context > max_positions),
                     }
                     if gpu is not None:
-                        row.update(_fit(spec, dtype, context, batch, gpu, weights))
+                        row.update(_fit(spec, dtype, context, batch, gpu, weights, max_positions))
                     rows.append(row)
     return rows
 
 
-def _fit(spec, dtype, context: int, batch: int, gpu: GpuBudget, weights: float) -> dict:
+def _fit(spec, dtype, context: int, batch: int, gpu: GpuBudget, weights: float, max_positions: int | None) -> dict:
+    """What fits one GPU; the longest context is capped by the model's own position limit when it has one."""
     weights_per_gpu = weights / gpu.tp
     kv_per_gpu = kvcache.kv_bytes(spec, dtype, context, batch, gpu.tp)
     budget = gpu.mem_bytes - gpu.reserve_bytes - weights_per_gpu
-    longest = kvcache.max_context(spec, dtype, batch, budget, gpu.tp)
+    limit = max_positions or kvcache.MAX_CONTEXT
+    longest = kvcache.max_context(spec, dtype, batch, budget, gpu.tp, limit=limit)
     return {
         "weights_per_gpu": weights_per_gpu,
         "kv_per_gpu": kv_per_gpu,
         "total_per_gpu": weights_per_gpu + kv_per_gpu,
         "fits": weights_per_gpu + kv_per_gpu <= gpu.mem_bytes - gpu.reserve_bytes,
-        "max_context": None if longest >= (1 << 40) else longest,  # None: windows cap the cache
+        "max_context": None if longest >= kvcache.MAX_CONTEXT else longest,  # None: windows cap the cache
+        "max_context_capped": bool(max_positions) and longest >= max_positions,
         "max_batch": kvcache.max_batch(spec, dtype, context, budget, gpu.tp),
     }
 

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from attnkit.archs.spec import AttentionSpec, attention_spec
-from attnkit.io.checkpoint import Checkpoint
-from attnkit.io.resolve import resolve
-from attnkit.params import estimate_parameters
 from attnkit.presets import find_preset
+
+if TYPE_CHECKING:
+    from attnkit.io.checkpoint import Checkpoint
 
 WEIGHT_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 _TORCH_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def weight_dtype_name(name: str) -> str:
+    """--weight-dtype in kvmem's spelling; torch's names (bfloat16, float16, float32) are accepted too."""
+    key = name.strip().lower()
+    key = _TORCH_DTYPE_NAMES.get(key, key)
+    if key not in WEIGHT_DTYPE_BYTES:
+        from attnkit.errors import UsageError
+
+        raise UsageError(f"unknown --weight-dtype {name!r}; choose from {', '.join(WEIGHT_DTYPE_BYTES)}")
+    return key
 
 
 @dataclass
@@ -48,6 +60,10 @@ def model_info(ref: str, *, use_presets: bool = True) -> ModelInfo:
             parameters=preset.parameters, weight_bytes=None, parameters_origin="preset",
             weight_dtype=preset.weight_dtype, source=f"{preset.source} ({preset.url})",
         )
+    from attnkit.io.resolve import resolve  # presets need no file reading
+
+    if use_presets:
+        _check_not_a_typo(ref)
     ckpt = resolve(ref, need_weights=False)
     spec = attention_spec(ckpt.config)
     params, nbytes, origin, names = _weights(ckpt, spec)
@@ -56,6 +72,21 @@ def model_info(ref: str, *, use_presets: bool = True) -> ModelInfo:
         weight_bytes=nbytes, parameters_origin=origin, weight_dtype=config_weight_dtype(ckpt.config),
         source=ckpt.repo_id, tensor_names=names,
     )
+
+
+def _check_not_a_typo(ref: str) -> None:
+    """A name without '/' that is no file but close to a preset is refused before any hub request."""
+    from pathlib import Path
+
+    from attnkit.errors import UsageError
+    from attnkit.presets import suggest
+
+    if "/" in ref or Path(ref).expanduser().exists():
+        return
+    close = suggest(ref)
+    if close is not None:
+        raise UsageError(f"{ref!r} is neither a preset nor a file or folder; did you mean {close}? "
+                         "(attnkit presets lists the presets)")
 
 
 def _weights(ckpt: Checkpoint, spec: AttentionSpec) -> tuple[int, float | None, str, tuple[str, ...]]:
@@ -84,4 +115,6 @@ def _weights(ckpt: Checkpoint, spec: AttentionSpec) -> tuple[int, float | None, 
         infos, _ = checked_weights(dataclasses.replace(ckpt, weight_files=files), get_arch(spec.model_type), spec)
         return (sum(i.numel for i in infos.values()), float(sum(i.nbytes for i in infos.values())),
                 "headers", tuple(infos))
+    from attnkit.params import estimate_parameters
+
     return estimate_parameters(ckpt.config, spec), None, "estimate", ()

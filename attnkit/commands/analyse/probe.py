@@ -70,6 +70,7 @@ def probe(model, windows, *, threshold: float = 100.0, z_lambda: float = 1e-4, b
     import torch
 
     from attnkit.ops.attnstats import LayerStats, Moments, accumulate_attention
+    from attnkit.progress import phase
     from attnkit.runtime.hook import attention_hook, layer_index
     from attnkit.runtime.lm import final_hidden, logit_chunks
     from attnkit.runtime.texts import batches
@@ -92,7 +93,8 @@ def probe(model, windows, *, threshold: float = 100.0, z_lambda: float = 1e-4, b
 
     final_logz, final_max = Moments(1), -math.inf
     sum_sq = 0.0
-    with torch.no_grad(), attention_hook(model, on_attention):
+    label = f"probing {name}: {windows.shape[0]} window(s) x {windows.shape[1]} tokens"
+    with torch.no_grad(), attention_hook(model, on_attention), phase(label, windows.shape[0], "windows") as advance:
         for ids in batches(windows, batch_size):  # ids [B, T]
             hidden = final_hidden(model, ids)  # [B, T, d]
             for _, logits in logit_chunks(model, hidden):  # [B, c, V]
@@ -100,6 +102,7 @@ def probe(model, windows, *, threshold: float = 100.0, z_lambda: float = 1e-4, b
                 final_logz.add(logz.reshape(1, 1, -1))
                 sum_sq += logz.double().pow(2).sum().item()
                 final_max = max(final_max, logits.max().item())
+            advance(ids.shape[0])
             if progress is not None:
                 progress(ids.shape[0])
     positions = int(final_logz.n[0])
@@ -139,6 +142,12 @@ def parse_rule(text: str) -> Rule:
         return Rule(metric, op, float(value))
     except ValueError:
         raise UsageError(f"--fail-if {text!r}: {value!r} is not a number") from None
+
+
+def max_logit_limit(rules: list[Rule]) -> float | None:
+    """The lowest upper bound the --fail-if rules put on max_logit (what a plot marks), or None."""
+    bounds = [r.value for r in rules if r.metric in ("max_logit", "max_logit_precap") and r.op in (">", ">=")]
+    return min(bounds) if bounds else None
 
 
 def check_rules(results: list[ProbeResult], rules: list[Rule], limit: int = 8) -> None:

@@ -49,8 +49,10 @@ def _grid(rows: list[dict], key: str):
     return layers, grid
 
 
-def plot(results, path: str) -> None:
-    """One row per model: layer x head heatmap of the max logit, and per-layer log Z (mean and max over heads)."""
+def plot(results, path: str, limit: float | None = None) -> None:
+    """One row per model: layer x head heatmap of the max logit, on one colour scale for every model (so a
+    clipped model is not shown as hot as its source), with `limit` (a --fail-if threshold on max_logit) marked
+    on the colour bar; and per-layer log Z (mean and max over heads)."""
     check_output_path(path, "--plot", PLOT_SUFFIXES)
     try:
         import matplotlib
@@ -60,19 +62,29 @@ def plot(results, path: str) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
+    grids = [_grid(res.heads, "max_logit") for res in results]
+    values = np.concatenate([grid[np.isfinite(grid)] for _, grid in grids] + [np.array([limit or np.nan])])
+    values = values[np.isfinite(values)]
+    vmin, vmax = (float(values.min()), float(values.max())) if values.size else (0.0, 1.0)
     fig, axes = plt.subplots(len(results), 2, figsize=(12, 4 * len(results)), squeeze=False)
-    for (heat, line), res in zip(axes, results):
-        layers, grid = _grid(res.heads, "max_logit")
-        image = heat.imshow(grid, aspect="auto", cmap="viridis", origin="lower")
+    for (heat, line), res, (layers, grid) in zip(axes, results, grids):
+        image = heat.imshow(grid, aspect="auto", cmap="viridis", origin="lower", vmin=vmin, vmax=vmax)
         heat.set(title=f"{res.model}: max attention logit", xlabel="head", ylabel="layer")
         heat.set_yticks(range(len(layers)), layers if len(layers) <= 40 else None)
-        fig.colorbar(image, ax=heat)
+        bar = fig.colorbar(image, ax=heat)
+        bar.set_label("max attention logit")
+        if limit is not None:
+            bar.ax.axhline(limit, color="red", linewidth=2)
         _, mean = _grid(res.heads, "logz_mean")
         _, high = _grid(res.heads, "logz_max")
         line.plot(layers, np.nanmean(mean, axis=1), marker="o", label="log Z mean")
         line.plot(layers, np.nanmax(high, axis=1), marker="^", label="log Z max")
         line.set(title=f"{res.model}: attention log Z per layer", xlabel="layer", ylabel="log Z")
         line.legend()
+    notes = (["one colour scale for all models"] if len(results) > 1 else []) + (
+        [f"red line: the --fail-if bound {limit:g}"] if limit is not None else [])
+    if notes:
+        fig.suptitle("; ".join(notes))
     fig.tight_layout()
     try:
         with atomic_file(Path(path)) as tmp:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from attnkit import __version__
-from attnkit.commands.rewrite import CheckedSource, RewriteRequest, check_rewrite
+from attnkit.commands.rewrite import CheckedSource, RewriteRequest, check_rewrite, source_record
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.ops.gqa import KV_ROLES, METHODS, LayerShape, MergeOptions
 
@@ -45,6 +45,7 @@ def check_request(req: ConvertRequest) -> Source:
     from attnkit.archs import get_arch
     from attnkit.archs.spec import attention_spec
     from attnkit.io.complete import checked_weights
+    from attnkit.io.gguf_load import dequantized
     from attnkit.io.resolve import resolve
 
     if req.method not in METHODS:
@@ -59,10 +60,9 @@ def check_request(req: ConvertRequest) -> Source:
         raise AttnkitError(f"{req.model}: a config file has no weights to convert")
     arch = get_arch(ckpt.model_type)
     _check_family(arch)
-    if ckpt.gguf_file is not None:
-        ckpt = _materialized(ckpt)
+    _check_heads(attention_spec(ckpt.config), req.kv_heads)  # a GGUF header's config: before dequantizing
+    ckpt = dequantized(ckpt)
     spec = attention_spec(ckpt.config)
-    _check_heads(spec, req.kv_heads)
     _output_dir(req, Path(ckpt.root))
     infos, prefix = checked_weights(ckpt, arch, spec)
     names = set(infos)
@@ -97,7 +97,10 @@ def _check_family(arch) -> None:
 def _check_heads(spec, groups: int) -> None:
     if spec.mla is not None:
         raise AttnkitError("MLA checkpoints have no KV heads to merge")
-    valid = [g for g in range(1, spec.num_kv_heads + 1) if spec.num_kv_heads % g == 0]
+    valid = [g for g in range(1, spec.num_kv_heads) if spec.num_kv_heads % g == 0]
+    if groups == spec.num_kv_heads:
+        raise UsageError(f"the model already has {groups} KV head{'s' if groups > 1 else ''}: --kv-heads {groups} would "
+                         f"write an unchanged copy; valid: {', '.join(map(str, valid)) or 'none (it is MQA)'}")
     if groups > spec.num_kv_heads:
         raise UsageError(f"--kv-heads {groups} is more than the model's {spec.num_kv_heads} KV heads; "
                          f"converting can only merge heads (valid: {', '.join(map(str, valid))})")
@@ -111,15 +114,6 @@ def _output_dir(req: ConvertRequest, src_root: Path):
     from attnkit.io.writer import OutputDir
 
     return OutputDir(Path(req.out), overwrite=req.overwrite, sources=[src_root])
-
-
-def _materialized(ckpt):
-    """A GGUF source as the fp32 safetensors folder that attnkit.io.gguf_load caches for it."""
-    from attnkit.io.gguf_load import gguf_cache_folder, materialize_gguf
-    from attnkit.io.resolve import resolve
-
-    folder = materialize_gguf(ckpt.gguf_file, gguf_cache_folder(ckpt.gguf_file))
-    return resolve(str(folder))
 
 
 def kv_bytes(spec, config: dict, groups: int) -> dict:
@@ -191,33 +185,37 @@ def _stream(reader, src: Source, req: ConvertRequest, plans: list, folder: Path)
     from attnkit.archs.tensors import role_shape
     from attnkit.io.writer import ShardedWriter
     from attnkit.ops.gqa import apply_plan, plan_layer
+    from attnkit.progress import phase
 
     owner = {name: layer for layer, roles in enumerate(src.layer_names) for name in roles.values()}
     new_spec = dataclasses.replace(src.spec, num_kv_heads=req.kv_heads)
     expected: dict[str, tuple] = {}
     written: set[int] = set()
     writer = ShardedWriter(folder, req.max_shard_bytes)
-    for name in reader.names():
-        layer = owner.get(name)
-        if layer is None:
-            writer.add(name, reader.get(name))
-            expected[name] = tuple(reader.info(name).shape)
-            continue
-        if layer in written:
-            continue
-        roles = src.layer_names[layer]
-        weights = _read_layer(reader, roles)
-        if plans[layer] is None:
-            plans[layer] = plan_layer(weights, src.shape, req.method)
-        converted = apply_plan(weights, plans[layer], src.shape)
-        for role, tensor in converted.items():
-            if not torch.isfinite(tensor).all():
-                raise AttnkitError(f"layer {layer}: the converted {role} tensor has NaN or Inf")
-        for role in sorted(roles, key=ROLE_ORDER.index):
-            writer.add(roles[role], converted.get(role, weights[role]))
-            expected[roles[role]] = role_shape(src.arch, new_spec, role)
-        written.add(layer)
-    writer.finish()
+    names = reader.names()
+    with phase(f"writing {req.out}", len(names), "tensors") as advance:
+        for name in names:
+            advance(1)
+            layer = owner.get(name)
+            if layer is None:
+                writer.add(name, reader.get(name))
+                expected[name] = tuple(reader.info(name).shape)
+                continue
+            if layer in written:
+                continue
+            roles = src.layer_names[layer]
+            weights = _read_layer(reader, roles)
+            if plans[layer] is None:
+                plans[layer] = plan_layer(weights, src.shape, req.method)
+            converted = apply_plan(weights, plans[layer], src.shape)
+            for role, tensor in converted.items():
+                if not torch.isfinite(tensor).all():
+                    raise AttnkitError(f"layer {layer}: the converted {role} tensor has NaN or Inf")
+            for role in sorted(roles, key=ROLE_ORDER.index):
+                writer.add(roles[role], converted.get(role, weights[role]))
+                expected[roles[role]] = role_shape(src.arch, new_spec, role)
+            written.add(layer)
+        writer.finish()
     return expected
 
 
@@ -247,28 +245,16 @@ def _layer_rows(plans: list) -> list[dict]:
 
 
 def _evaluate(req: ConvertRequest, source_root: Path, result_root: Path) -> dict:
-    """Perplexity of source and result on --eval text, and KL(source || result) per token."""
-    from attnkit.commands.analyse.evaluate import evaluate
-    from attnkit.runtime import load_model, make_windows, read_texts
+    """Perplexity of source and result on --eval text, KL(source || result) per token, greedy samples."""
+    from attnkit.commands.quality import quality
+    from attnkit.runtime import load_model
 
     source = load_model(str(source_root), device=req.device, dtype="float32")
     result = load_model(str(result_root), device=req.device, dtype="float32")
     if result.model.config.num_key_value_heads != req.kv_heads:
         raise AttnkitError(f"the written model loads with {result.model.config.num_key_value_heads} KV heads, "
                            f"expected {req.kv_heads}")
-    windows = make_windows(source.tokenizer, read_texts(req.eval), req.eval_seq_len, req.eval_tokens,
-                           flags=("--eval-seq-len", "--eval-tokens"))
-    res = evaluate(result, windows, reference=source)
-    return {"files": list(req.eval), "tokens": res.tokens, "seq_len": req.eval_seq_len,
-            "source_perplexity": res.reference_perplexity, "perplexity": res.perplexity,
-            "kl_mean": res.kl_mean, "kl_max": res.kl_max, "top1_agreement": res.top1_agreement}
-
-
-def _revision(ckpt) -> str | None:
-    """The requested revision, else the commit of a hub snapshot folder (snapshots/<commit>)."""
-    if ckpt.revision or ckpt.kind != "hub":
-        return ckpt.revision
-    return Path(ckpt.root).name
+    return quality(source, result, req)
 
 
 def _parameters(req: ConvertRequest, src: Source) -> dict:
@@ -319,8 +305,7 @@ def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -
             log("evaluating source and result")
             report["eval"] = _evaluate(req, Path(src.ckpt.root), out.path)
         manifest = {"attnkit_version": __version__, "command": req.command, "conversion": "gqa",
-                    "source": {"ref": req.model, "kind": src.ckpt.kind, "repo_id": src.ckpt.repo_id,
-                               "revision": _revision(src.ckpt), "model_type": src.spec.model_type},
+                    "source": source_record(req.model, src),
                     "method": req.method, "parameters": report["parameters"],
                     "calibration": report["calibration"], "error_basis": report["error_basis"],
                     "layers": report["layers"], "eval": report["eval"]}

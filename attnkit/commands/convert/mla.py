@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnkit import __version__
-from attnkit.commands.rewrite import CheckedSource, RewriteRequest, check_rewrite
+from attnkit.commands.rewrite import CheckedSource, RewriteRequest, check_rewrite, source_record
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, VALUE_WEIGHTS, MLAOptions, MLAShape
 
@@ -187,9 +187,9 @@ def check_request(req: MLARequest) -> Source:
                                            "MHA/GQA RoPE decoder this converter maps onto DeepseekV3")
         raise AttnkitError(f"{arch.family} cannot be converted to MLA: {why}; supported: {', '.join(SUPPORTED)}")
     if ckpt.gguf_file is not None:
-        from attnkit.io.gguf_load import gguf_cache_folder, materialize_gguf
+        from attnkit.io.gguf_load import dequantized
 
-        ckpt = resolve(str(materialize_gguf(ckpt.gguf_file, gguf_cache_folder(ckpt.gguf_file))))
+        ckpt = dequantized(ckpt)
     spec = attention_spec(ckpt.config)
     if spec.partial_rotary_factor != 1.0:
         raise AttnkitError(f"{req.model}: partial rotary embeddings are not converted")
@@ -509,18 +509,12 @@ def cache_check(model, prompt_len: int = 8, new_tokens: int = 4) -> dict:
 
 
 def _evaluate(req: MLARequest, source_root: Path, result_root: Path) -> dict:
-    from attnkit.commands.analyse.evaluate import evaluate
-    from attnkit.runtime import load_model, make_windows, read_texts
+    from attnkit.commands.quality import quality
+    from attnkit.runtime import load_model
 
     source = load_model(str(source_root), device=req.device, dtype="float32")
     result = load_model(str(result_root), device=req.device, dtype="float32")
-    windows = make_windows(source.tokenizer, read_texts(req.eval), req.eval_seq_len, req.eval_tokens,
-                           flags=("--eval-seq-len", "--eval-tokens"))
-    res = evaluate(result, windows, reference=source)
-    return {"files": list(req.eval), "tokens": res.tokens, "seq_len": req.eval_seq_len,
-            "source_perplexity": res.reference_perplexity, "perplexity": res.perplexity,
-            "kl_mean": res.kl_mean, "kl_max": res.kl_max, "top1_agreement": res.top1_agreement,
-            "cache": cache_check(result.model)}
+    return {**quality(source, result, req), "cache": cache_check(result.model)}
 
 
 def _parameters(req: MLARequest, src: Source) -> dict:
@@ -573,8 +567,7 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
             log("scoring source and result on the --eval text ...")
             report["eval"] = _evaluate(req, Path(src.ckpt.root), out.path)
         manifest = {"attnkit_version": __version__, "command": req.command, "conversion": "mla",
-                    "source": {"ref": req.model, "kind": src.ckpt.kind, "repo_id": src.ckpt.repo_id,
-                               "revision": src.ckpt.revision, "model_type": src.spec.model_type},
+                    "source": source_record(req.model, src),
                     **{k: report[k] for k in ("parameters", "calibration", "kv_bytes_per_token", "layers", "eval",
                                               "notes", "warnings")}}
         (out.path / "attnkit.json").write_text(json.dumps(manifest, indent=2) + "\n")

@@ -13,15 +13,13 @@ from pathlib import Path
 from typing import Callable
 
 from attnkit import __version__
-from attnkit.commands.rewrite import CheckedSource, RewriteRequest, check_rewrite
+from attnkit.commands.rewrite import CheckedSource, RewriteRequest, check_rewrite, source_record
 from attnkit.errors import AttnkitError
 
 
 @dataclass(kw_only=True)
 class RetrofitOptions(RewriteRequest):
-    """Options shared by all retrofits (shorter calibration windows by default)."""
-
-    calib_seq_len: int = 256
+    """Options shared by all retrofits."""
 
 
 @dataclass
@@ -46,6 +44,7 @@ def open_source(ref: str) -> Source:
     from attnkit.archs import get_arch
     from attnkit.archs.spec import attention_spec
     from attnkit.io.complete import checked_weights
+    from attnkit.io.gguf_load import dequantized
     from attnkit.io.resolve import resolve
 
     ckpt = resolve(ref)
@@ -54,10 +53,7 @@ def open_source(ref: str) -> Source:
     arch = get_arch(ckpt.model_type)
     if not arch.causal:
         raise AttnkitError(f"{ref}: {ckpt.model_type} is not a causal language model")
-    if ckpt.gguf_file is not None:
-        from attnkit.io.gguf_load import gguf_cache_folder, materialize_gguf
-
-        ckpt = resolve(str(materialize_gguf(ckpt.gguf_file, gguf_cache_folder(ckpt.gguf_file))))
+    ckpt = dequantized(ckpt)
     if not ckpt.weight_files and ckpt.kind == "hub":
         from attnkit.io.hub import resolve_hub
 
@@ -97,16 +93,18 @@ def stream_weights(src: Source, folder: Path, max_shard_bytes: int,
     """
     from attnkit.io.reader import LazyReader
     from attnkit.io.writer import ShardedWriter
+    from attnkit.progress import phase
 
     expected: dict[str, tuple] = {}
     writer = ShardedWriter(folder, max_shard_bytes)
-    with LazyReader(src.ckpt.weight_files) as reader:
+    with LazyReader(src.ckpt.weight_files) as reader, phase("writing", len(reader.names()), "tensors") as advance:
         for name in reader.names():
             tensor = reader.get(name)
             for new_name, new in (rewrite(name, tensor) if rewrite else {name: tensor}).items():
                 writer.add(new_name, new)
                 expected[new_name] = tuple(new.shape)
-    writer.finish()
+            advance(1)
+        writer.finish()
     return expected
 
 
@@ -128,26 +126,22 @@ def write_output(src: Source, opts: RetrofitOptions, config: dict, write_weights
         if opts.eval:
             report.update(compare(opts, Path(src.ckpt.root), out.path))
         doc = {"attnkit_version": __version__, "command": opts.command,
-               "source": {"ref": opts.model, "kind": src.ckpt.kind, "repo_id": src.ckpt.repo_id,
-                          "revision": src.ckpt.revision, "model_type": src.spec.model_type},
+               "source": source_record(opts.model, src),
                **manifest, "eval": report.get("eval"), "probe": report.get("probe")}
         (out.path / "attnkit.json").write_text(json.dumps(doc, indent=2) + "\n")
         out.commit()
 
 
 def compare(opts: RetrofitOptions, source_root: Path, result_root: Path) -> dict:
-    """Perplexity and KL(source || result) on the --eval text, and both models' probe summaries side by side."""
-    from attnkit.commands.analyse.evaluate import evaluate
+    """Perplexity, KL(source || result) and greedy samples on the --eval text (attnkit.commands.quality), and both
+    models' probe summaries side by side."""
     from attnkit.commands.analyse.probe import probe
+    from attnkit.commands.quality import quality
 
     source, result = load(source_root, opts.device), load(result_root, opts.device)
     wins = windows(source, opts.eval, opts.eval_seq_len, opts.eval_tokens, kind="eval")
-    res = evaluate(result, wins, reference=source)
     before, after = probe(source, wins, name="source"), probe(result, wins, name="result")
-    return {"eval": {"files": list(opts.eval), "tokens": res.tokens, "seq_len": opts.eval_seq_len,
-                     "source_perplexity": res.reference_perplexity, "perplexity": res.perplexity,
-                     "kl_mean": res.kl_mean, "kl_max": res.kl_max, "top1_agreement": res.top1_agreement},
-            "probe": probe_summary(before, after)}
+    return {"eval": quality(source, result, opts, wins), "probe": probe_summary(before, after)}
 
 
 def _layer_summary(heads: list[dict]) -> dict[int, dict]:

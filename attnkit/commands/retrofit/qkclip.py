@@ -72,6 +72,7 @@ def _clip(req: QKClipRequest, src) -> tuple[list, dict]:
     """Sequential clipping on the calibration text; returns per-layer factors [H] and calibration info."""
     import torch
 
+    from attnkit.progress import phase
     from attnkit.runtime.calibrate import attention_module_name
 
     spec = src.spec
@@ -92,13 +93,14 @@ def _clip(req: QKClipRequest, src) -> tuple[list, dict]:
                 module.q_proj.weight.data.mul_(rows[:, None])
                 if module.q_proj.bias is not None:
                     module.q_proj.bias.data.mul_(rows)
+            advance(1)
 
         return hook
 
     handles = [model.get_submodule(attention_module_name(src.arch.tensors["q"], src.prefix, i))
                .register_forward_pre_hook(make_hook(i), with_kwargs=True) for i in range(spec.num_layers)]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), phase(f"clipping on {wins.numel():,} tokens", spec.num_layers, "layers") as advance:
             model(input_ids=wins.to(loaded.device), use_cache=False)
     finally:
         for h in handles:
@@ -167,6 +169,14 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
                          "max_logit_after": None})
     report["heads"] = rows
     report["clipped_heads"] = sum(r["clipped"] for r in rows)
+    if not report["clipped_heads"]:  # an unchanged copy would be all the output holds
+        top = max(rows, key=lambda r: r["max_logit_seen"])
+        report["output"] = None
+        report["warnings"].append(f"no head's max logit on the calibration text exceeds --tau {req.tau:g} (highest: "
+                                  f"{top['max_logit_seen']:.4g}, layer {top['layer']} head {top['head']}): nothing "
+                                  f"to clip, {req.opts.out} not written")
+        report["seconds"] = time.perf_counter() - started
+        return report
 
     def check(folder):
         after = {(r["layer"], r["head"]): r["max_logit_precap"] for r in _after(req, folder, src)}
@@ -174,7 +184,8 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
             r["max_logit_after"] = after[(r["layer"], r["head"])]
 
     manifest = {"retrofit": "qkclip",
-                "changes": {"weights": "q_proj rows (and q bias) of clipped heads scaled by tau / max logit"},
+                "changes": {"weights": f"q_proj rows (and q bias) of the {report['clipped_heads']} clipped head(s) "
+                                       "scaled by tau / max logit; every other tensor copied unchanged"},
                 "why": "QK-Clip (Kimi K2): bound each head's max attention logit by tau",
                 "parameters": {"tau": req.tau}, "calibration": report["calibration"], "heads": rows}
     write_output(src, req.opts, raw_config(src),

@@ -50,6 +50,12 @@ def check_request(req: SoftcapRequest):
     src = open_source(req.opts.model)
     if "sinks" in src.arch.tensors:
         raise AttnkitError(f"{src.spec.model_type}: attention sinks are not supported by attnkit's soft-capped attention")
+    asked = [(key, want, have) for key, want, have in (("attn_logit_softcapping", req.attn_cap, src.spec.attn_softcap),
+                                                       ("final_logit_softcapping", req.final_cap, src.spec.final_softcap))
+             if want is not None]
+    if all(want == have for _, want, have in asked):
+        raise UsageError("nothing to change: the model already has " +
+                         " and ".join(f"{key} = {have:g}" for key, _, have in asked))
     return src
 
 
@@ -58,6 +64,7 @@ def _attention_histogram(model, wins):
     import torch
 
     from attnkit.ops.softcap import AbsHistogram
+    from attnkit.progress import phase
     from attnkit.runtime.hook import attention_hook
 
     hist = AbsHistogram()
@@ -69,9 +76,11 @@ def _attention_histogram(model, wins):
         scores = torch.matmul(query.float(), k.float().transpose(2, 3)) * scaling  # [B, H, Tq, Tk]
         hist.add(scores[_visible(mask, scores)])
 
-    with torch.no_grad(), attention_hook(model, on_attention):
+    label = "attention logits of the calibration text"
+    with torch.no_grad(), attention_hook(model, on_attention), phase(label, wins.shape[0], "windows") as advance:
         for i in range(wins.shape[0]):
             model(input_ids=wins[i:i + 1].to(model.device), use_cache=False)
+            advance(1)
     return hist
 
 
@@ -93,14 +102,16 @@ def _final_histogram(model, wins):
     import torch
 
     from attnkit.ops.softcap import AbsHistogram
+    from attnkit.progress import phase
     from attnkit.runtime.lm import final_hidden
 
     hist = AbsHistogram()
     head = model.get_output_embeddings()
-    with torch.no_grad():
+    with torch.no_grad(), phase("final logits of the calibration text", wins.shape[0], "windows") as advance:
         for i in range(wins.shape[0]):
             hidden = final_hidden(model, wins[i:i + 1])  # [1, T, d]
             hist.add(head(hidden))  # [1, T, V]
+            advance(1)
     return hist
 
 
