@@ -21,6 +21,7 @@ COMMANDS = {
     "eval": "eval_cmd",
     "probe": "probe_cmd",
     "presets": "presets_cmd",
+    "diff": "diff_cmd",
     "convert": "convert_cmd",
     "retrofit": "retrofit_cmd",
     "verify": "verify_cmd",
