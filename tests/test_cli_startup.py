@@ -43,6 +43,16 @@ def test_every_command_is_registered_for_help_and_the_app():
     assert {c.name for c in build_app(["presets"]).registered_commands} == {"presets"}
 
 
+@pytest.mark.parametrize("command", [["inspect"], ["kvmem"], ["eval"], ["probe"], ["presets"], ["diff"],
+                                     ["export"], ["convert", "gqa"], ["convert", "mqa"], ["convert", "mla"],
+                                     ["retrofit", "softcap"], ["retrofit", "qknorm"], ["retrofit", "qkclip"]])
+def test_help_pages_show_examples_in_plain_notation(runner, command):
+    result = runner.invoke(app, [*command, "--help"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "Examples:" in result.output and f"attnkit {' '.join(command)} " in result.output
+    assert "<bool>" not in result.output and "<str>" not in result.output and "{" not in result.output
+
+
 def test_python_dash_m_from_a_folder_holding_a_folder_named_attnkit(tmp_path):
     (tmp_path / "attnkit").mkdir()  # e.g. a clone's parent folder, or a data folder of that name
     out = subprocess.run([sys.executable, "-m", "attnkit", "kvmem", "llama-3.1-8b", "--format", "json"],

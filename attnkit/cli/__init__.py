@@ -22,6 +22,7 @@ COMMANDS = {
     "probe": "probe_cmd",
     "presets": "presets_cmd",
     "diff": "diff_cmd",
+    "export": "export_cmd",
     "convert": "convert_cmd",
     "retrofit": "retrofit_cmd",
     "verify": "verify_cmd",
