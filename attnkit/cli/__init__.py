@@ -10,6 +10,7 @@ from attnkit.cli import eval_cmd
 from attnkit.cli import probe_cmd
 from attnkit.cli import convert_cmd
 from attnkit.cli import retrofit_cmd
+from attnkit.cli import heal_cmd
 
 app = typer.Typer(
     name="attnkit",
@@ -40,6 +41,7 @@ probe_cmd.register(app)
 presets_cmd.register(app)
 convert_cmd.register(app)
 app.add_typer(retrofit_cmd.app)
+heal_cmd.register(app)
 
 
 def main() -> None:
