@@ -45,6 +45,8 @@ def register(app: typer.Typer) -> None:
         eval_files: List[str] = typer.Option([], "--eval", help="Held-out text: perplexity and KL before and after."),
         eval_tokens: int = typer.Option(4096, "--eval-tokens", min=2, help="At most this many evaluation tokens."),
         eval_seq_len: int = typer.Option(512, "--eval-seq-len", min=2, help="Tokens per evaluation window."),
+        eval_curve: bool = typer.Option(False, "--eval-curve",
+                                        help="Also score --eval at every validation (reported, never used to stop)."),
         train: str = typer.Option("rewritten", "--train", help="rewritten (attention tensors the rewrite changed) or all."),
         lora_rank: int = typer.Option(0, "--lora-rank", help="Train LoRA adapters of this rank (merged back); 0: off."),
         lr: float = typer.Option(3e-4, "--lr", help="Peak learning rate of AdamW."),
@@ -83,7 +85,7 @@ def register(app: typer.Typer) -> None:
             student=student, out=out, teacher=teacher, data=list(data),
             tokens=parse_tokens(tokens) if tokens is not None else None,
             max_time=parse_duration(max_time) if max_time is not None else None, eval=list(eval_files),
-            eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, train=train, lora_rank=lora_rank, lr=lr,
+            eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, eval_curve=eval_curve, train=train, lora_rank=lora_rank, lr=lr,
             warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, weight_decay=weight_decay,
             max_grad_norm=max_grad_norm, batch_size=batch_size, micro_batch_size=micro_batch_size, seq_len=seq_len,
             attn_loss=attn_loss, val_tokens=val_tokens, eval_every=eval_every, patience=patience,
@@ -97,6 +99,8 @@ def register(app: typer.Typer) -> None:
             return  # not the main process of a multi-process run: the main one prints and writes
         columns = [Column("step", "step"), Column("tokens", "tokens"), Column("seconds", "seconds", _num_s),
                    Column("kl_mean", "validation KL", _num), Column("perplexity", "validation perplexity", _num)]
+        if req.eval_curve:
+            columns += [Column("eval_perplexity", "--eval perplexity", _num), Column("eval_kl_mean", "--eval KL", _num)]
         rows = [] if report["dry_run"] else report["validation"]["curve"]
         render(rows, columns, fmt, title=f"heal: {student}", json_obj=report, caption=_caption(report))
 

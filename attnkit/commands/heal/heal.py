@@ -108,7 +108,7 @@ def _budget(req: HealRequest) -> dict:
 def _settings(req: HealRequest) -> dict:
     keys = ("train", "lora_rank", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "max_grad_norm", "batch_size",
             "micro_batch_size", "seq_len", "attn_loss", "val_tokens", "eval_every", "patience", "checkpoint_every",
-            "gradient_checkpointing")
+            "gradient_checkpointing", "eval_curve")
     return {k: getattr(req, k) for k in keys}
 
 
@@ -132,6 +132,7 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
 
     acc = accelerator_for(req.device)
     main = acc.is_main_process
+    log = log if main else (lambda message: None)
     log(f"loading teacher and student on {acc.device} ({acc.num_processes} process(es))")
     teacher = load_model(str(pair.teacher.root), device=str(acc.device), dtype="float32").model
     student = load_model(str(pair.student.root), device=str(acc.device), dtype="float32").model
@@ -161,6 +162,9 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
     if run:
         trainer.load_state_dict(checkpoint.load_state(req.checkpoint_folder))
         log(f"resumed at step {trainer.state.step} ({trainer.state.tokens:,} tokens)")
+    if req.eval_curve:
+        trainer.monitor = lambda m: {f"eval_{k}": v for k, v in _score(m, teacher, plan["eval"]).items()
+                                     if k in ("perplexity", "kl_mean")}
     trainer.on_validation = lambda e: log(f"step {e['step']}: {e['tokens']:,} tokens, {e['seconds']:.0f}s; "
                                           f"validation KL {e['kl_mean']:.4f}, perplexity {e['perplexity']:.3f}")
 

@@ -129,6 +129,7 @@ class Trainer:
         self.attention_pairs = attention_pairs if cfg.attn_loss > 0 else {}
         self.best_tensors: dict | None = None
         self.on_validation: Callable[[dict], None] | None = None
+        self.monitor: Callable[[object], dict] | None = None  # extra scores per validation, never used to stop
 
     # -- state that checkpoints carry ---------------------------------------------------------------
 
@@ -223,6 +224,11 @@ class Trainer:
         st.steps.append(entry)
         return entry
 
+    def inner_model(self):
+        """The transformers model being trained (inside DDP and, with LoRA, inside peft: its adapters stay in it)."""
+        model = self.acc.unwrap_model(self.model)
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
+
     def _flags(self, stop: bool, time_up: bool) -> tuple[bool, bool]:
         """Stop and time-up as seen by any process (one all-reduce), so every rank leaves at the same step."""
         import torch
@@ -235,11 +241,13 @@ class Trainer:
         """KL(teacher || student) and student perplexity on the validation windows, shared out over processes;
         keeps the best tensors and counts checks without improvement (early stopping after `patience`)."""
         st, acc = self.state, self.acc
-        sums = evaluate_shard(acc.unwrap_model(self.model), self.teacher,
+        sums = evaluate_shard(self.inner_model(), self.teacher,
                               self.val_windows[acc.process_index::acc.num_processes], acc.device)
         sums = acc.reduce(sums, reduction="sum").tolist()  # nll, kl, tokens
         entry = {"step": st.step, "tokens": st.tokens, "seconds": seconds, "kl_mean": sums[1] / sums[2],
                  "perplexity": math.exp(sums[0] / sums[2])}
+        if self.monitor is not None and acc.is_main_process:
+            entry.update(self.monitor(self.inner_model()))
         st.validation.append(entry)
         if self.on_validation is not None:
             self.on_validation(entry)

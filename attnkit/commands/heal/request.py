@@ -28,6 +28,7 @@ class HealRequest:
     eval: list[str] = field(default_factory=list)
     eval_tokens: int | None = 4096
     eval_seq_len: int = 512
+    eval_curve: bool = False  # also score --eval at every validation (reported only)
     train: str = "rewritten"
     lora_rank: int = 0
     lr: float = 3e-4
@@ -114,6 +115,8 @@ def check_options(req: HealRequest) -> None:
             raise UsageError(f"{flag} must be at least 2, got {value}")
     if req.val_tokens < req.seq_len:
         raise UsageError(f"--val-tokens {req.val_tokens} is shorter than one window (--seq-len {req.seq_len})")
+    if req.eval_curve and not req.eval:
+        raise UsageError("--eval-curve needs --eval text")
     for path in req.eval:
         if not Path(path).is_file():
             raise UsageError(f"{path}: file not found")

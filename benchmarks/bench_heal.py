@@ -1,0 +1,182 @@
+"""Benchmark `attnkit heal` on SmolLM2-135M-Instruct: MQA merge and MLA at 25% of the cache, healed on CPU.
+
+Usage: python benchmarks/bench_heal.py [--run NAME ...] [--write] [--work DIR]
+  --run NAME  runs one entry of RUNS (a subprocess `attnkit heal ... --format json` each; students are made
+              first with `attnkit convert` when WORK lacks them) and stores its report in WORK/results.json.
+              trial-* entries are the short runs that chose the defaults; final-* the 30-minute runs.
+  --write     renders the stored results as the "## heal" section of docs/benchmarks.md and the curve plot
+              docs/heal-curve.png.
+Every run scores the student before and the healed model after on tests/data/prose/heldout.txt (heal's own
+--eval, also at every validation: the curve) and on benchmarks/data/technical.txt (scored here); neither text
+is trained on. Training text is written by the teacher (heal's default, cached under $ATTNKIT_CACHE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.docsection import replace_section  # noqa: E402
+
+CALIB = ROOT / "tests/data/prose/calib.txt"
+HELDOUT = ROOT / "tests/data/prose/heldout.txt"
+TECHNICAL = ROOT / "benchmarks/data/technical.txt"
+SECTION = "## heal"
+PLOT = ROOT / "docs/heal-curve.png"
+STUDENTS = {"mqa": ["convert", "mqa", "--method", "merge"], "mla25": ["convert", "mla", "--kv-budget", "0.25"]}
+#: name -> (student, wall-clock budget, heal options beyond the defaults)
+RUNS = {
+    "trial-lr1e-4": ("mqa", "4m", ["--lr", "1e-4"]),
+    "trial-lr3e-4": ("mqa", "4m", ["--lr", "3e-4"]),
+    "trial-lr1e-3": ("mqa", "4m", ["--lr", "1e-3"]),
+    "trial-attn-loss": ("mqa", "4m", ["--attn-loss", "1"]),
+    "trial-train-all": ("mqa", "4m", ["--train", "all"]),
+    "trial-calib-data": ("mqa", "4m", ["--data", str(CALIB), "--val-tokens", "512"]),
+    "final-mqa": ("mqa", "30m", []),
+    "final-mla25": ("mla25", "30m", []),
+}
+SAMPLE_TOKENS = "200k"
+
+
+def _attnkit(*args: str, out: Path | None = None) -> dict | None:
+    """Run the attnkit CLI in a subprocess; JSON stdout parsed when `out` is None."""
+    cmd = [sys.executable, "-m", "attnkit", *args]
+    print("$", " ".join(cmd[2:]), flush=True)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True, cwd=ROOT)
+    return json.loads(done.stdout) if "--format" in args else None
+
+
+def _student(work: Path, name: str, source: str) -> Path:
+    folder = work / name
+    if not (folder / "attnkit.json").is_file():
+        _attnkit(STUDENTS[name][0], STUDENTS[name][1], source, str(folder), *STUDENTS[name][2:], "--calib", str(CALIB),
+                 "--format", "json")
+    return folder
+
+
+def _load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _score(folder: Path, teacher, windows) -> dict:
+    from attnkit.commands.analyse.evaluate import evaluate
+    from attnkit.runtime import load_model
+
+    r = evaluate(load_model(str(folder), device="cpu", dtype="float32"), windows, reference=teacher)
+    return {"perplexity": r.perplexity, "kl_mean": r.kl_mean, "teacher_perplexity": r.reference_perplexity,
+            "tokens": r.tokens}
+
+
+def run(name: str, work: Path, source: str) -> dict:
+    """Heal one student as RUNS[name] says; returns the stored entry."""
+    from attnkit.runtime import load_model, make_windows, read_texts
+
+    student_name, budget, extra = RUNS[name]
+    student = _student(work, student_name, source)
+    out = work / f"healed-{name}"
+    load_before = _load_average()
+    started = time.perf_counter()
+    report = _attnkit("heal", str(student), str(out), "--teacher", source, "--max-time", budget,
+                      "--eval", str(HELDOUT), "--eval-curve", "--sample-tokens", SAMPLE_TOKENS,
+                      "--device", "cpu", "--overwrite", *extra,
+                      "--format", "json")
+    wall = time.perf_counter() - started
+    teacher = load_model(source, device="cpu", dtype="float32")
+    windows = make_windows(teacher.tokenizer, read_texts([str(TECHNICAL)]), 512)
+    technical = {"before": _score(student, teacher, windows), "after": _score(out, teacher, windows)}
+    entry = {"name": name, "student": student_name, "budget": budget, "options": extra, "wall_seconds": wall,
+             "load_average_before": load_before, "load_average_after": _load_average(),
+             "report": {k: v for k, v in report.items() if k != "steps"}, "technical": technical,
+             "steps": report["steps"]}
+    results = _results(work)
+    results[name] = entry
+    (work / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    return entry
+
+
+def _results(work: Path) -> dict:
+    path = work / "results.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _row(e: dict) -> str:
+    r, t = e["report"], e["technical"]
+    ev, tr = r["eval"], r["training"]
+    ratio = lambda d, teacher: d["perplexity"] / teacher  # noqa: E731
+    return (f"| {e['name']} | {' '.join(e['options']) or 'defaults'} | {tr['steps']} | {tr['tokens']:,} | "
+            f"{tr['tokens_per_second']:.0f} | {tr['stopped']} (best step {tr['best_step']}) | "
+            f"{ev['before']['perplexity']:.2f} ({ratio(ev['before'], ev['teacher_perplexity']):.2f}x) -> "
+            f"{ev['after']['perplexity']:.2f} ({ratio(ev['after'], ev['teacher_perplexity']):.2f}x) | "
+            f"{ev['before']['kl_mean']:.3f} -> {ev['after']['kl_mean']:.3f} | "
+            f"{t['before']['perplexity']:.2f} ({ratio(t['before'], t['after']['teacher_perplexity']):.2f}x) -> "
+            f"{t['after']['perplexity']:.2f} ({ratio(t['after'], t['after']['teacher_perplexity']):.2f}x) | "
+            f"{e['load_average_before'][0]:.1f} / {e['load_average_after'][0]:.1f} |")
+
+
+def plot(results: dict, path: Path) -> None:
+    """Held-out perplexity (heldout.txt, teacher dashed) against training tokens, one line per final run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, e in sorted(results.items()):
+        if not name.startswith("final-"):
+            continue
+        curve = e["report"]["validation"]["curve"]
+        ax.plot([c["tokens"] for c in curve], [c["eval_perplexity"] for c in curve], marker="o", label=e["student"])
+        teacher = e["report"]["eval"]["teacher_perplexity"]
+    ax.axhline(teacher, linestyle="--", color="grey", label="teacher (source)")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("perplexity on heldout.txt")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title("attnkit heal, SmolLM2-135M-Instruct, 2 CPU cores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write(work: Path) -> None:
+    results = _results(work)
+    header = ("| run | options | steps | tokens | tok/s | stopped | heldout.txt ppl (x teacher) | heldout.txt KL | "
+              "technical.txt ppl (x teacher) | load avg before / after |\n"
+              "|---|---|---:|---:|---:|---|---|---|---|---|\n")
+    finals = [e for n, e in sorted(results.items()) if n.startswith("final-")]
+    trials = [e for n, e in sorted(results.items()) if n.startswith("trial-")]
+    body = [SECTION, "", "`python benchmarks/bench_heal.py --run NAME` for each run, then `--write`.",
+            "", "**30-minute runs**", "", header + "\n".join(_row(e) for e in finals), "",
+            "**Short trials that chose the defaults** (MQA merge student, 4 minutes each)", "",
+            header + "\n".join(_row(e) for e in trials), "", f"![heal curve]({PLOT.name})"]
+    replace_section(ROOT / "docs/benchmarks.md", "\n".join(body))
+    if finals:
+        plot(results, PLOT)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", nargs="*", default=[], choices=sorted(RUNS))
+    parser.add_argument("--write", action="store_true")
+    parser.add_argument("--work", type=Path, default=ROOT / ".cache/bench-heal")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.run:
+        from tests.realmodel import smollm2_folder
+
+        source = str(smollm2_folder())
+        for name in args.run:
+            e = run(name, args.work, source)
+            print(_row(e), flush=True)
+    if args.write:
+        write(args.work)
+
+
+if __name__ == "__main__":
+    main()
