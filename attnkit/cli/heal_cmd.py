@@ -19,7 +19,7 @@ def _num(v, fmt: str = "{:.4f}") -> str:
 
 def _caption(report: dict) -> str:
     if report["dry_run"]:
-        return f"dry run, nothing written; data: {report['data']['source']}; budget {report['budget']}"
+        return "dry run: every check passed, nothing loaded or written"
     t, v = report["training"], report["validation"]
     text = (f"{t['steps']} steps, {t['tokens']:,} tokens in {t['seconds']:.0f}s ({t['tokens_per_second']:.0f} tok/s, "
             f"{t['processes']} process(es), {t['precision']}), stopped by {t['stopped']}, best step {t['best_step']}; "
@@ -50,11 +50,11 @@ def register(app: typer.Typer) -> None:
         train: str = typer.Option("rewritten", "--train", help="rewritten (attention tensors the rewrite changed) or all."),
         lora_rank: int = typer.Option(0, "--lora-rank", help="Train LoRA adapters of this rank (merged back); 0: off."),
         lr: float = typer.Option(3e-4, "--lr", help="Peak learning rate of AdamW."),
-        warmup_steps: int = typer.Option(10, "--warmup-steps", help="Linear warmup steps."),
+        warmup_steps: int = typer.Option(5, "--warmup-steps", help="Linear warmup steps."),
         min_lr_ratio: float = typer.Option(0.1, "--min-lr-ratio", help="Cosine decays to lr x this."),
         weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
         max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", help="Gradient clipping norm; 0: off."),
-        batch_size: int = typer.Option(8, "--batch-size", help="Windows per optimizer step, over all processes."),
+        batch_size: int = typer.Option(4, "--batch-size", help="Windows per optimizer step, over all processes."),
         micro_batch_size: int = typer.Option(4, "--micro-batch-size", help="Windows per forward pass (accumulated)."),
         seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training window."),
         attn_loss: float = typer.Option(0.0, "--attn-loss", help="Weight of the attention-output matching term; 0: off."),
@@ -97,12 +97,18 @@ def register(app: typer.Typer) -> None:
         report = heal(req, log=lambda message: stderr.print(message, style="dim", soft_wrap=True))
         if report is None:
             return  # not the main process of a multi-process run: the main one prints and writes
+        if report["dry_run"]:  # the plan: one row per setting
+            plan = {**report["budget"], **report["settings"], "data": report["data"]["source"], "seed": report["seed"]}
+            render([{"setting": k, "value": v} for k, v in plan.items()],
+                   [Column("setting", "setting", justify="left"), Column("value", "value", justify="left")], fmt,
+                   title=f"heal: {student} (plan)", json_obj=report, caption=_caption(report))
+            return
         columns = [Column("step", "step"), Column("tokens", "tokens"), Column("seconds", "seconds", _num_s),
                    Column("kl_mean", "validation KL", _num), Column("perplexity", "validation perplexity", _num)]
         if req.eval_curve:
             columns += [Column("eval_perplexity", "--eval perplexity", _num), Column("eval_kl_mean", "--eval KL", _num)]
-        rows = [] if report["dry_run"] else report["validation"]["curve"]
-        render(rows, columns, fmt, title=f"heal: {student}", json_obj=report, caption=_caption(report))
+        render(report["validation"]["curve"], columns, fmt, title=f"heal: {student}", json_obj=report,
+               caption=_caption(report))
 
 
 def _num_s(v) -> str:

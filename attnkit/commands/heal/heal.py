@@ -162,8 +162,9 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
     if run:
         trainer.load_state_dict(checkpoint.load_state(req.checkpoint_folder))
         log(f"resumed at step {trainer.state.step} ({trainer.state.tokens:,} tokens)")
-    if req.eval_curve:
-        trainer.monitor = lambda m: {f"eval_{k}": v for k, v in _score(m, teacher, plan["eval"]).items()
+    if req.eval_curve:  # step 0 is the student as loaded: its scores are `before`
+        trainer.monitor = lambda m: {f"eval_{k}": v for k, v in
+                                     (before if trainer.state.step == 0 else _score(m, teacher, plan["eval"])).items()
                                      if k in ("perplexity", "kl_mean")}
     trainer.on_validation = lambda e: log(f"step {e['step']}: {e['tokens']:,} tokens, {e['seconds']:.0f}s; "
                                           f"validation KL {e['kl_mean']:.4f}, perplexity {e['perplexity']:.3f}")

@@ -32,11 +32,11 @@ class HealRequest:
     train: str = "rewritten"
     lora_rank: int = 0
     lr: float = 3e-4
-    warmup_steps: int = 10
+    warmup_steps: int = 5
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    batch_size: int = 8
+    batch_size: int = 4
     micro_batch_size: int = 4
     seq_len: int = 256
     attn_loss: float = 0.0

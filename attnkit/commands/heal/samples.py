@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -85,10 +86,13 @@ def teacher_documents(model, tokenizer, tokens: int, length: int, seed: int, fol
     eos = tokenizer.eos_token_id
     docs: list[list[int]] = []
     total = generated = batches = 0
+    seconds = 0.0
     while total < tokens:
         mine = folder / f"batch-{batches + rank:05d}.safetensors"
         if not mine.is_file():
+            began = time.perf_counter()
             _save(mine, _generate(model, tokenizer, batches + rank, length, seed))
+            seconds += time.perf_counter() - began
             generated += 1
         barrier()
         for b in range(batches, batches + world):
@@ -99,7 +103,8 @@ def teacher_documents(model, tokenizer, tokens: int, length: int, seed: int, fol
                 progress(sum(len(d) for d in new))
         batches += world
     info = {"source": "teacher samples", "seed": seed, "sample_length": length, "samples": batches * SAMPLE_BATCH,
-            "tokens": total, "cache": str(folder), "batches_written_here": generated, **SAMPLER}
+            "tokens": total, "cache": str(folder), "batches_written_here": generated,
+            "seconds_writing_here": seconds, **SAMPLER}
     return docs, info
 
 
