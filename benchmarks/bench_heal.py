@@ -31,15 +31,16 @@ TECHNICAL = ROOT / "benchmarks/data/technical.txt"
 SECTION = "## heal"
 PLOT = ROOT / "docs/heal-curve.png"
 STUDENTS = {"mqa": ["convert", "mqa", "--method", "merge"], "mla25": ["convert", "mla", "--kv-budget", "0.25"]}
-#: name -> (student, wall-clock budget, heal options beyond the defaults)
+#: Short trials: a token budget (validation does not eat it), small validation and evaluation sets.
+TRIAL = ["--tokens", "6k", "--val-tokens", "1024", "--eval-tokens", "1024"]
+#: name -> (student, heal options beyond the defaults); finals also score technical.txt and record the curve.
 RUNS = {
-    "trial-lr1e-4": ("mqa", "4m", ["--lr", "1e-4"]),
-    "trial-lr3e-4": ("mqa", "4m", ["--lr", "3e-4"]),
-    "trial-lr1e-3": ("mqa", "4m", ["--lr", "1e-3"]),
-    "trial-attn-loss": ("mqa", "4m", ["--attn-loss", "1"]),
-    "trial-train-all": ("mqa", "4m", ["--train", "all"]),
-    "final-mqa": ("mqa", "30m", []),
-    "final-mla25": ("mla25", "30m", []),
+    "trial-lr1e-4": ("mqa", [*TRIAL, "--lr", "1e-4"]),
+    "trial-lr3e-4": ("mqa", [*TRIAL, "--lr", "3e-4"]),
+    "trial-lr1e-3": ("mqa", [*TRIAL, "--lr", "1e-3"]),
+    "trial-attn-loss": ("mqa", [*TRIAL, "--attn-loss", "1"]),
+    "final-mqa": ("mqa", ["--max-time", "30m", "--eval-curve"]),
+    "final-mla25": ("mla25", ["--max-time", "30m", "--eval-curve"]),
 }
 #: Teacher-written training tokens: one cached batch (128 samples of 256 tokens, cut at EOS), minus validation.
 SAMPLE_TOKENS = "24k"
@@ -78,20 +79,20 @@ def run(name: str, work: Path, source: str) -> dict:
     """Heal one student as RUNS[name] says; returns the stored entry."""
     from attnkit.runtime import load_model, make_windows, read_texts
 
-    student_name, budget, extra = RUNS[name]
+    student_name, extra = RUNS[name]
     student = _student(work, student_name, source)
     out = work / f"healed-{name}"
     load_before = _load_average()
     started = time.perf_counter()
-    report = _attnkit("heal", str(student), str(out), "--teacher", source, "--max-time", budget,
-                      "--eval", str(HELDOUT), "--eval-curve", "--sample-tokens", SAMPLE_TOKENS,
-                      "--device", "cpu", "--overwrite", *extra,
-                      "--format", "json")
+    report = _attnkit("heal", str(student), str(out), "--teacher", source, "--eval", str(HELDOUT),
+                      "--sample-tokens", SAMPLE_TOKENS, "--device", "cpu", "--overwrite", *extra, "--format", "json")
     wall = time.perf_counter() - started
-    teacher = load_model(source, device="cpu", dtype="float32")
-    windows = make_windows(teacher.tokenizer, read_texts([str(TECHNICAL)]), 512)
-    technical = {"before": _score(student, teacher, windows), "after": _score(out, teacher, windows)}
-    entry = {"name": name, "student": student_name, "budget": budget, "options": extra, "wall_seconds": wall,
+    technical = None
+    if name.startswith("final-"):
+        teacher = load_model(source, device="cpu", dtype="float32")
+        windows = make_windows(teacher.tokenizer, read_texts([str(TECHNICAL)]), 512)
+        technical = {"before": _score(student, teacher, windows), "after": _score(out, teacher, windows)}
+    entry = {"name": name, "student": student_name, "options": extra, "wall_seconds": wall,
              "load_average_before": load_before, "load_average_after": _load_average(),
              "report": {k: v for k, v in report.items() if k != "steps"}, "technical": technical,
              "steps": report["steps"]}
@@ -106,17 +107,20 @@ def _results(work: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def _ppl(d: dict, teacher: float) -> str:
+    return f"{d['perplexity']:.2f} ({d['perplexity'] / teacher:.2f}x)"
+
+
 def _row(e: dict) -> str:
     r, t = e["report"], e["technical"]
-    ev, tr = r["eval"], r["training"]
-    ratio = lambda d, teacher: d["perplexity"] / teacher  # noqa: E731
-    return (f"| {e['name']} | {' '.join(e['options']) or 'defaults'} | {tr['steps']} | {tr['tokens']:,} | "
+    ev, tr, v = r["eval"], r["training"], r["validation"]
+    technical = "-" if t is None else (f"{_ppl(t['before'], t['after']['teacher_perplexity'])} -> "
+                                       f"{_ppl(t['after'], t['after']['teacher_perplexity'])}")
+    return (f"| {e['name']} | {' '.join(e['options'])} | {tr['steps']} | {tr['tokens']:,} | "
             f"{tr['tokens_per_second']:.0f} | {tr['stopped']} (best step {tr['best_step']}) | "
-            f"{ev['before']['perplexity']:.2f} ({ratio(ev['before'], ev['teacher_perplexity']):.2f}x) -> "
-            f"{ev['after']['perplexity']:.2f} ({ratio(ev['after'], ev['teacher_perplexity']):.2f}x) | "
-            f"{ev['before']['kl_mean']:.3f} -> {ev['after']['kl_mean']:.3f} | "
-            f"{t['before']['perplexity']:.2f} ({ratio(t['before'], t['after']['teacher_perplexity']):.2f}x) -> "
-            f"{t['after']['perplexity']:.2f} ({ratio(t['after'], t['after']['teacher_perplexity']):.2f}x) | "
+            f"{v['before']['kl_mean']:.3f} -> {v['after']['kl_mean']:.3f} | "
+            f"{_ppl(ev['before'], ev['teacher_perplexity'])} -> {_ppl(ev['after'], ev['teacher_perplexity'])} | "
+            f"{ev['before']['kl_mean']:.3f} -> {ev['after']['kl_mean']:.3f} | {technical} | "
             f"{e['load_average_before'][0]:.1f} / {e['load_average_after'][0]:.1f} |")
 
 
@@ -177,9 +181,9 @@ def write(work: Path) -> None:
     import torch
 
     results = _results(work)
-    header = ("| run | options | steps | tokens | tok/s | stopped | heldout.txt ppl (x teacher) | heldout.txt KL | "
-              "technical.txt ppl (x teacher) | load avg before / after |\n"
-              "|---|---|---:|---:|---:|---|---|---|---|---|\n")
+    header = ("| run | options | steps | tokens | tok/s | stopped | validation KL | heldout.txt ppl (x teacher) | "
+              "heldout.txt KL | technical.txt ppl (x teacher) | load avg before / after |\n"
+              "|---|---|---:|---:|---:|---|---|---|---|---|---|\n")
     finals = [e for n, e in sorted(results.items()) if n.startswith("final-")]
     trials = [e for n, e in sorted(results.items()) if n.startswith("trial-")]
     data = (finals or trials)[0]["report"]["data"]
@@ -198,7 +202,8 @@ def write(work: Path) -> None:
     body = [SECTION, "", setup, "", "**30-minute runs** (`--max-time 30m`)", "",
             header + "\n".join(_row(e) for e in finals), "", *[f"- {_goal(e)}" for e in finals],
             *[f"- GPU, estimated: {_gpu_note(e)}" for e in finals], "",
-            "**Short trials that chose the defaults** (MQA merge student, `--max-time 4m` each)", "",
+            "**Short trials that chose the defaults** (MQA merge student, 6k tokens each, 1024 validation and 1024 "
+            "heldout.txt tokens)", "",
             header + "\n".join(_row(e) for e in trials), "", f"![heal curve]({PLOT.name})"]
     replace_section(ROOT / "docs/benchmarks.md", "\n".join(body))
     if finals:

@@ -215,8 +215,8 @@ def test_two_processes_give_the_one_process_loss_curve(pair, tmp_path):
     one = subprocess.run([sys.executable, "-m", "attnkit", *[str(tmp_path / "one") if a == "OUT" else a for a in args]],
                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          str(29500 + os.getpid() % 1000), "-m", "attnkit",
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "attnkit",
                           *[str(tmp_path / "two") if a == "OUT" else a for a in args]],
                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert two.returncode == 0, two.stderr[-2000:]
@@ -226,3 +226,12 @@ def test_two_processes_give_the_one_process_loss_curve(pair, tmp_path):
     assert len(la) == len(lb) == 16
     assert max(abs(x - y) / abs(x) for x, y in zip(la, lb)) <= 1e-6
     assert _layout(tmp_path / "two") == _layout(student)
+
+
+def test_dry_run_checks_and_writes_nothing(runner, pair, tmp_path):
+    out = tmp_path / "out"
+    result = _heal(runner, pair, out, "--dry-run")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["dry_run"] and report["rewrite"]["rewrite"] == "gqa" and report["data"]["source"] == "files"
+    assert not out.exists() and not Path(str(out) + ".checkpoint").exists()

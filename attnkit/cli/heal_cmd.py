@@ -58,7 +58,7 @@ def register(app: typer.Typer) -> None:
         micro_batch_size: int = typer.Option(4, "--micro-batch-size", help="Windows per forward pass (accumulated)."),
         seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training window."),
         attn_loss: float = typer.Option(0.0, "--attn-loss", help="Weight of the attention-output matching term; 0: off."),
-        val_tokens: int = typer.Option(4096, "--val-tokens", help="Training text held out for validation."),
+        val_tokens: int = typer.Option(2048, "--val-tokens", help="Training text held out for validation."),
         eval_every: int = typer.Option(25, "--eval-every", help="Validate every N steps."),
         patience: int = typer.Option(4, "--patience", help="Stop after N validations without improvement; 0: never."),
         checkpoint_every: int = typer.Option(50, "--checkpoint-every", help="Save a resumable checkpoint every N steps."),

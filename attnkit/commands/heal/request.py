@@ -40,7 +40,7 @@ class HealRequest:
     micro_batch_size: int = 4
     seq_len: int = 256
     attn_loss: float = 0.0
-    val_tokens: int = 4096
+    val_tokens: int = 2048
     eval_every: int = 25
     patience: int = 4
     checkpoint_every: int = 50
