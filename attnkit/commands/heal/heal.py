@@ -123,32 +123,65 @@ def accelerator_for(device: str):
     return Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16")
 
 
-def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) -> dict:
-    from attnkit.commands.heal import checkpoint, params
+def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) -> dict | None:
+    """Load both models, train, and (main process) write OUT; returns the report (None elsewhere)."""
+    acc = accelerator_for(req.device)
+    log = log if acc.is_main_process else (lambda message: None)
+    teacher, student = _load_models(acc, pair, log)
+    if "train" not in plan:
+        _teacher_windows(req, plan, teacher, acc, log)
+    before = _score(student, teacher, plan["eval"]) if acc.is_main_process and plan["eval"] is not None else None
+    trainer = _trainer(req, acc, student, teacher, plan, run, report, before, log)
+
+    def save() -> None:
+        from attnkit.commands.heal import checkpoint
+
+        if acc.is_main_process:
+            checkpoint.save(req.checkpoint_folder, {"fingerprint": fingerprint, "state": trainer.state.to_dict()},
+                            trainer.state_dict())
+        acc.wait_for_everyone()
+
     from attnkit.commands.heal.bar import training_bar
-    from attnkit.commands.heal.loop import LoopConfig, LoopState, Trainer
+
+    unit = "tokens" if req.budget_tokens else "seconds"
+    done = trainer.state.tokens if unit == "tokens" else trainer.state.seconds
+    with training_bar(req.budget_tokens or req.max_time, unit, done, trainer.state.tokens,
+                      enabled=acc.is_main_process) as advance:
+        state = trainer.run(save, advance)
+    report.update(_summary(trainer, acc, state))
+    if not acc.is_main_process:
+        return None
+    log(f"writing {req.out}")
+    _write(req, pair, acc, _trained_model(trainer, req), teacher, plan["eval"], before, report)
+    report["seconds"] = time.perf_counter() - started
+    return report
+
+
+def _load_models(acc, pair, log) -> tuple:
+    """(teacher, student) in fp32 on the process's device; the teacher frozen, the student's names checked."""
     from attnkit.commands.heal.output import check_names, stored_layout
     from attnkit.runtime import load_model
 
-    acc = accelerator_for(req.device)
-    main = acc.is_main_process
-    log = log if main else (lambda message: None)
     log(f"loading teacher and student on {acc.device} ({acc.num_processes} process(es))")
     teacher = load_model(str(pair.teacher.root), device=str(acc.device), dtype="float32").model
     student = load_model(str(pair.student.root), device=str(acc.device), dtype="float32").model
     for p in teacher.parameters():
         p.requires_grad_(False)
     check_names(student, stored_layout(pair.student))
-    if "train" not in plan:
-        _teacher_windows(req, plan, teacher, acc, log)
+    return teacher, student
+
+
+def _trainer(req, acc, student, teacher, plan, run, report, before, log):
+    """The Trainer: what trains (report["trainable"]), LoRA and gradient checkpointing, a resumed state, logs."""
+    from attnkit.commands.heal import checkpoint, params
+    from attnkit.commands.heal.loop import LoopConfig, LoopState, Trainer
+
     names = params.select(student, teacher, req.train)
     pairs = params.attention_pairs(student, teacher, names)
     report["trainable"] = {"mode": req.train, "lora_rank": req.lora_rank or None, "tensors": len(names),
-                           "parameters": sum(student.get_parameter(n).numel() for n in names),
-                           "names": names}
+                           "parameters": sum(student.get_parameter(n).numel() for n in names), "names": names}
     log(f"training {len(names)} tensors ({report['trainable']['parameters']:,} parameters)"
         + (f" through LoRA rank {req.lora_rank}" if req.lora_rank else ""))
-    before = _score(student, teacher, plan["eval"]) if main and plan["eval"] is not None else None
     if req.gradient_checkpointing:
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = params.add_lora(student, names, req.lora_rank) if req.lora_rank else student
@@ -157,8 +190,8 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
                      micro_batch_size=req.micro_batch_size, attn_loss=req.attn_loss, budget_tokens=req.budget_tokens,
                      max_time=req.max_time, eval_every=req.eval_every, patience=req.patience,
                      checkpoint_every=req.checkpoint_every, seed=req.seed)
-    state = LoopState(**run["state"]) if run else None
-    trainer = Trainer(acc, model, teacher, plan["train"], plan["val"], cfg, pairs, state)
+    trainer = Trainer(acc, model, teacher, plan["train"], plan["val"], cfg, pairs,
+                      LoopState(**run["state"]) if run else None)
     if run:
         trainer.load_state_dict(checkpoint.load_state(req.checkpoint_folder))
         log(f"resumed at step {trainer.state.step} ({trainer.state.tokens:,} tokens)")
@@ -168,42 +201,36 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
                                      if k in ("perplexity", "kl_mean")}
     trainer.on_validation = lambda e: log(f"step {e['step']}: {e['tokens']:,} tokens, {e['seconds']:.0f}s; "
                                           f"validation KL {e['kl_mean']:.4f}, perplexity {e['perplexity']:.3f}")
+    return trainer
 
-    def save() -> None:
-        if main:
-            checkpoint.save(req.checkpoint_folder, {"fingerprint": fingerprint, "state": trainer.state.to_dict()},
-                            trainer.state_dict())
-        acc.wait_for_everyone()
 
-    unit = "tokens" if req.budget_tokens else "seconds"
-    done = trainer.state.tokens if unit == "tokens" else trainer.state.seconds
-    with training_bar(req.budget_tokens or req.max_time, unit, done, trainer.state.tokens, enabled=main) as advance:
-        state = trainer.run(save, advance)
-    model = acc.unwrap_model(trainer.model)
-    if req.lora_rank:
-        model = params.merge_lora(model)
-    report.update(_summary(trainer, acc, state))
-    if not main:
-        return None
-    log(f"writing {req.out}")
+def _trained_model(trainer, req: HealRequest):
+    """The student with its trained tensors (LoRA adapters merged in), outside DDP."""
+    from attnkit.commands.heal import params
+
+    model = trainer.acc.unwrap_model(trainer.model)
+    return params.merge_lora(model) if req.lora_rank else model
+
+
+def _write(req, pair, acc, model, teacher, eval_windows, before, report) -> None:
+    """Write OUT; the --eval "after" scores come from loading the written folder, before it is renamed."""
+    from attnkit.commands.heal.output import write_healed
+    from attnkit.runtime import load_model
+
     report["eval"] = None
 
     def manifest(folder: Path) -> dict:
         if before is not None:
-            healed = load_model(str(folder), device=str(acc.device), dtype="float32").model  # what was written
-            after = _score(healed, teacher, plan["eval"])
+            healed = load_model(str(folder), device=str(acc.device), dtype="float32").model
+            after = _score(healed, teacher, eval_windows)
             report["eval"] = {"files": list(req.eval), "tokens": after.pop("tokens"), "seq_len": req.eval_seq_len,
                               "teacher_perplexity": after.pop("teacher_perplexity"),
                               "before": {k: before[k] for k in after}, "after": after}
         return _manifest(req, pair, report)
 
-    from attnkit.commands.heal.output import write_healed
-
     write_healed(model, pair.student, req.out, req.overwrite, [Path(pair.student.root), Path(pair.teacher.root)],
                  req.max_shard_bytes, manifest)
     _remove_checkpoint(req.checkpoint_folder)
-    report["seconds"] = time.perf_counter() - started
-    return report
 
 
 def _teacher_windows(req, plan, teacher, acc, log) -> None:

@@ -180,7 +180,7 @@ class Trainer:
                 if st.stopped or st.step % cfg.eval_every == 0:
                     self.validate(time.perf_counter() - start)
                 st.seconds = time.perf_counter() - start
-                if stop:
+                if stop and st.stopped is None:  # a stop that arrives with the last step lets the run finish
                     save()
                     raise Interrupted(f"interrupted at step {st.step}; checkpoint saved, continue with --resume")
                 if st.stopped is None and st.step % cfg.checkpoint_every == 0:
