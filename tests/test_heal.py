@@ -235,3 +235,10 @@ def test_dry_run_checks_and_writes_nothing(runner, pair, tmp_path):
     report = json.loads(result.stdout)
     assert report["dry_run"] and report["rewrite"]["rewrite"] == "gqa" and report["data"]["source"] == "files"
     assert not out.exists() and not Path(str(out) + ".checkpoint").exists()
+
+
+def test_max_time_stops_on_the_clock(pair, tmp_path):
+    report = heal(_request(pair, tmp_path / "out", tokens=None, max_time=1.0, eval_every=1000))
+    assert report["training"]["stopped"] == "time" and report["training"]["steps"] >= 1
+    assert report["budget"] == {"tokens": None, "max_time_seconds": 1.0}
+    assert report["training"]["seconds"] >= 1.0
