@@ -242,3 +242,19 @@ def test_max_time_stops_on_the_clock(pair, tmp_path):
     assert report["training"]["stopped"] == "time" and report["training"]["steps"] >= 1
     assert report["budget"] == {"tokens": None, "max_time_seconds": 1.0}
     assert report["training"]["seconds"] >= 1.0
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--lr", "0"], "--lr must be positive"),
+    (["--micro-batch-size", "3"], "not a multiple of --micro-batch-size 3"),
+    (["--max-time", "1m"], "give one budget"),
+    (["--train", "some"], "--train must be one of rewritten, all"),
+    (["--resume"], "holds no heal checkpoint"),
+    (["--eval", "missing.txt"], "missing.txt: file not found"),
+    (["--max-time", "soon", "--tokens", "1"], "not a duration"),
+])
+def test_bad_options_are_usage_errors(runner, pair, tmp_path, args, match):
+    out = tmp_path / "out"
+    result = _heal(runner, pair, out, *args)
+    assert result.exit_code == 2 and match in result.output, result.output
+    assert not out.exists()

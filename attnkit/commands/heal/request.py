@@ -95,8 +95,9 @@ def check_options(req: HealRequest) -> None:
         raise UsageError(f"--train must be one of {', '.join(TRAIN_CHOICES)}, got {req.train!r}")
     positive = {"--lr": req.lr, "--batch-size": req.batch_size, "--micro-batch-size": req.micro_batch_size,
                 "--val-tokens": req.val_tokens, "--eval-every": req.eval_every,
-                "--checkpoint-every": req.checkpoint_every, "--tokens": req.tokens or 1,
-                "--sample-tokens": req.sample_tokens or 1}
+                "--checkpoint-every": req.checkpoint_every}
+    positive.update({flag: v for flag, v in (("--tokens", req.tokens), ("--sample-tokens", req.sample_tokens),
+                                             ("--max-time", req.max_time)) if v is not None})
     for flag, value in positive.items():
         if not value > 0:
             raise UsageError(f"{flag} must be positive, got {value}")
