@@ -12,6 +12,7 @@ from attnkit.cli import convert_cmd
 from attnkit.cli import retrofit_cmd
 from attnkit.cli import verify_cmd
 from attnkit.cli.common import handle_signals
+from attnkit.cli import heal_cmd
 
 app = typer.Typer(
     name="attnkit",
@@ -43,6 +44,7 @@ presets_cmd.register(app)
 convert_cmd.register(app)
 verify_cmd.register(app)
 app.add_typer(retrofit_cmd.app)
+heal_cmd.register(app)
 
 
 def main() -> None:
