@@ -2,8 +2,9 @@
 
 Qwen3 = the Llama layout plus RMSNorm over head_dim on q and k before RoPE (one weight shared by
 all heads), biases on q/k/v/o when attention_bias is set. Methods (attnkit.ops.qknorm):
-- anchor (default): no bias tensors, a head size serving kernels take (--head-dim; default the smallest
-  >= D + 2 that vLLM's CPU attention runs, e.g. 80 for D = 64; D itself gives up the weakest RoPE pair).
+- anchor (default): no bias tensors, a head size serving kernels take (--head-dim; default D itself when
+  vLLM's CPU attention runs it, giving up the weakest RoPE pair for the anchor, else the smallest size
+  >= D + 2 that it runs).
   One pad dim of each q/k head is pad * a.x, where a.x ~ 1 is fitted on calibration activations
   (attnkit.ops.anchor); it dominates the RMS, so the norm divides each head by ~|a.x|, a per-token scale
   error of a few percent; source biases ride on a.x as well. Runs in llama.cpp and vLLM.
