@@ -45,9 +45,12 @@ class QKNormRequest:
 
 
 def default_head_dim(dim: int) -> int:
-    """The anchor method's head size: the smallest >= D + 2 that vLLM's CPU attention kernels run."""
+    """The anchor method's head size: D when vLLM's CPU attention kernels run it (the anchor takes the weakest
+    RoPE pair's place and the KV cache keeps its size), else the smallest >= D + 2 that they run."""
     from attnkit.engines.targets import vllm_cpu_head_size_ok
 
+    if vllm_cpu_head_size_ok(dim):
+        return dim
     new = dim + 2
     while not vllm_cpu_head_size_ok(new):
         new += 2
