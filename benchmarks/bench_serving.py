@@ -30,7 +30,7 @@ OUTPUTS = [
     ("convert mla --kv-lora-rank 512 --rope-dim 64 --engine vllm",
      ["convert", "mla", "{src}", "{out}", "--kv-lora-rank", "512", "--rope-dim", "64", "--engine", "vllm",
       "--calib", CALIB]),
-    ("retrofit qknorm (anchor, head_dim 80)", ["retrofit", "qknorm", "{src}", "{out}", "--calib", CALIB]),
+    ("retrofit qknorm (anchor)", ["retrofit", "qknorm", "{src}", "{out}", "--calib", CALIB]),
     ("retrofit qknorm --method pad", ["retrofit", "qknorm", "{src}", "{out}", "--method", "pad"]),
 ]
 

@@ -31,7 +31,7 @@ OUTPUTS = {
     "gqa-mean": (["convert", "gqa", "{src}", "{out}", "--kv-heads", "1", "--method", "mean"], True),
     "mla-half": (["convert", "mla", "{src}", "{out}", "--kv-budget", "0.5", *FAST_CALIB], False),
     "mla-512+64": (["convert", "mla", "{src}", "{out}", "--kv-lora-rank", "512", "--rope-dim", "64",
-                    "--engine", "vllm", *FAST_CALIB], True),
+                    *FAST_CALIB], True),
     "qknorm": (["retrofit", "qknorm", "{src}", "{out}", *FAST_CALIB], True),
 }
 

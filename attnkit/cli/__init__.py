@@ -26,6 +26,7 @@ COMMANDS = {
     "convert": "convert_cmd",
     "retrofit": "retrofit_cmd",
     "verify": "verify_cmd",
+    "heal": "heal_cmd",
 }
 HELP = "Analyse and rewrite the attention layers of transformer checkpoints."
 

@@ -152,8 +152,8 @@ def qknorm(
                                     "head_dim + 2, bias tensors: transformers only), kl, lsq, scalar or unit "
                                     "(keep head_dim, fitted on --calib)."),
     head_dim: int = typer.Option(None, "--head-dim",
-                                 help="anchor: new head size (default: the smallest >= head_dim + 2 that vLLM's "
-                                      "CPU kernels run; the source's head_dim gives up its weakest RoPE pair)."),
+                                 help="anchor: new head size (default: the source's, giving up its weakest RoPE pair, "
+                                      "when vLLM's CPU kernels run it; else the smallest >= head_dim + 2 they run)."),
     steps: int = typer.Option(150, "--steps", min=0, help="kl: gradient steps per layer."),
     calib: List[str] = _O["calib"], calib_tokens: int = _O["calib_tokens"], calib_seq_len: int = _O["calib_seq_len"],
     eval_files: List[str] = _O["eval_files"], eval_tokens: int = _O["eval_tokens"],

@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
         ppl_tokens: int = typer.Option(2048, "--ppl-tokens", help="Tokens scored for perplexity (whole windows)."),
         ctx: int = typer.Option(512, "--ctx", help="Window length."),
         ppl_tolerance: float = typer.Option(0.01, "--ppl-tolerance", help="Relative perplexity difference allowed."),
-        tie_margin: float = typer.Option(1e-3, "--tie-margin",
+        tie_margin: float = typer.Option(1e-2, "--tie-margin",
                                          help="A greedy difference where transformers' top-2 logits are this "
                                               "close is a tie."),
         fmt: OutputFormat = FORMAT_OPTION,

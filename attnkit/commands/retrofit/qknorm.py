@@ -2,8 +2,9 @@
 
 Qwen3 = the Llama layout plus RMSNorm over head_dim on q and k before RoPE (one weight shared by
 all heads), biases on q/k/v/o when attention_bias is set. Methods (attnkit.ops.qknorm):
-- anchor (default): no bias tensors, a head size serving kernels take (--head-dim; default the smallest
-  >= D + 2 that vLLM's CPU attention runs, e.g. 80 for D = 64; D itself gives up the weakest RoPE pair).
+- anchor (default): no bias tensors, a head size serving kernels take (--head-dim; default D itself when
+  vLLM's CPU attention runs it, giving up the weakest RoPE pair for the anchor, else the smallest size
+  >= D + 2 that it runs).
   One pad dim of each q/k head is pad * a.x, where a.x ~ 1 is fitted on calibration activations
   (attnkit.ops.anchor); it dominates the RMS, so the norm divides each head by ~|a.x|, a per-token scale
   error of a few percent; source biases ride on a.x as well. Runs in llama.cpp and vLLM.
@@ -44,9 +45,12 @@ class QKNormRequest:
 
 
 def default_head_dim(dim: int) -> int:
-    """The anchor method's head size: the smallest >= D + 2 that vLLM's CPU attention kernels run."""
+    """The anchor method's head size: D when vLLM's CPU attention kernels run it (the anchor takes the weakest
+    RoPE pair's place and the KV cache keeps its size), else the smallest >= D + 2 that they run."""
     from attnkit.engines.targets import vllm_cpu_head_size_ok
 
+    if vllm_cpu_head_size_ok(dim):
+        return dim
     new = dim + 2
     while not vllm_cpu_head_size_ok(new):
         new += 2

@@ -1,0 +1,115 @@
+"""`attnkit heal STUDENT OUT --teacher SOURCE`: distil a rewritten model back toward its source."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from attnkit.cli.common import FORMAT_OPTION, OutputFormat, handle_errors, stderr
+from attnkit.cli.output import Column, render
+
+
+def _num(v, fmt: str = "{:.4f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _caption(report: dict) -> str:
+    if report["dry_run"]:
+        return "dry run: every check passed, nothing loaded or written"
+    t, v = report["training"], report["validation"]
+    text = (f"{t['steps']} steps, {t['tokens']:,} tokens in {t['seconds']:.0f}s ({t['tokens_per_second']:.0f} tok/s, "
+            f"{t['processes']} process(es), {t['precision']}), stopped by {t['stopped']}, best step {t['best_step']}; "
+            f"validation KL {v['before']['kl_mean']:.4f} -> {v['after']['kl_mean']:.4f}")
+    e = report.get("eval")
+    if e:
+        text += (f"; --eval perplexity {e['before']['perplexity']:.3f} -> {e['after']['perplexity']:.3f} "
+                 f"(teacher {e['teacher_perplexity']:.3f}), KL {e['before']['kl_mean']:.4f} -> {e['after']['kl_mean']:.4f}")
+    return text + f"; wrote {report['output']}"
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("heal")
+    @handle_errors
+    def heal_(
+        student: str = typer.Argument(..., help="The rewritten model (e.g. a convert or retrofit output folder)."),
+        out: Path = typer.Argument(..., help="Output folder (must be empty or absent unless --overwrite)."),
+        teacher: str = typer.Option(..., "--teacher", "-t", help="The source model the student was rewritten from."),
+        data: List[str] = typer.Option([], "--data", help="Training text: .txt, .jsonl, .parquet or a datasets folder "
+                                       "(repeatable); none: the teacher writes its own."),
+        tokens: Optional[str] = typer.Option(None, "--tokens", help="Token budget (e.g. 256k); default 256k."),
+        max_time: Optional[str] = typer.Option(None, "--max-time", help="Wall-clock budget of training (e.g. 30m)."),
+        eval_files: List[str] = typer.Option([], "--eval", help="Held-out text: perplexity and KL before and after."),
+        eval_tokens: int = typer.Option(4096, "--eval-tokens", min=2, help="At most this many evaluation tokens."),
+        eval_seq_len: int = typer.Option(512, "--eval-seq-len", min=2, help="Tokens per evaluation window."),
+        eval_curve: bool = typer.Option(False, "--eval-curve",
+                                        help="Also score --eval at every validation (reported, never used to stop)."),
+        train: str = typer.Option("rewritten", "--train", help="rewritten (attention tensors the rewrite changed) or all."),
+        lora_rank: int = typer.Option(0, "--lora-rank", help="Train LoRA adapters of this rank (merged back); 0: off."),
+        lr: float = typer.Option(3e-4, "--lr", help="Peak learning rate of AdamW."),
+        warmup_steps: int = typer.Option(5, "--warmup-steps", help="Linear warmup steps."),
+        min_lr_ratio: float = typer.Option(0.1, "--min-lr-ratio", help="Cosine decays to lr x this."),
+        weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
+        max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", help="Gradient clipping norm; 0: off."),
+        batch_size: int = typer.Option(4, "--batch-size", help="Windows per optimizer step, over all processes."),
+        micro_batch_size: int = typer.Option(4, "--micro-batch-size", help="Windows per forward pass (accumulated)."),
+        seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training window."),
+        attn_loss: float = typer.Option(0.0, "--attn-loss", help="Weight of the attention-output matching term; 0: off."),
+        val_tokens: int = typer.Option(2048, "--val-tokens", help="Training text held out for validation."),
+        eval_every: int = typer.Option(25, "--eval-every", help="Validate every N steps."),
+        patience: int = typer.Option(4, "--patience", help="Stop after N validations without improvement; 0: never."),
+        checkpoint_every: int = typer.Option(50, "--checkpoint-every", help="Save a resumable checkpoint every N steps."),
+        checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir", help="Checkpoint folder (OUT.checkpoint)."),
+        resume: bool = typer.Option(False, "--resume", help="Continue the run saved in the checkpoint folder."),
+        sample_tokens: Optional[str] = typer.Option(None, "--sample-tokens",
+                                                    help="Teacher-written tokens when no --data (default: the budget)."),
+        sample_cache: Optional[Path] = typer.Option(None, "--sample-cache", help="Where teacher-written text is cached."),
+        gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing/--no-gradient-checkpointing",
+                                                    help="Recompute activations in backward (less memory)."),
+        seed: int = typer.Option(0, "--seed", help="Seed of data order and teacher sampling."),
+        device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+        max_shard_size: str = typer.Option("1GiB", "--max-shard-size", help="Largest output shard."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT (and an old checkpoint)."),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Check everything, print the plan; load no model."),
+        fmt: OutputFormat = FORMAT_OPTION,
+    ) -> None:
+        """Distil STUDENT (a rewrite of --teacher) toward the teacher: KL on next-token distributions."""
+        from attnkit.commands.heal.heal import heal
+        from attnkit.commands.heal.request import HealRequest, parse_duration
+        from attnkit.units import parse_bytes, parse_tokens
+
+        req = HealRequest(
+            student=student, out=out, teacher=teacher, data=list(data),
+            tokens=parse_tokens(tokens) if tokens is not None else None,
+            max_time=parse_duration(max_time) if max_time is not None else None, eval=list(eval_files),
+            eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, eval_curve=eval_curve, train=train, lora_rank=lora_rank, lr=lr,
+            warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm, batch_size=batch_size, micro_batch_size=micro_batch_size, seq_len=seq_len,
+            attn_loss=attn_loss, val_tokens=val_tokens, eval_every=eval_every, patience=patience,
+            checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, resume=resume,
+            sample_tokens=parse_tokens(sample_tokens) if sample_tokens is not None else None,
+            sample_cache=sample_cache, gradient_checkpointing=gradient_checkpointing, seed=seed, device=device,
+            overwrite=overwrite, dry_run=dry_run, max_shard_bytes=int(parse_bytes(max_shard_size)),
+            command=shlex.join(["attnkit", *sys.argv[1:]]))
+        report = heal(req, log=lambda message: stderr.print(message, style="dim", soft_wrap=True))
+        if report is None:
+            return  # not the main process of a multi-process run: the main one prints and writes
+        if report["dry_run"]:  # the plan: one row per setting
+            plan = {**report["budget"], **report["settings"], "data": report["data"]["source"], "seed": report["seed"]}
+            render([{"setting": k, "value": v} for k, v in plan.items()],
+                   [Column("setting", "setting", justify="left"), Column("value", "value", justify="left")], fmt,
+                   title=f"heal: {student} (plan)", json_obj=report, caption=_caption(report))
+            return
+        columns = [Column("step", "step"), Column("tokens", "tokens"), Column("seconds", "seconds", _num_s),
+                   Column("kl_mean", "validation KL", _num), Column("perplexity", "validation perplexity", _num)]
+        if req.eval_curve:
+            columns += [Column("eval_perplexity", "--eval perplexity", _num), Column("eval_kl_mean", "--eval KL", _num)]
+        render(report["validation"]["curve"], columns, fmt, title=f"heal: {student}", json_obj=report,
+               caption=_caption(report))
+
+
+def _num_s(v) -> str:
+    return f"{v:.0f}"

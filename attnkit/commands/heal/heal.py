@@ -1,0 +1,295 @@
+"""`attnkit heal STUDENT OUT --teacher SOURCE`: the orchestrator.
+
+Flow: check options and paths -> check that the student is a rewrite of the teacher (configs, tokenizers,
+copied weights) -> check OUT, the checkpoint folder and a --resume fingerprint -> read and tokenize the
+data -> (nothing loaded until here) load both models -> teacher-written data when no --data -> choose
+what trains -> score --eval text before -> train -> merge LoRA -> write OUT (score it after, manifest)
+-> remove the checkpoint folder. A failure before the end writes nothing to OUT.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+from attnkit import __version__
+from attnkit.commands.heal.request import HealRequest
+from attnkit.errors import AttnkitError, UsageError
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) -> dict | None:
+    """Run (or with dry_run, plan) a healing run; returns the report (see docs/heal.md), or None in the
+    processes other than the main one of a multi-process run."""
+    from attnkit.commands.heal.pair import check_pair, checkpoint_digest, rewrite_summary
+    from attnkit.commands.heal.request import check_options
+
+    started = time.perf_counter()
+    check_options(req)
+    if req.device not in DEVICES:
+        raise UsageError(f"--device must be one of {', '.join(DEVICES)} (processes pick their GPU), got {req.device!r}")
+    pair = check_pair(req.student, req.teacher)
+    _check_targets(req, pair)
+    plan = _plan_data(req, pair)
+    fingerprint = _fingerprint(req, checkpoint_digest(pair.student), checkpoint_digest(pair.teacher), plan["digest"])
+    run = None
+    if req.resume:
+        from attnkit.commands.heal.checkpoint import check_fingerprint
+
+        run = check_fingerprint(req.checkpoint_folder, fingerprint)
+    report = {"student": req.student, "teacher": req.teacher, "output": str(req.out), "dry_run": req.dry_run,
+              "rewrite": rewrite_summary(pair.manifest), "data": plan["info"], "budget": _budget(req),
+              "settings": _settings(req), "seed": req.seed, "checkpoint": str(req.checkpoint_folder),
+              "resumed_from_step": run["state"]["step"] if run else None}
+    if req.dry_run:
+        report["seconds"] = time.perf_counter() - started
+        return report
+    return _train_and_write(req, pair, plan, fingerprint, run, report, started, log)
+
+
+def _check_targets(req: HealRequest, pair) -> None:
+    """OUT is writable (empty, absent or --overwrite) and not an input; the checkpoint folder is ours to use."""
+    from attnkit.io.writer import OutputDir
+
+    OutputDir(Path(req.out), overwrite=req.overwrite, sources=[Path(pair.student.root), Path(pair.teacher.root)])
+    folder = req.checkpoint_folder
+    if folder.is_dir() and any(folder.iterdir()):
+        if not (folder / "run.json").is_file():
+            raise AttnkitError(f"{folder}: exists and is not a heal checkpoint; choose another --checkpoint-dir")
+        if not req.resume and not req.overwrite:
+            raise AttnkitError(f"{folder}: holds the checkpoint of an earlier run; pass --resume to continue it "
+                               "or --overwrite to start again")
+
+
+def _plan_data(req: HealRequest, pair) -> dict:
+    """Tokenized --data split into training and validation windows, or the plan for teacher-written text."""
+    from attnkit.commands.heal.data import files_digest, read_documents, split_windows
+    from attnkit.commands.heal.pair import checkpoint_digest
+    from attnkit.commands.heal.samples import cache_folder
+    from attnkit.runtime import make_windows, read_texts
+    from attnkit.runtime.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(pair.teacher.root)
+    plan = {"tokenizer": tokenizer, "eval": None}
+    if req.eval:
+        plan["eval"] = make_windows(tokenizer, read_texts(req.eval), req.eval_seq_len, req.eval_tokens)
+    if req.data:
+        windows = make_windows(tokenizer, read_documents(req.data), req.seq_len)
+        plan["train"], plan["val"] = split_windows(windows, req.val_tokens)
+        plan["digest"] = files_digest(req.data)
+        plan["info"] = {"source": "files", "files": list(req.data), "sha256": plan["digest"],
+                        "train_tokens": int(plan["train"].numel()), "validation_tokens": int(plan["val"].numel())}
+        return plan
+    from attnkit.io.gguf_load import cache_root
+
+    root = Path(req.sample_cache).expanduser() if req.sample_cache else cache_root()
+    plan["samples"] = cache_folder(root, checkpoint_digest(pair.teacher), req.seed, req.seq_len)
+    plan["digest"] = f"{plan['samples'].name}:{req.samples_needed}"
+    plan["info"] = {"source": "teacher samples", "cache": str(plan["samples"]), "seed": req.seed,
+                    "tokens_requested": req.samples_needed}
+    return plan
+
+
+def _fingerprint(req: HealRequest, student: str, teacher: str, data: str) -> dict:
+    """What a resumed run must share with the checkpoint (the budget, evaluation and devices may change)."""
+    return {"student": student, "teacher": teacher, "data": data, "seq_len": req.seq_len,
+            "batch_size": req.batch_size, "train": req.train, "lora_rank": req.lora_rank, "lr": req.lr,
+            "warmup_steps": req.warmup_steps, "min_lr_ratio": req.min_lr_ratio, "weight_decay": req.weight_decay,
+            "max_grad_norm": req.max_grad_norm, "attn_loss": req.attn_loss, "val_tokens": req.val_tokens,
+            "seed": req.seed}
+
+
+def _budget(req: HealRequest) -> dict:
+    return {"tokens": req.budget_tokens, "max_time_seconds": req.max_time}
+
+
+def _settings(req: HealRequest) -> dict:
+    keys = ("train", "lora_rank", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "max_grad_norm", "batch_size",
+            "micro_batch_size", "seq_len", "attn_loss", "val_tokens", "eval_every", "patience", "checkpoint_every",
+            "gradient_checkpointing", "eval_curve")
+    return {k: getattr(req, k) for k in keys}
+
+
+def accelerator_for(device: str):
+    """accelerate's Accelerator: CPU (fp32) when asked or without CUDA, else the GPU with bf16 autocast."""
+    import torch
+    from accelerate import Accelerator
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise AttnkitError("--device cuda: no CUDA device is available")
+    cpu = device == "cpu" or not torch.cuda.is_available()
+    return Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16")
+
+
+def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) -> dict | None:
+    """Load both models, train, and (main process) write OUT; returns the report (None elsewhere)."""
+    acc = accelerator_for(req.device)
+    log = log if acc.is_main_process else (lambda message: None)
+    teacher, student = _load_models(acc, pair, log)
+    if "train" not in plan:
+        _teacher_windows(req, plan, teacher, acc, log)
+    before = _score(student, teacher, plan["eval"]) if acc.is_main_process and plan["eval"] is not None else None
+    trainer = _trainer(req, acc, student, teacher, plan, run, report, before, log)
+
+    def save() -> None:
+        from attnkit.commands.heal import checkpoint
+
+        if acc.is_main_process:
+            checkpoint.save(req.checkpoint_folder, {"fingerprint": fingerprint, "state": trainer.state.to_dict()},
+                            trainer.state_dict())
+        acc.wait_for_everyone()
+
+    from attnkit.commands.heal.bar import training_bar
+
+    unit = "tokens" if req.budget_tokens else "seconds"
+    done = trainer.state.tokens if unit == "tokens" else trainer.state.seconds
+    with training_bar(req.budget_tokens or req.max_time, unit, done, trainer.state.tokens,
+                      enabled=acc.is_main_process) as advance:
+        state = trainer.run(save, advance)
+    report.update(_summary(trainer, acc, state))
+    if not acc.is_main_process:
+        return None
+    log(f"writing {req.out}")
+    _write(req, pair, acc, _trained_model(trainer, req), teacher, plan["eval"], before, report)
+    report["seconds"] = time.perf_counter() - started
+    return report
+
+
+def _load_models(acc, pair, log) -> tuple:
+    """(teacher, student) in fp32 on the process's device; the teacher frozen, the student's names checked."""
+    from attnkit.commands.heal.output import check_names, stored_layout
+    from attnkit.runtime import load_model
+
+    log(f"loading teacher and student on {acc.device} ({acc.num_processes} process(es))")
+    teacher = load_model(str(pair.teacher.root), device=str(acc.device), dtype="float32").model
+    student = load_model(str(pair.student.root), device=str(acc.device), dtype="float32").model
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    check_names(student, stored_layout(pair.student))
+    return teacher, student
+
+
+def _trainer(req, acc, student, teacher, plan, run, report, before, log):
+    """The Trainer: what trains (report["trainable"]), LoRA and gradient checkpointing, a resumed state, logs."""
+    from attnkit.commands.heal import checkpoint, params
+    from attnkit.commands.heal.loop import LoopConfig, LoopState, Trainer
+
+    names = params.select(student, teacher, req.train)
+    pairs = params.attention_pairs(student, teacher, names)
+    report["trainable"] = {"mode": req.train, "lora_rank": req.lora_rank or None, "tensors": len(names),
+                           "parameters": sum(student.get_parameter(n).numel() for n in names), "names": names}
+    log(f"training {len(names)} tensors ({report['trainable']['parameters']:,} parameters)"
+        + (f" through LoRA rank {req.lora_rank}" if req.lora_rank else ""))
+    if req.gradient_checkpointing:
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = params.add_lora(student, names, req.lora_rank) if req.lora_rank else student
+    cfg = LoopConfig(lr=req.lr, warmup_steps=req.warmup_steps, min_lr_ratio=req.min_lr_ratio,
+                     weight_decay=req.weight_decay, max_grad_norm=req.max_grad_norm, batch_size=req.batch_size,
+                     micro_batch_size=req.micro_batch_size, attn_loss=req.attn_loss, budget_tokens=req.budget_tokens,
+                     max_time=req.max_time, eval_every=req.eval_every, patience=req.patience,
+                     checkpoint_every=req.checkpoint_every, seed=req.seed)
+    trainer = Trainer(acc, model, teacher, plan["train"], plan["val"], cfg, pairs,
+                      LoopState(**run["state"]) if run else None)
+    if run:
+        trainer.load_state_dict(checkpoint.load_state(req.checkpoint_folder))
+        log(f"resumed at step {trainer.state.step} ({trainer.state.tokens:,} tokens)")
+    if req.eval_curve:  # step 0 is the student as loaded: its scores are `before`
+        trainer.monitor = lambda m: {f"eval_{k}": v for k, v in
+                                     (before if trainer.state.step == 0 else _score(m, teacher, plan["eval"])).items()
+                                     if k in ("perplexity", "kl_mean")}
+    trainer.on_validation = lambda e: log(f"step {e['step']}: {e['tokens']:,} tokens, {e['seconds']:.0f}s; "
+                                          f"validation KL {e['kl_mean']:.4f}, perplexity {e['perplexity']:.3f}")
+    return trainer
+
+
+def _trained_model(trainer, req: HealRequest):
+    """The student with its trained tensors (LoRA adapters merged in), outside DDP."""
+    from attnkit.commands.heal import params
+
+    model = trainer.acc.unwrap_model(trainer.model)
+    return params.merge_lora(model) if req.lora_rank else model
+
+
+def _write(req, pair, acc, model, teacher, eval_windows, before, report) -> None:
+    """Write OUT; the --eval "after" scores come from loading the written folder, before it is renamed."""
+    from attnkit.commands.heal.output import write_healed
+    from attnkit.runtime import load_model
+
+    report["eval"] = None
+
+    def manifest(folder: Path) -> dict:
+        if before is not None:
+            healed = load_model(str(folder), device=str(acc.device), dtype="float32").model
+            after = _score(healed, teacher, eval_windows)
+            report["eval"] = {"files": list(req.eval), "tokens": after.pop("tokens"), "seq_len": req.eval_seq_len,
+                              "teacher_perplexity": after.pop("teacher_perplexity"),
+                              "before": {k: before[k] for k in after}, "after": after}
+        return _manifest(req, pair, report)
+
+    write_healed(model, pair.student, req.out, req.overwrite, [Path(pair.student.root), Path(pair.teacher.root)],
+                 req.max_shard_bytes, manifest)
+    _remove_checkpoint(req.checkpoint_folder)
+
+
+def _teacher_windows(req, plan, teacher, acc, log) -> None:
+    """Training and validation windows from teacher-written text (cached; generated where missing)."""
+    from attnkit.commands.heal.data import split_windows
+    from attnkit.commands.heal.samples import teacher_documents, token_windows
+    from attnkit.runtime.progress import progress_bar
+
+    need = req.samples_needed + req.val_tokens
+    log(f"teacher-written training text: {need:,} tokens, cached in {plan['samples']}")
+    tokenizer = plan["tokenizer"]
+    with progress_bar(need, "teacher writes") as advance:
+        docs, info = teacher_documents(teacher, tokenizer, need, req.seq_len, req.seed, plan["samples"],
+                                       rank=acc.process_index, world=acc.num_processes,
+                                       barrier=acc.wait_for_everyone, progress=advance if acc.is_main_process else None)
+    plan["train"], plan["val"] = split_windows(token_windows(docs, tokenizer.eos_token_id, req.seq_len), req.val_tokens)
+    plan["info"].update(info, train_tokens=int(plan["train"].numel()), validation_tokens=int(plan["val"].numel()))
+
+
+def _score(student, teacher, windows) -> dict:
+    """Perplexity, KL(teacher || student) and top-1 agreement of the student on evaluation windows."""
+    from attnkit.commands.analyse.evaluate import evaluate
+
+    was_training = student.training
+    student.eval()
+    r = evaluate(student, windows, reference=teacher)
+    student.train(was_training)
+    return {"tokens": r.tokens, "perplexity": r.perplexity, "kl_mean": r.kl_mean, "kl_max": r.kl_max,
+            "top1_agreement": r.top1_agreement, "teacher_perplexity": r.reference_perplexity}
+
+
+def _summary(trainer, acc, state) -> dict:
+    """Training counters, the validation curve and per-step losses for the report."""
+    seconds = state.seconds
+    first = trainer.state.validation[0]
+    best = state.best
+    return {"training": {"steps": state.step, "tokens": state.tokens, "seconds": seconds,
+                         "tokens_per_second": state.tokens / seconds if seconds else None, "stopped": state.stopped,
+                         "best_step": best["step"], "processes": acc.num_processes, "device": str(acc.device),
+                         "precision": "bf16 autocast" if acc.mixed_precision == "bf16" else "fp32"},
+            "validation": {"before": first, "after": best, "curve": state.validation},
+            "steps": state.steps}
+
+
+def _manifest(req: HealRequest, pair, report: dict) -> dict:
+    """attnkit.json of the healed folder: the rewrite it heals, data, budget, training and scores."""
+    keep = ("data", "budget", "settings", "seed", "trainable", "training", "validation", "eval")
+    doc = {"attnkit_version": __version__, "command": req.command, "heal": True,
+           "student": {"ref": req.student, "model_type": pair.student.model_type},
+           "teacher": {"ref": req.teacher, "kind": pair.teacher.kind, "model_type": pair.teacher.model_type},
+           "rewrite": pair.manifest, **{k: report.get(k) for k in keep}}
+    doc["trainable"] = {k: v for k, v in (doc["trainable"] or {}).items() if k != "names"}
+    return doc
+
+
+def _remove_checkpoint(folder: Path) -> None:
+    """The run finished and OUT is written: its checkpoint is no longer needed."""
+    import shutil
+
+    if (folder / "run.json").is_file():
+        shutil.rmtree(folder, ignore_errors=True)
+

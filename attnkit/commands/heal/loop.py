@@ -1,0 +1,278 @@
+"""The training loop: AdamW with warmup and cosine decay, gradient accumulation, a held-out check with early
+stopping, checkpoints, and a stop at the token or time budget or on Ctrl-C/SIGTERM.
+
+Devices and processes are accelerate's: the student is prepared (DDP when launched with torchrun or
+`accelerate launch`), the teacher runs beside it without gradients. Step s trains on the same global
+batch whatever the number of processes: rank r takes its contiguous share of the batch, split into
+micro-batches whose gradients accumulate (without DDP sync until the last one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from attnkit.errors import AttnkitError, UsageError
+
+
+class Interrupted(AttnkitError):
+    """Ctrl-C or SIGTERM: the loop stopped after a step and saved a checkpoint."""
+
+    exit_code = 130
+
+
+@dataclass
+class LoopConfig:
+    """Everything the loop needs from the request."""
+
+    lr: float
+    warmup_steps: int
+    min_lr_ratio: float
+    weight_decay: float
+    max_grad_norm: float
+    batch_size: int
+    micro_batch_size: int
+    attn_loss: float
+    budget_tokens: int | None
+    max_time: float | None
+    eval_every: int
+    patience: int
+    checkpoint_every: int
+    seed: int
+
+
+@dataclass
+class LoopState:
+    """Counters and curves; what a checkpoint stores besides tensors."""
+
+    step: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: list = field(default_factory=list)       # per step: step, tokens, lr, loss, kl, attn
+    validation: list = field(default_factory=list)  # per check: step, tokens, seconds, kl_mean, perplexity
+    best: dict | None = None                        # the best validation entry
+    bad_checks: int = 0                             # validations since the best one
+    stopped: str | None = None                      # tokens | time | early stop
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def lr_at(cfg: LoopConfig, step: int, progress: float) -> float:
+    """Linear warmup over warmup_steps, then cosine from lr to lr * min_lr_ratio as progress goes 0 -> 1.
+
+    Progress is the share of the budget spent (tokens, or seconds for --max-time), so a wall-clock budget
+    gets a full cosine too; a torch LambdaLR only knows steps, whose number a time budget does not fix.
+    """
+    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * warm * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def batch_indices(n_windows: int, step: int, batch: int, seed: int):
+    """Window indices [batch] of global step `step`: consecutive slices of one seeded permutation per epoch."""
+    import torch
+
+    out, start = [], step * batch
+    while len(out) < batch:
+        epoch, offset = divmod(start + len(out), n_windows)
+        perm = torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        out.extend(perm[offset: offset + batch - len(out)].tolist())
+    return torch.tensor(out)
+
+
+@contextlib.contextmanager
+def stop_requests():
+    """Within the block, SIGINT/SIGTERM set flag['stop'] instead of raising; a second signal raises."""
+    flag = {"stop": False}
+    previous = {}
+
+    def handler(signum, frame):
+        if flag["stop"]:
+            raise KeyboardInterrupt
+        flag["stop"] = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+    try:
+        yield flag
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+class Trainer:
+    """One healing run: call run() once; trained tensors live in the student, curves in .state."""
+
+    def __init__(self, accelerator, student, teacher, train_windows, val_windows, cfg: LoopConfig,
+                 attention_pairs: dict, state: LoopState | None = None):
+        import torch
+
+        world = accelerator.num_processes
+        if cfg.batch_size % (world * cfg.micro_batch_size):
+            raise UsageError(f"--batch-size {cfg.batch_size} must be a multiple of {world} process(es) x "
+                             f"--micro-batch-size {cfg.micro_batch_size}")
+        self.acc, self.teacher, self.cfg = accelerator, teacher, cfg
+        self.train_windows, self.val_windows = train_windows, val_windows
+        self.state = state or LoopState()
+        self.trainable = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW([p for _, p in self.trainable], lr=cfg.lr, betas=(0.9, 0.95),
+                                           weight_decay=cfg.weight_decay)
+        self.model, self.optimizer = accelerator.prepare(student, self.optimizer)
+        self.attention_pairs = attention_pairs if cfg.attn_loss > 0 else {}
+        self.best_tensors: dict | None = None
+        self.on_validation: Callable[[dict], None] | None = None
+        self.monitor: Callable[[object], dict] | None = None  # extra scores per validation, never used to stop
+
+    # -- state that checkpoints carry ---------------------------------------------------------------
+
+    def tensors(self) -> dict:
+        """{name: CPU copy} of the trainable tensors."""
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.trainable}
+
+    def load_tensors(self, tensors: dict) -> None:
+        for n, p in self.trainable:
+            if n not in tensors or tensors[n].shape != p.shape:
+                raise AttnkitError(f"checkpoint does not hold the trained tensor {n!r} with shape {list(p.shape)}")
+            p.data.copy_(tensors[n].to(p.device))
+
+    def state_dict(self) -> dict:
+        return {"tensors": self.tensors(), "optimizer": self.optimizer.state_dict(), "best": self.best_tensors}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.load_tensors(saved["tensors"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.best_tensors = saved.get("best")
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def progress(self, elapsed: float) -> float:
+        """Share of the budget spent: tokens, or seconds for a time budget."""
+        if self.cfg.budget_tokens:
+            return self.state.tokens / self.cfg.budget_tokens
+        return elapsed / self.cfg.max_time
+
+    def run(self, save: Callable[[], None], advance: Callable[[dict], None] | None = None) -> LoopState:
+        """Train until the budget is spent, validation stops improving, or a stop is requested (saved, then
+        Interrupted is raised). `save()` writes a checkpoint; `advance(step entry)` feeds a progress bar."""
+        st, cfg = self.state, self.cfg
+        start = time.perf_counter() - st.seconds
+        if not st.validation:
+            self.validate(0.0)
+        with stop_requests() as flag:
+            while st.stopped is None:
+                entry = self.step(time.perf_counter() - start)
+                st.seconds = time.perf_counter() - start
+                if advance is not None:
+                    advance(entry)
+                stop, time_up = self._flags(flag["stop"], cfg.max_time is not None and st.seconds >= cfg.max_time)
+                if cfg.budget_tokens and st.tokens >= cfg.budget_tokens:
+                    st.stopped = "tokens"
+                elif time_up:
+                    st.stopped = "time"
+                if st.stopped or st.step % cfg.eval_every == 0:
+                    self.validate(time.perf_counter() - start)
+                st.seconds = time.perf_counter() - start
+                if stop and st.stopped is None:  # a stop that arrives with the last step lets the run finish
+                    save()
+                    raise Interrupted(f"interrupted at step {st.step}; checkpoint saved, continue with --resume")
+                if st.stopped is None and st.step % cfg.checkpoint_every == 0:
+                    save()
+        if self.best_tensors is not None and st.best["step"] != st.validation[-1]["step"]:
+            self.load_tensors(self.best_tensors)
+        return st
+
+    def step(self, elapsed: float) -> dict:
+        """One optimizer step on global batch st.step; returns its entry (loss averaged over all processes)."""
+        import torch
+
+        from attnkit.commands.heal.loss import attention_capture, distill_loss
+
+        st, cfg, acc = self.state, self.cfg, self.acc
+        share = cfg.batch_size // acc.num_processes
+        rows = batch_indices(self.train_windows.shape[0], st.step, cfg.batch_size, cfg.seed)
+        mine = self.train_windows[rows[acc.process_index * share:(acc.process_index + 1) * share]]  # [share, T]
+        micro = mine.split(cfg.micro_batch_size)
+        sums = torch.zeros(3, device=acc.device)  # loss, kl, attention term
+        self.model.train()
+        with attention_capture(self.attention_pairs) as capture:
+            for i, ids in enumerate(micro):
+                sync = contextlib.nullcontext() if i == len(micro) - 1 else acc.no_sync(self.model)
+                with sync, acc.autocast():
+                    loss, kl, attn = distill_loss(self.model, self.teacher, ids.to(acc.device), cfg.attn_loss, capture)
+                    acc.backward(loss / len(micro))
+                sums += torch.stack([loss.detach(), kl.detach(), attn.detach() if attn is not None else kl.new_zeros(())])
+        if cfg.max_grad_norm:
+            acc.clip_grad_norm_([p for _, p in self.trainable], cfg.max_grad_norm)
+        lr = lr_at(cfg, st.step, self.progress(elapsed))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, kl, attn = (acc.reduce(sums / len(micro), reduction="mean")).tolist()
+        st.step += 1
+        st.tokens += cfg.batch_size * self.train_windows.shape[1]
+        entry = {"step": st.step, "tokens": st.tokens, "lr": lr, "loss": loss, "kl": kl,
+                 "attn": attn if self.attention_pairs else None}
+        st.steps.append(entry)
+        return entry
+
+    def inner_model(self):
+        """The transformers model being trained (inside DDP and, with LoRA, inside peft: its adapters stay in it)."""
+        model = self.acc.unwrap_model(self.model)
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def _flags(self, stop: bool, time_up: bool) -> tuple[bool, bool]:
+        """Stop and time-up as seen by any process (one all-reduce), so every rank leaves at the same step."""
+        import torch
+
+        flags = torch.tensor([float(stop), float(time_up)], device=self.acc.device)
+        flags = self.acc.reduce(flags, reduction="sum")
+        return bool(flags[0] > 0), bool(flags[1] > 0)
+
+    def validate(self, seconds: float) -> dict:
+        """KL(teacher || student) and student perplexity on the validation windows, shared out over processes;
+        keeps the best tensors and counts checks without improvement (early stopping after `patience`)."""
+        st, acc = self.state, self.acc
+        sums = evaluate_shard(self.inner_model(), self.teacher,
+                              self.val_windows[acc.process_index::acc.num_processes], acc.device)
+        sums = acc.reduce(sums, reduction="sum").tolist()  # nll, kl, tokens
+        entry = {"step": st.step, "tokens": st.tokens, "seconds": seconds, "kl_mean": sums[1] / sums[2],
+                 "perplexity": math.exp(sums[0] / sums[2])}
+        if self.monitor is not None and acc.is_main_process:
+            entry.update(self.monitor(self.inner_model()))
+        st.validation.append(entry)
+        if self.on_validation is not None:
+            self.on_validation(entry)
+        if st.best is None or entry["kl_mean"] < st.best["kl_mean"]:
+            st.best, st.bad_checks = entry, 0
+            self.best_tensors = self.tensors()
+        else:
+            st.bad_checks += 1
+            if self.cfg.patience and st.bad_checks >= self.cfg.patience and st.stopped is None:
+                st.stopped = "early stop"
+        return entry
+
+
+def evaluate_shard(model, teacher, windows, device):
+    """float64 tensor [NLL sum, KL sum, tokens] of `model` on windows [n, T] (may be empty), KL against teacher."""
+    import torch
+
+    from attnkit.commands.analyse.evaluate import evaluate
+
+    if windows.shape[0] == 0:
+        return torch.zeros(3, dtype=torch.float64, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        r = evaluate(model, windows, reference=teacher, batch_size=4)
+    finally:
+        model.train(was_training)
+    return torch.tensor([r.nll_mean * r.tokens, r.kl_mean * r.tokens, r.tokens], dtype=torch.float64, device=device)

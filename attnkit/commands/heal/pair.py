@@ -1,0 +1,148 @@
+"""Is the student a rewrite of the teacher, and which of its tensors did the rewrite change?
+
+Before any model loads: configs (vocabulary, layer count, hidden size), tokenizers (same vocabulary)
+and stored weights (a rewrite copies the tensors outside attention, so some must be bit-equal).
+After loading: the student's attention parameters that differ from the teacher's are what trains.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnkit.errors import AttnkitError
+
+#: Config keys a rewrite keeps; a student that differs in one is not a rewrite of the teacher.
+SAME_CONFIG = (("vocab_size", "vocabulary size"), ("num_hidden_layers", "layer count"), ("hidden_size", "hidden size"))
+#: How many shared tensors outside attention to compare before deciding that none is copied.
+SHARED_CHECKS = 4
+
+
+@dataclass
+class Pair:
+    """Resolved student and teacher checkpoints, the student's rewrite manifest (None without attnkit.json)."""
+
+    student: object
+    teacher: object
+    manifest: dict | None
+
+
+def open_checkpoint(ref: str, role: str):
+    """Resolve `ref` to safetensors files (a GGUF file is materialized once, as convert does)."""
+    from attnkit.io.resolve import resolve
+
+    ckpt = resolve(ref)
+    if ckpt.kind == "config":
+        raise AttnkitError(f"{ref}: a config file has no weights to use as the {role}")
+    if ckpt.gguf_file is not None:
+        from attnkit.io.gguf_load import gguf_cache_folder, materialize_gguf
+
+        ckpt = resolve(str(materialize_gguf(ckpt.gguf_file, gguf_cache_folder(ckpt.gguf_file))))
+    if not ckpt.weight_files:
+        raise AttnkitError(f"{ref}: no safetensors weights found")
+    return ckpt
+
+
+def check_pair(student_ref: str, teacher_ref: str) -> Pair:
+    """Resolve both and refuse a student that is not a rewrite of the teacher, in one line."""
+    student, teacher = open_checkpoint(student_ref, "student"), open_checkpoint(teacher_ref, "teacher")
+    if Path(student.root).resolve() == Path(teacher.root).resolve():
+        raise AttnkitError(f"{student_ref}: the student and the teacher are the same checkpoint")
+    for key, what in SAME_CONFIG:
+        s, t = student.config.get(key), teacher.config.get(key)
+        if s != t:
+            raise AttnkitError(f"{student_ref}: {what} {s} differs from the teacher's {t}; "
+                               "the student must be a rewrite of the teacher")
+    _check_tokenizers(student, teacher)
+    _check_shared_weights(student, teacher)
+    return Pair(student, teacher, read_manifest(Path(student.root)))
+
+
+def _check_tokenizers(student, teacher) -> None:
+    """The teacher has a tokenizer; the student's, if it has one, has the same vocabulary."""
+    from attnkit.runtime.loader import load_tokenizer
+
+    t = load_tokenizer(teacher.root)
+    if t is None:
+        raise AttnkitError(f"{teacher.ref}: the teacher has no tokenizer; heal needs one to read text")
+    s = load_tokenizer(student.root)
+    if s is not None and s.get_vocab() != t.get_vocab():
+        raise AttnkitError(f"{student.ref}: its tokenizer differs from the teacher's (different vocabulary)")
+
+
+def _check_shared_weights(student, teacher) -> None:
+    """Among tensors outside attention with the same name and shape in both, at least one is bit-equal."""
+    import torch
+
+    from attnkit.io.reader import LazyReader
+
+    with LazyReader(student.weight_files) as s, LazyReader(teacher.weight_files) as t:
+        shared = [n for n in s.names() if n in t and "attn" not in n and tuple(s.info(n).shape) == tuple(t.info(n).shape)]
+        if not shared:
+            raise AttnkitError(f"{student.ref}: shares no tensor outside attention with the teacher; "
+                               "not a rewrite of it")
+        shared.sort(key=lambda n: ("mlp" not in n, n))  # MLP weights first: every rewrite copies them
+        for name in shared[:SHARED_CHECKS]:
+            a, b = s.get(name), t.get(name)
+            low = a.dtype if a.element_size() <= b.element_size() else b.dtype
+            if torch.equal(a.to(low), b.to(low)):
+                return
+    raise AttnkitError(f"{student.ref}: none of its weights outside attention equals the teacher's "
+                       f"(checked {min(len(shared), SHARED_CHECKS)}, e.g. {shared[0]!r}); not a rewrite of it")
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The folder's attnkit.json, or None when there is none."""
+    path = folder / "attnkit.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        raise AttnkitError(f"{path}: not valid JSON") from None
+
+
+def rewrite_summary(manifest: dict | None) -> dict | None:
+    """What produced the student: conversion or retrofit, its method and source, from its manifest."""
+    if manifest is None:
+        return None
+    kind = manifest.get("conversion") or manifest.get("retrofit") or ("heal" if "heal" in manifest else None)
+    return {"rewrite": kind, "method": manifest.get("method") or (manifest.get("parameters") or {}).get("method"),
+            "source": (manifest.get("source") or {}).get("ref"), "command": manifest.get("command")}
+
+
+def attention_modules(model) -> dict[str, object]:
+    """{qualified name: module} of the decoder's attention blocks (transformers names them *Attention)."""
+    found = {name: m for name, m in model.named_modules() if type(m).__name__.endswith("Attention")}
+    return {name: m for name, m in found.items() if not any(name.startswith(o + ".") for o in found)}
+
+
+def rewritten_parameters(student, teacher) -> list[str]:
+    """Student attention parameters that the teacher lacks, or holds with another shape or other values."""
+    import torch
+
+    theirs = dict(teacher.named_parameters())
+    prefixes = tuple(name + "." for name in attention_modules(student))
+    changed = []
+    for name, p in student.named_parameters():
+        if not name.startswith(prefixes):
+            continue
+        q = theirs.get(name)
+        if q is None or q.shape != p.shape or not torch.equal(q.detach().to(p.device), p.detach()):
+            changed.append(name)
+    return changed
+
+
+def checkpoint_digest(ckpt) -> str:
+    """sha256 over config.json and every weight file's name, size and safetensors header (no tensor data)."""
+    import hashlib
+    import struct
+
+    h = hashlib.sha256((Path(ckpt.root) / "config.json").read_bytes())
+    for f in sorted(ckpt.weight_files):
+        with open(f, "rb") as fh:
+            raw = fh.read(8)
+            header = fh.read(struct.unpack("<Q", raw)[0]) if len(raw) == 8 else b""
+        h.update(f"{Path(f).name}|{Path(f).stat().st_size}|".encode() + header)
+    return h.hexdigest()

@@ -1,0 +1,60 @@
+"""What trains: the rewritten attention tensors (default) or every tensor, directly or through LoRA adapters
+(peft) that are merged back into the weights at the end."""
+
+from __future__ import annotations
+
+from attnkit.errors import AttnkitError
+
+
+def select(student, teacher, mode: str) -> list[str]:
+    """Names of the student parameters to train; freezes every other parameter."""
+    from attnkit.commands.heal.pair import rewritten_parameters
+
+    if mode == "all":
+        names = [n for n, _ in student.named_parameters()]
+    else:
+        names = rewritten_parameters(student, teacher)
+        if not names:
+            raise AttnkitError("the student's attention equals the teacher's: nothing was rewritten to heal "
+                               "(use --train all to train every tensor)")
+    chosen = set(names)
+    for name, p in student.named_parameters():
+        p.requires_grad_(name in chosen)
+    return names
+
+
+def attention_pairs(student, teacher, names: list[str]) -> dict:
+    """{module name: (student module, teacher module)} of the attention blocks holding a trained tensor."""
+    from attnkit.commands.heal.pair import attention_modules
+
+    theirs = dict(teacher.named_modules())
+    return {name: (module, theirs[name]) for name, module in attention_modules(student).items()
+            if name in theirs and any(n.startswith(name + ".") for n in names)}
+
+
+def add_lora(model, names: list[str], rank: int):
+    """Wrap `model` with LoRA adapters of `rank` on the Linear modules among `names` (the output head excepted);
+    other chosen tensors (norms, biases of untouched modules) train directly. Returns the peft model."""
+    import torch
+
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise AttnkitError("--lora-rank needs the `peft` package (pip install 'attnkit[heal]')") from None
+    modules = dict(model.named_modules())
+    head = model.get_output_embeddings()
+    linear = sorted({n.rsplit(".", 1)[0] for n in names if isinstance(modules.get(n.rsplit(".", 1)[0]), torch.nn.Linear)
+                     and modules[n.rsplit(".", 1)[0]] is not head})
+    if not linear:
+        raise AttnkitError("--lora-rank: none of the tensors to train belongs to a Linear module")
+    direct = [model.get_parameter(n) for n in names if n.rsplit(".", 1)[0] not in linear]
+    wrapped = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, bias="none",
+                                               target_modules=linear))
+    for p in direct:
+        p.requires_grad_(True)
+    return wrapped
+
+
+def merge_lora(model):
+    """The base model with the LoRA updates merged into its weights (same architecture, same names)."""
+    return model.merge_and_unload()

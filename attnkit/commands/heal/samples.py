@@ -1,0 +1,121 @@
+"""Training text the teacher writes itself: batched sampling, cached on disk, the seed recorded.
+
+Each sample starts from one token drawn uniformly from the vocabulary (special tokens excluded), then
+the teacher samples at temperature 1 (no top-k/top-p), so the text follows the teacher's own
+distribution. Batch b is generated under torch seed (seed, b): a cache with fewer batches is extended,
+never regenerated, and ranks of a multi-process run write different batches of the same cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+#: Samples per generate() call; part of the cache key, so one cache serves every device.
+SAMPLE_BATCH = 128
+SAMPLER = {"prompt": "one uniform random non-special token", "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+           "batch": SAMPLE_BATCH, "version": 1}
+
+
+def cache_folder(root: Path, teacher_digest: str, seed: int, length: int) -> Path:
+    """The cache folder of one (teacher, seed, sample length, sampler) combination."""
+    key = json.dumps({"teacher": teacher_digest, "seed": seed, "length": length, **SAMPLER}, sort_keys=True)
+    return Path(root) / f"heal-samples-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _generate(model, tokenizer, batch: int, length: int, seed: int):
+    """One batch of samples: LongTensor [SAMPLE_BATCH, length] (prompt token + length - 1 sampled tokens)."""
+    import torch
+    from transformers import GenerationConfig
+
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + batch)
+    special = set(tokenizer.all_special_ids)
+    allowed = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
+    prompt = allowed[torch.randint(len(allowed), (SAMPLE_BATCH, 1), generator=gen)]  # [S, 1]
+    torch.manual_seed(seed * 1_000_003 + batch)
+    eos = tokenizer.eos_token_id
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=length - 1,
+                              pad_token_id=eos if eos is not None else 0, eos_token_id=eos)
+    device = model.get_input_embeddings().weight.device
+    with torch.no_grad():
+        out = model.generate(prompt.to(device), attention_mask=torch.ones_like(prompt, device=device),
+                             generation_config=config)
+    return torch.nn.functional.pad(out.cpu(), (0, length - out.shape[1]), value=config.pad_token_id)
+
+
+def _documents(ids, eos: int | None) -> list[list[int]]:
+    """Rows of ids [S, L] cut before their first EOS."""
+    docs = []
+    for row in ids.tolist():
+        if eos is not None and eos in row:
+            row = row[:row.index(eos)]
+        if row:
+            docs.append(row)
+    return docs
+
+
+def _save(path: Path, ids) -> None:
+    """Write one batch atomically (temp file, then rename)."""
+    import torch
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({"ids": ids.to(torch.int32).contiguous()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def _load(path: Path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))["ids"].long()
+
+
+def teacher_documents(model, tokenizer, tokens: int, length: int, seed: int, folder: Path, *, rank: int = 0,
+                      world: int = 1, barrier: Callable[[], None] = lambda: None,
+                      progress: Callable[[int], None] | None = None) -> tuple[list[list[int]], dict]:
+    """At least `tokens` tokens of teacher-written documents (token ids), from the cache where it has them.
+
+    Rounds of `world` batches: rank r writes batch round * world + r when missing, then all ranks read the round.
+    Returns (documents, info for the manifest).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    eos = tokenizer.eos_token_id
+    docs: list[list[int]] = []
+    total = generated = batches = 0
+    seconds = 0.0
+    while total < tokens:
+        mine = folder / f"batch-{batches + rank:05d}.safetensors"
+        if not mine.is_file():
+            began = time.perf_counter()
+            _save(mine, _generate(model, tokenizer, batches + rank, length, seed))
+            seconds += time.perf_counter() - began
+            generated += 1
+        barrier()
+        for b in range(batches, batches + world):
+            new = _documents(_load(folder / f"batch-{b:05d}.safetensors"), eos)
+            docs.extend(new)
+            total += sum(len(d) for d in new)
+            if progress is not None:
+                progress(sum(len(d) for d in new))
+        batches += world
+    info = {"source": "teacher samples", "seed": seed, "sample_length": length, "samples": batches * SAMPLE_BATCH,
+            "tokens": total, "cache": str(folder), "batches_written_here": generated,
+            "seconds_writing_here": seconds, **SAMPLER}
+    return docs, info
+
+
+def token_windows(docs: list[list[int]], eos: int | None, seq_len: int):
+    """LongTensor [N, seq_len]: documents joined with EOS between them, cut into full windows."""
+    import torch
+
+    ids: list[int] = []
+    for i, doc in enumerate(docs):
+        if i and eos is not None:
+            ids.append(eos)
+        ids.extend(doc)
+    n = len(ids) // seq_len
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)

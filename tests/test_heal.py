@@ -1,0 +1,260 @@
+"""`attnkit heal` on tiny random models: output layout, what trains, bad input, resume, LoRA, data, 2 processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnkit.cli import app
+from attnkit.commands.heal.heal import heal
+from attnkit.commands.heal.loop import Interrupted, LoopConfig, batch_indices, lr_at
+from attnkit.commands.heal.request import HealRequest
+from attnkit.io.safetensors_header import read_headers
+from tests.test_cli_basics import _modules_after
+from tests.test_runtime import PROSE, char_tokenizer
+from tests.tiny import build_model, save_model
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Small and fast: 32-token windows, 4 per step, 2 per forward pass, 16 steps.
+FAST = ["--tokens", "2048", "--seq-len", "32", "--batch-size", "4", "--micro-batch-size", "2", "--val-tokens", "128",
+        "--eval-every", "4", "--lr", "3e-3", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(teacher folder, MQA student folder from `convert mqa --method mean`, a training text file)."""
+    from typer.testing import CliRunner
+
+    root = tmp_path_factory.mktemp("heal")
+    teacher = char_tokenizer(save_model(build_model("llama_gqa"), root / "teacher"))
+    student = root / "student"
+    result = CliRunner().invoke(app, ["convert", "mqa", str(teacher), str(student), "--method", "mean"])
+    assert result.exit_code == 0, result.output
+    data = root / "data.txt"
+    data.write_text(PROSE * 30)
+    return teacher, student, data
+
+
+def _heal(runner, pair, out: Path, *extra: str):
+    teacher, student, data = pair
+    return runner.invoke(app, ["heal", str(student), str(out), "--teacher", str(teacher), "--data", str(data), *FAST,
+                               *extra, "--format", "json"])
+
+
+def _layout(folder: Path) -> dict:
+    return {n: (i.dtype, tuple(i.shape)) for n, i in read_headers(sorted(folder.glob("*.safetensors"))).items()}
+
+
+def test_heal_writes_the_students_layout_and_a_manifest(runner, pair, tmp_path):
+    teacher, student, data = pair
+    out = tmp_path / "out"
+    result = _heal(runner, pair, out, "--eval", str(data), "--eval-seq-len", "64", "--eval-tokens", "256")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert _layout(out) == _layout(student)
+    assert (out / "config.json").read_bytes() == (student / "config.json").read_bytes()
+    assert (out / "tokenizer.json").read_bytes() == (student / "tokenizer.json").read_bytes()
+    # mean pooling rewrote k and v only: q and o equal the teacher's and stay frozen
+    assert report["trainable"]["names"] and all(n.endswith(("k_proj.weight", "v_proj.weight"))
+                                                for n in report["trainable"]["names"])
+    manifest = json.loads((out / "attnkit.json").read_text())
+    assert manifest["rewrite"]["conversion"] == "gqa" and manifest["seed"] == 0
+    assert manifest["training"]["tokens"] == 2048 and manifest["training"]["steps"] == 16
+    assert manifest["data"]["files"] == [str(data)] and len(manifest["data"]["sha256"]) == 64
+    v, e = manifest["validation"], manifest["eval"]
+    assert v["after"]["kl_mean"] < v["before"]["kl_mean"]
+    assert e["after"]["kl_mean"] < e["before"]["kl_mean"] and e["tokens"] == 4 * 63
+    assert not Path(str(out) + ".checkpoint").exists()  # removed once OUT is written
+
+
+def test_rewritten_parameters_are_the_changed_attention_tensors():
+    from attnkit.commands.heal.pair import rewritten_parameters
+
+    teacher, student = build_model("llama"), build_model("llama")
+    with torch.no_grad():
+        student.model.layers[1].self_attn.q_proj.weight.mul_(2)
+        student.model.layers[0].mlp.up_proj.weight.mul_(2)  # outside attention: never selected
+    assert rewritten_parameters(student, teacher) == ["model.layers.1.self_attn.q_proj.weight"]
+
+
+def _other_tokenizer(folder: Path) -> Path:
+    """The char tokenizer with two characters' ids swapped: same size, different vocabulary."""
+    path = folder / "tokenizer.json"
+    doc = json.loads(path.read_text())
+    vocab = doc["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    path.write_text(json.dumps(doc))
+    return folder
+
+
+@pytest.mark.parametrize("case,match", [
+    ("vocab", "vocabulary size 300 differs"),
+    ("layers", "layer count 3 differs"),
+    ("hidden", "hidden size 32 differs"),
+    ("tokenizer", "tokenizer differs"),
+    ("unrelated", "none of its weights outside attention equals"),
+    ("empty-data", "empty data file"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(runner, pair, tmp_path, case, match):
+    teacher, student, data = pair
+    overrides = {"vocab": dict(vocab_size=300), "layers": dict(num_hidden_layers=3),
+                 "hidden": dict(hidden_size=32, head_dim=4)}.get(case)
+    if overrides is not None or case == "unrelated":
+        student = char_tokenizer(save_model(build_model("llama_gqa", seed=7, **(overrides or {})), tmp_path / "s"))
+    if case == "tokenizer":
+        student = _other_tokenizer(char_tokenizer(save_model(build_model("llama_gqa"), tmp_path / "s")))
+    if case == "empty-data":
+        data = tmp_path / "empty.txt"
+        data.write_text("")
+    out = tmp_path / "out"
+    result = _heal(runner, (teacher, student, data), out)
+    assert result.exit_code != 0
+    assert match in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert not out.exists() and not Path(str(out) + ".checkpoint").exists()
+
+
+def _request(pair, out: Path, **overrides) -> HealRequest:
+    teacher, student, data = pair
+    settings = dict(student=str(student), out=out, teacher=str(teacher), data=[str(data)], tokens=2048, seq_len=32,
+                    batch_size=4, micro_batch_size=2, val_tokens=128, eval_every=4, checkpoint_every=100, lr=3e-3,
+                    device="cpu")
+    return HealRequest(**{**settings, **overrides})
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_continues_the_same_run(pair, tmp_path):
+    """SIGINT at the step-8 validation: checkpoint saved, nothing written; --resume ends with the uninterrupted
+    run's per-step losses, bit for bit; a changed learning rate is refused as another run."""
+    whole = heal(_request(pair, tmp_path / "whole"))
+
+    def ctrl_c(message: str) -> None:
+        if message.startswith("step 8:"):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    out = tmp_path / "out"
+    with pytest.raises(Interrupted, match="interrupted at step 9"):
+        heal(_request(pair, out), log=ctrl_c)
+    assert not out.exists() and (tmp_path / "out.checkpoint" / "run.json").is_file()
+    with pytest.raises(Exception, match=r"from another run \(lr was 0.003, now 0.001\)"):
+        heal(_request(pair, out, resume=True, lr=1e-3))
+    resumed = heal(_request(pair, out, resume=True))
+    assert resumed["resumed_from_step"] == 9
+    assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in whole["steps"]]
+    assert _layout(out) == _layout(tmp_path / "whole")
+
+
+def test_lora_merges_back_and_attention_loss_is_reported(runner, pair, tmp_path):
+    teacher, student, data = pair
+    out = tmp_path / "out"
+    result = _heal(runner, pair, out, "--lora-rank", "2", "--attn-loss", "0.5")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert _layout(out) == _layout(student)  # adapters merged: no lora tensors, same shapes
+    assert all(s["attn"] is not None and s["attn"] >= 0 for s in report["steps"])
+    assert all(s["loss"] > s["kl"] for s in report["steps"])  # the attention term is added
+    assert report["validation"]["after"]["kl_mean"] < report["validation"]["before"]["kl_mean"]
+
+
+def test_data_formats(tmp_path):
+    import datasets
+    import pandas as pd
+
+    from attnkit.commands.heal.data import read_documents
+
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "one"}) + "\n" + json.dumps({"text": "two"}) + "\n")
+    pd.DataFrame({"text": ["three", "four"]}).to_parquet(tmp_path / "b.parquet")
+    datasets.Dataset.from_dict({"text": ["five"]}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "blank.txt").write_text("  \n")
+    paths = [str(tmp_path / n) for n in ("a.jsonl", "b.parquet", "saved")]
+    assert read_documents(paths) == ["one", "two", "three", "four", "five"]
+    with pytest.raises(Exception, match="blank.txt: no text"):
+        read_documents([str(tmp_path / "blank.txt")])
+
+
+def test_teacher_samples_are_cached_and_seeded(pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    from attnkit.commands.heal.samples import cache_folder, teacher_documents
+
+    teacher_folder = pair[0]
+    model, tok = build_model("llama_gqa"), AutoTokenizer.from_pretrained(teacher_folder)
+    folder = cache_folder(tmp_path, "digest", seed=1, length=16)
+    first, info = teacher_documents(model, tok, 100, 16, 1, folder)
+    again, info2 = teacher_documents(model, tok, 100, 16, 1, folder)
+    assert first == again and info["batches_written_here"] == 1 and info2["batches_written_here"] == 0
+    assert sum(map(len, first)) >= 100 and info["seed"] == 1
+    assert cache_folder(tmp_path, "digest", seed=2, length=16) != folder
+
+
+def test_schedule_and_batch_order():
+    cfg = LoopConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, weight_decay=0, max_grad_norm=0, batch_size=4,
+                     micro_batch_size=2, attn_loss=0, budget_tokens=100, max_time=None, eval_every=1, patience=0,
+                     checkpoint_every=1, seed=0)
+    assert lr_at(cfg, 0, 0.0) == pytest.approx(0.25) and lr_at(cfg, 10, 0.0) == pytest.approx(1.0)
+    assert lr_at(cfg, 10, 0.5) == pytest.approx(0.55) and lr_at(cfg, 10, 1.0) == pytest.approx(0.1)
+    epoch = torch.cat([batch_indices(10, s, 5, seed=3) for s in range(2)])
+    assert sorted(epoch.tolist()) == list(range(10))  # every window once per epoch
+    assert not torch.equal(batch_indices(10, 0, 5, seed=3), batch_indices(10, 0, 5, seed=4))
+
+
+def test_heal_help_imports_no_torch():
+    assert _modules_after(["heal", "--help"]) == set()
+
+
+def test_two_processes_give_the_one_process_loss_curve(pair, tmp_path):
+    """gloo, 2 CPU processes through torchrun + accelerate: each takes half of every global batch; the per-step
+    losses must match a 1-process run with the same global batch to 1e-6 (relative)."""
+    teacher, student, data = pair
+    args = ["heal", str(student), "OUT", "--teacher", str(teacher), "--data", str(data), *FAST, "--format", "json"]
+    one = subprocess.run([sys.executable, "-m", "attnkit", *[str(tmp_path / "one") if a == "OUT" else a for a in args]],
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "attnkit",
+                          *[str(tmp_path / "two") if a == "OUT" else a for a in args]],
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    assert two.returncode == 0, two.stderr[-2000:]
+    a, b = json.loads(one.stdout), json.loads(two.stdout)
+    assert a["training"]["processes"] == 1 and b["training"]["processes"] == 2
+    la, lb = [s["loss"] for s in a["steps"]], [s["loss"] for s in b["steps"]]
+    assert len(la) == len(lb) == 16
+    assert max(abs(x - y) / abs(x) for x, y in zip(la, lb)) <= 1e-6
+    assert _layout(tmp_path / "two") == _layout(student)
+
+
+def test_dry_run_checks_and_writes_nothing(runner, pair, tmp_path):
+    out = tmp_path / "out"
+    result = _heal(runner, pair, out, "--dry-run")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["dry_run"] and report["rewrite"]["rewrite"] == "gqa" and report["data"]["source"] == "files"
+    assert not out.exists() and not Path(str(out) + ".checkpoint").exists()
+
+
+def test_max_time_stops_on_the_clock(pair, tmp_path):
+    report = heal(_request(pair, tmp_path / "out", tokens=None, max_time=1.0, eval_every=1000))
+    assert report["training"]["stopped"] == "time" and report["training"]["steps"] >= 1
+    assert report["budget"] == {"tokens": None, "max_time_seconds": 1.0}
+    assert report["training"]["seconds"] >= 1.0
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--lr", "0"], "--lr must be positive"),
+    (["--micro-batch-size", "3"], "not a multiple of --micro-batch-size 3"),
+    (["--max-time", "1m"], "give one budget"),
+    (["--train", "some"], "--train must be one of rewritten, all"),
+    (["--resume"], "holds no heal checkpoint"),
+    (["--eval", "missing.txt"], "missing.txt: file not found"),
+    (["--max-time", "soon", "--tokens", "1"], "not a duration"),
+])
+def test_bad_options_are_usage_errors(runner, pair, tmp_path, args, match):
+    out = tmp_path / "out"
+    result = _heal(runner, pair, out, *args)
+    assert result.exit_code == 2 and match in result.output, result.output
+    assert not out.exists()
