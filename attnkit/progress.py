@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 _display: "_Display | None" = None
 
 
-def _noop(_n: int = 1) -> None:
+def _noop(_n: float = 1, **_fields) -> None:
     return None
 
 
@@ -31,16 +31,24 @@ class _Display:
     def __init__(self, console: Callable[[], object]):
         self.console, self.progress = console, None
 
-    def add(self, description: str, total: int, unit: str):
+    def add(self, description: str, total: float, unit: str, completed: float):
         if self.progress is None:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                        TimeRemainingColumn)
 
             self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[unit]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                                     TimeRemainingColumn(), console=self.console(), transient=False)
+                                     TimeRemainingColumn(), TextColumn("{task.fields[note]}"), console=self.console(),
+                                     transient=False)
             self.progress.start()
-        return self.progress.add_task(description, total=total, unit=unit)
+        return self.progress.add_task(description, total=total, completed=completed, unit=unit, note="")
+
+    def advance(self, task, n: float = 1, completed: float | None = None, note: str | None = None) -> None:
+        fields = {} if note is None else {"note": note}
+        if completed is None:
+            self.progress.update(task, advance=n, **fields)
+        else:
+            self.progress.update(task, completed=completed, **fields)
 
     def stop(self) -> None:
         if self.progress is not None:
@@ -64,11 +72,13 @@ def display(console: Callable[[], object] | None = None, force: bool = False) ->
 
 
 @contextlib.contextmanager
-def phase(description: str, total: int, unit: str = "") -> Iterator[Callable[[int], None]]:
-    """A line of the active display with `total` steps of `unit`; yields advance(n=1)."""
+def phase(description: str, total: float, unit: str = "", completed: float = 0) -> Iterator[Callable[..., None]]:
+    """A line of the active display with `total` steps of `unit`, `completed` of them done before (a resumed
+    run); yields advance(n=1, completed=None, note=None): n more steps, or `completed` in all, and a note
+    shown after the ETA (e.g. a loss)."""
     if _display is None or total <= 0:
         yield _noop
         return
     shown = _display
-    task = shown.add(description, int(total), unit)
-    yield lambda n=1: shown.progress.advance(task, n)
+    task = shown.add(description, total, unit, completed)
+    yield lambda n=1, completed=None, note=None: shown.advance(task, n, completed, note)

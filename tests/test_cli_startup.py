@@ -45,7 +45,8 @@ def test_every_command_is_registered_for_help_and_the_app():
 
 @pytest.mark.parametrize("command", [["inspect"], ["kvmem"], ["eval"], ["probe"], ["presets"], ["diff"],
                                      ["export"], ["convert", "gqa"], ["convert", "mqa"], ["convert", "mla"],
-                                     ["retrofit", "softcap"], ["retrofit", "qknorm"], ["retrofit", "qkclip"]])
+                                     ["retrofit", "softcap"], ["retrofit", "qknorm"], ["retrofit", "qkclip"],
+                                     ["heal"], ["verify"]])
 def test_help_pages_show_examples_in_plain_notation(runner, command):
     result = runner.invoke(app, [*command, "--help"], terminal_width=200)
     assert result.exit_code == 0, result.output

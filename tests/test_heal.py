@@ -70,7 +70,7 @@ def test_heal_writes_the_students_layout_and_a_manifest(runner, pair, tmp_path):
     assert manifest["data"]["files"] == [str(data)] and len(manifest["data"]["sha256"]) == 64
     v, e = manifest["validation"], manifest["eval"]
     assert v["after"]["kl_mean"] < v["before"]["kl_mean"]
-    assert e["after"]["kl_mean"] < e["before"]["kl_mean"] and e["tokens"] == 4 * 63
+    assert e["after"]["kl_mean"] < e["before"]["kl_mean"] and e["tokens"] == 4 * 64 and e["predicted"] == 4 * 63
     assert not Path(str(out) + ".checkpoint").exists()  # removed once OUT is written
 
 
@@ -258,3 +258,28 @@ def test_bad_options_are_usage_errors(runner, pair, tmp_path, args, match):
     result = _heal(runner, pair, out, *args)
     assert result.exit_code == 2 and match in result.output, result.output
     assert not out.exists()
+
+
+def test_size_and_text_options_are_checked_before_loading(runner, pair, tmp_path):
+    result = _heal(runner, pair, tmp_path / "out", "--max-shard-size", "1000")
+    assert result.exit_code == 2 and "--max-shard-size '1000' has no unit" in result.output, result.output
+    binary = tmp_path / "held.txt"
+    binary.write_bytes(b"text\0more")
+    result = _heal(runner, pair, tmp_path / "out", "--eval", str(binary))
+    assert result.exit_code == 1 and "a binary file" in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_training_is_a_line_of_the_one_progress_display(pair, tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from attnkit import progress
+
+    buffer = io.StringIO()
+    with progress.display(lambda: Console(file=buffer, force_terminal=True, width=160), force=True):
+        heal(_request(pair, tmp_path / "out", eval=[str(pair[2])], eval_tokens=64, eval_seq_len=32))
+    text = buffer.getvalue()
+    assert "training" in text and "2048/2048" in text and "tok/s, loss" in text
+    assert "scoring 2 window(s) x 32 tokens against the reference" in text

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, handle_errors, stderr
+from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, stderr
 from attnkit.cli.output import Column, render
 
 
@@ -32,7 +32,9 @@ def _caption(report: dict) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("heal")
+    @app.command("heal", epilog=examples(
+        "attnkit heal ./mqa-model ./mqa-healed --teacher ./my-model --data corpus.jsonl --max-time 30m --eval heldout.txt",
+        "attnkit heal ./mla-model ./mla-healed --teacher ./my-model --tokens 256k --lora-rank 16 --dry-run"))
     @handle_errors
     def heal_(
         student: str = typer.Argument(..., help="The rewritten model (e.g. a convert or retrofit output folder)."),
@@ -92,7 +94,7 @@ def register(app: typer.Typer) -> None:
             checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, resume=resume,
             sample_tokens=parse_tokens(sample_tokens) if sample_tokens is not None else None,
             sample_cache=sample_cache, gradient_checkpointing=gradient_checkpointing, seed=seed, device=device,
-            overwrite=overwrite, dry_run=dry_run, max_shard_bytes=int(parse_bytes(max_shard_size)),
+            overwrite=overwrite, dry_run=dry_run, max_shard_bytes=parse_bytes(max_shard_size, "--max-shard-size"),
             command=shlex.join(["attnkit", *sys.argv[1:]]))
         report = heal(req, log=lambda message: stderr.print(message, style="dim", soft_wrap=True))
         if report is None:

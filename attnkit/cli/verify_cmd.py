@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, handle_errors, stderr
+from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, stderr
 from attnkit.cli.output import Column, render
 
 
@@ -15,7 +15,8 @@ def _num(fmt: str):
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("verify")
+    @app.command("verify", epilog=examples("attnkit verify ./mla-model",
+                                           "attnkit verify ./mqa-model --engine llama.cpp --text heldout.txt --format json"))
     @handle_errors
     def verify_(
         model: str = typer.Argument(..., help="A Hugging Face folder (e.g. what attnkit convert wrote)."),

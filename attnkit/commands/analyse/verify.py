@@ -69,6 +69,9 @@ def check_request(req: VerifyRequest) -> list[str]:
     for path in req.texts:
         if not Path(path).is_file():
             raise UsageError(f"{path}: file not found")
+    from attnkit.runtime.texts import check_text_files
+
+    check_text_files(req.texts)
     for flag, value, low in (("--prompts", req.prompts, 1), ("--new-tokens", req.new_tokens, 1),
                              ("--ctx", req.ctx, 16), ("--ppl-tokens", req.ppl_tokens, req.ctx)):
         if value < low:
@@ -80,6 +83,9 @@ def check_request(req: VerifyRequest) -> list[str]:
     ckpt = resolve(req.model)
     if ckpt.kind not in ("folder", "hub") or not ckpt.weight_files:
         raise UsageError(f"{req.model}: verify takes a Hugging Face folder (what attnkit writes), not {ckpt.kind}")
+    from attnkit.runtime.loader import check_checkpoint
+
+    check_checkpoint(ckpt)  # complete and consistent before any engine runs
     return list(req.engines or ENGINES)
 
 
@@ -283,6 +289,7 @@ def find_vllm(req: VerifyRequest) -> str | None:
 def verify(req: VerifyRequest, log=lambda message: None) -> dict:
     """Run the checks; the report (docs/verify.md). Engines that are not installed get a row saying so."""
     from attnkit.engines.llamacpp import find_llama_cpp
+    from attnkit.progress import phase
     from attnkit.runtime import load_model, read_texts
 
     started = time.perf_counter()
@@ -309,21 +316,23 @@ def verify(req: VerifyRequest, log=lambda message: None) -> dict:
     loaded = load_model(req.model, device="cpu", dtype="float32")
     ref = reference(loaded, text, req)
     rows = []
-    for engine in wanted:
-        if engine in missing:
-            row = _row(engine)
-            row["detail"] = missing[engine]
-            rows.append(row)
-            continue
-        log(f"{engine}: running ...")
-        with tempfile.TemporaryDirectory(prefix="attnkit-verify-") as tmp:
-            try:
-                rows.append(run_llama_cpp(req, ref, loaded, found[engine], Path(tmp)) if engine == "llama.cpp"
-                            else run_vllm(req, ref, loaded, found[engine], Path(tmp)))
-            except AttnkitError as exc:
+    with phase("running the engines", len(found), "engines") as advance:
+        for engine in wanted:
+            if engine in missing:
                 row = _row(engine)
-                row["status"], row["detail"] = "failed", str(exc)
+                row["detail"] = missing[engine]
                 rows.append(row)
+                continue
+            log(f"{engine}: running ...")
+            with tempfile.TemporaryDirectory(prefix="attnkit-verify-") as tmp:
+                try:
+                    rows.append(run_llama_cpp(req, ref, loaded, found[engine], Path(tmp)) if engine == "llama.cpp"
+                                else run_vllm(req, ref, loaded, found[engine], Path(tmp)))
+                except AttnkitError as exc:
+                    row = _row(engine)
+                    row["status"], row["detail"] = "failed", str(exc)
+                    rows.append(row)
+            advance(1)
     return {"model": req.model, "model_type": loaded.model.config.model_type, "prompts": ref.prompts,
             "new_tokens": req.new_tokens, "ctx": req.ctx, "windows": len(ref.windows),
             "perplexity_transformers": {"all_tokens": _perplexity(ref.nll_full),

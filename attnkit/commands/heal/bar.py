@@ -1,9 +1,8 @@
-"""The training progress bar: tokens/s, loss and ETA on stderr, shown only when stderr is a terminal."""
+"""The training line of attnkit's progress display: tokens, tokens/s, loss and ETA (a terminal only)."""
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from typing import Callable, Iterator
 
@@ -11,24 +10,19 @@ from typing import Callable, Iterator
 @contextlib.contextmanager
 def training_bar(total: float, unit: str, done: float = 0.0, tokens: int = 0,
                  enabled: bool = True) -> Iterator[Callable[[dict], None] | None]:
-    """Yield advance(step entry) for a bar over the budget in `unit` ('tokens' or 'seconds'), `done` of it spent
-    and `tokens` trained before (a resumed run); None when disabled or stderr is not a terminal."""
-    if not (enabled and sys.stderr.isatty()):
+    """Yield advance(step entry) for a phase over the budget in `unit` ('tokens' or 'seconds'), `done` of it
+    spent and `tokens` trained before (a resumed run); None when disabled (processes other than the main one)."""
+    if not enabled:
         yield None
         return
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from attnkit.progress import phase
 
-    columns = (TextColumn("heal"), BarColumn(), TextColumn("{task.fields[tokens]:,} tokens"),
-               TextColumn("{task.fields[speed]:,.0f} tok/s"), TextColumn("loss {task.fields[loss]:.4f}"),
-               TimeRemainingColumn())
     began = time.perf_counter()
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("heal", total=total, completed=done, tokens=tokens, speed=0.0, loss=float("nan"))
-
+    with phase("training", total, unit, completed=done) as update:
         def advance(entry: dict) -> None:
             seconds = time.perf_counter() - began
-            bar.update(task, completed=entry["tokens"] if unit == "tokens" else done + seconds, tokens=entry["tokens"],
-                       loss=entry["loss"], speed=(entry["tokens"] - tokens) / max(seconds, 1e-9))
+            speed = (entry["tokens"] - tokens) / max(seconds, 1e-9)
+            update(completed=entry["tokens"] if unit == "tokens" else done + seconds,
+                   note=f"{speed:,.0f} tok/s, loss {entry['loss']:.4f}")
 
         yield advance

@@ -223,7 +223,8 @@ def _write(req, pair, acc, model, teacher, eval_windows, before, report) -> None
         if before is not None:
             healed = load_model(str(folder), device=str(acc.device), dtype="float32").model
             after = _score(healed, teacher, eval_windows)
-            report["eval"] = {"files": list(req.eval), "tokens": after.pop("tokens"), "seq_len": req.eval_seq_len,
+            report["eval"] = {"files": list(req.eval), "tokens": after.pop("tokens"),
+                              "predicted": after.pop("predicted"), "seq_len": req.eval_seq_len,
                               "teacher_perplexity": after.pop("teacher_perplexity"),
                               "before": {k: before[k] for k in after}, "after": after}
         return _manifest(req, pair, report)
@@ -237,15 +238,15 @@ def _teacher_windows(req, plan, teacher, acc, log) -> None:
     """Training and validation windows from teacher-written text (cached; generated where missing)."""
     from attnkit.commands.heal.data import split_windows
     from attnkit.commands.heal.samples import teacher_documents, token_windows
-    from attnkit.runtime.progress import progress_bar
+    from attnkit.progress import phase
 
     need = req.samples_needed + req.val_tokens
     log(f"teacher-written training text: {need:,} tokens, cached in {plan['samples']}")
     tokenizer = plan["tokenizer"]
-    with progress_bar(need, "teacher writes") as advance:
+    with phase("teacher writes its training text", need if acc.is_main_process else 0, "tokens") as advance:
         docs, info = teacher_documents(teacher, tokenizer, need, req.seq_len, req.seed, plan["samples"],
                                        rank=acc.process_index, world=acc.num_processes,
-                                       barrier=acc.wait_for_everyone, progress=advance if acc.is_main_process else None)
+                                       barrier=acc.wait_for_everyone, progress=advance)
     plan["train"], plan["val"] = split_windows(token_windows(docs, tokenizer.eos_token_id, req.seq_len), req.val_tokens)
     plan["info"].update(info, train_tokens=int(plan["train"].numel()), validation_tokens=int(plan["val"].numel()))
 
@@ -258,7 +259,8 @@ def _score(student, teacher, windows) -> dict:
     student.eval()
     r = evaluate(student, windows, reference=teacher)
     student.train(was_training)
-    return {"tokens": r.tokens, "perplexity": r.perplexity, "kl_mean": r.kl_mean, "kl_max": r.kl_max,
+    return {"tokens": r.tokens, "predicted": r.predicted, "perplexity": r.perplexity, "kl_mean": r.kl_mean,
+            "kl_max": r.kl_max,
             "top1_agreement": r.top1_agreement, "teacher_perplexity": r.reference_perplexity}
 
 

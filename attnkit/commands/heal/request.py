@@ -121,6 +121,9 @@ def check_options(req: HealRequest) -> None:
     for path in req.eval:
         if not Path(path).is_file():
             raise UsageError(f"{path}: file not found")
+    from attnkit.runtime.texts import check_text_files
+
+    check_text_files(req.eval)
     for path in req.data:
         check_data_path(Path(path))
     if req.resume and not (req.checkpoint_folder / "run.json").is_file():
