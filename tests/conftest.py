@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 from tests.realmodel import CACHE
 from tests.tiny import make_checkpoint
 
-# attnkit's GGUF cache and the real-model helpers share one folder (see tests/realmodel.py).
-os.environ.setdefault("ATTNKIT_CACHE", str(CACHE))
+# attnkit's GGUF cache and the real-model helpers share one folder (see tests/realmodel.py), outside the checkout.
+os.environ["ATTNKIT_CACHE"] = str(CACHE)
 
 
 @pytest.fixture

@@ -315,6 +315,7 @@ def test_real_minilm_bert_through_inspect():
             assert arch.tensor_name(role, layer, prefix) in info.tensor_names
 
 
+@pytest.mark.real_model
 def test_real_smollm2_through_inspect():
     from attnkit.commands.analyse.inspect import inspect_model
     from attnkit.commands.analyse.modelinfo import model_info
