@@ -204,3 +204,14 @@ def test_plot_uses_one_colour_scale_and_marks_the_fail_if_bound(tmp_path, monkey
     assert [im.get_clim() for im in images] == [(0.0, 40.0), (0.0, 40.0)]
     bars = [ax for ax in fig.axes if ax.get_ylabel() == "max attention logit"]
     assert len(bars) == 2 and all(any(line.get_ydata()[0] == 12 for line in bar.lines) for bar in bars)
+
+
+def test_out_and_plot_suffixes_are_refused_before_any_model_loads(tiny, runner, tmp_path, monkeypatch):
+    import attnkit.runtime as runtime
+
+    monkeypatch.setattr(runtime, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the checks"))
+    (tmp_path / "t.txt").write_text("some text " * 50)
+    model = str(tiny("llama_gqa"))
+    for option, path in (("--out", "stats.txt"), ("--plot", "heads.svgz")):
+        result = runner.invoke(app, ["probe", model, str(tmp_path / "t.txt"), option, str(tmp_path / path)])
+        assert result.exit_code == 2 and option in result.stderr, result.output
