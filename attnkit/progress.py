@@ -26,10 +26,12 @@ def _stderr_console():
 
 
 class _Display:
-    """A rich Progress made and started at the first phase (commands without phases never import rich)."""
+    """A rich Progress on the console, live while a phase runs: started by the first phase, stopped when no phase
+    is left (finished lines stay on screen), so data printed after the work never shares the screen with a live
+    display. stdout is never redirected: data stays on stdout (`> out.json` gets it)."""
 
     def __init__(self, console: Callable[[], object]):
-        self.console, self.progress = console, None
+        self.console, self.progress, self.running = console, None, 0
 
     def add(self, description: str, total: float, unit: str, completed: float):
         if self.progress is None:
@@ -39,8 +41,9 @@ class _Display:
             self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[unit]}"), TimeElapsedColumn(), TextColumn("ETA"),
                                      TimeRemainingColumn(), TextColumn("{task.fields[note]}"), console=self.console(),
-                                     transient=False)
+                                     transient=False, redirect_stdout=False)
             self.progress.start()
+        self.running += 1
         return self.progress.add_task(description, total=total, completed=completed, unit=unit, note="")
 
     def advance(self, task, n: float = 1, completed: float | None = None, note: str | None = None) -> None:
@@ -50,9 +53,15 @@ class _Display:
         else:
             self.progress.update(task, completed=completed, **fields)
 
+    def done(self) -> None:
+        self.running -= 1
+        if not self.running:
+            self.stop()
+
     def stop(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+            self.progress = None
 
 
 @contextlib.contextmanager
@@ -81,4 +90,7 @@ def phase(description: str, total: float, unit: str = "", completed: float = 0) 
         return
     shown = _display
     task = shown.add(description, total, unit, completed)
-    yield lambda n=1, completed=None, note=None: shown.advance(task, n, completed, note)
+    try:
+        yield lambda n=1, completed=None, note=None: shown.advance(task, n, completed, note)
+    finally:
+        shown.done()

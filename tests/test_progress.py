@@ -66,3 +66,18 @@ def test_cli_runs_keep_library_bars_and_warnings_out_of_a_stderr_file(tmp_path):
         out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "error"
     assert (tmp_path / "err.txt").read_text() == ""
+
+
+def test_data_on_stdout_is_not_redirected_and_the_display_stops_between_phases(capsys):
+    buffer = io.StringIO()
+    with progress.display(_console(buffer), force=True):
+        with progress.phase("scoring", 2, "windows") as advance:
+            print("printed during a phase")
+            advance(2)
+        assert progress._display.progress is None  # no live display while the command renders its data
+        print('{"data": 1}')
+        with progress.phase("writing", 1, "tensors") as advance:
+            advance()
+    out = capsys.readouterr().out
+    assert "printed during a phase" in out and '{"data": 1}' in out
+    assert "data" not in buffer.getvalue() and "scoring" in buffer.getvalue() and "writing" in buffer.getvalue()
