@@ -27,9 +27,8 @@ OUTPUTS = [
     ("convert mqa --method merge", ["convert", "mqa", "{src}", "{out}", "--method", "merge", "--calib", CALIB]),
     ("convert gqa --kv-heads 1 --method mean", ["convert", "gqa", "{src}", "{out}", "--kv-heads", "1"]),
     ("convert mla --kv-budget 0.5", ["convert", "mla", "{src}", "{out}", "--kv-budget", "0.5", "--calib", CALIB]),
-    ("convert mla --kv-lora-rank 512 --rope-dim 64 --engine vllm",
-     ["convert", "mla", "{src}", "{out}", "--kv-lora-rank", "512", "--rope-dim", "64", "--engine", "vllm",
-      "--calib", CALIB]),
+    ("convert mla --kv-lora-rank 512 --rope-dim 64",
+     ["convert", "mla", "{src}", "{out}", "--kv-lora-rank", "512", "--rope-dim", "64", "--calib", CALIB]),
     ("retrofit qknorm (anchor)", ["retrofit", "qknorm", "{src}", "{out}", "--calib", CALIB]),
     ("retrofit qknorm --method pad", ["retrofit", "qknorm", "{src}", "{out}", "--method", "pad"]),
 ]
