@@ -168,8 +168,9 @@ def mla(
                                  help="Key parts that lose RoPE: keep them position-free, fade them by E[cos] or drop them."),
     o_refit: float = typer.Option(0.1, "--o-refit", min=0.0,
                                   help="Ridge of the o_proj refit to the source attention output (0: off)."),
-    shrink: float = typer.Option(0.0, "--shrink", min=0.0, max=1.0,
-                                 help="Shrink the calibration covariance toward its diagonal by this much (0-1)."),
+    shrink: float = typer.Option(0.5, "--shrink", min=0.0, max=1.0,
+                                 help="Shrink the calibration covariance toward its diagonal by this much (0-1); "
+                                      "0.5 generalizes best to text unlike --calib (docs/convert-mla.md)."),
     weight_only: bool = typer.Option(False, "--weight-only",
                                      help="Ablation: plain SVD of the weights, no activations or read-out weights."),
     latent_norm: str = typer.Option("auto", "--latent-norm",

@@ -56,7 +56,7 @@ class MLAOptions:
     key_balance: float = 1.0  # weight of the (scaled) logit error against the output error
     whiten: bool = True  # False: fit on the weights alone (plain SVD, cov = I; errors still on activations)
     o_refit: float = 0.1  # ridge of the o_proj refit to the source attention output (0: no refit)
-    shrink: float = 0.0  # covariance shrinkage toward its diagonal: (1 - s) C + s diag(C)
+    shrink: float = 0.5  # covariance shrinkage toward its diagonal: (1 - s) C + s diag(C); generalizes to other text
     ridge: float = 1e-6
 
 
