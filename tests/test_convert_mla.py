@@ -139,7 +139,7 @@ def test_engine_vllm_snaps_the_budget_or_refuses_before_work(runner, tmp_path):
 def test_gqa_converts_loads_in_stock_deepseek_and_caches_the_latent(runner, tmp_path):
     from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
 
-    from attnkit.commands.convert.mla import cache_check
+    from attnkit.runtime.generate import cache_check
 
     src = _source(tmp_path, "llama_gqa")  # 8 heads, 2 KV heads, D = 8: 32 cached values per token and layer
     before = _digest(src)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from attnkit.commands.convert.mla import MLARequest, cache_check, convert_mla
+from attnkit.commands.convert.mla import MLARequest, convert_mla
+from attnkit.runtime.generate import cache_check
 from attnkit.ops.mla import MLAOptions
 from tests.realmodel import smollm2_folder
 

@@ -1,4 +1,5 @@
-"""Greedy continuations of a prompt: what a rewrite says, next to what its source said."""
+"""Generation checks: greedy continuations of a prompt (what a rewrite says, next to what its source said), and
+what a model's DynamicCache holds per token after a generate call."""
 
 from __future__ import annotations
 
@@ -18,3 +19,19 @@ def greedy(loaded, prompt: str, new_tokens: int) -> str | None:
     with torch.no_grad():
         out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)  # [1, T + n]
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def cache_check(model, prompt_len: int = 8, new_tokens: int = 4) -> dict:
+    """Generate with the converted model and read what its DynamicCache holds per layer and token."""
+    import torch
+
+    ids = torch.arange(3, 3 + prompt_len, device=model.device)[None] % model.config.vocab_size
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             return_dict_in_generate=True, pad_token_id=model.config.pad_token_id)
+    layer = out.past_key_values.layers[0]
+    k, v = layer.keys, layer.values  # [B, 1, T, R] and [B, 1, T, P]
+    tokens = k.shape[2]
+    per_token = (k.numel() + v.numel()) // (k.shape[0] * tokens)
+    return {"key_shape": list(k.shape), "value_shape": list(v.shape), "tokens": tokens,
+            "values_per_token_layer": per_token}

@@ -15,7 +15,6 @@ transformers runs.
 from __future__ import annotations
 
 import json
-import math
 import resource
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from pathlib import Path
 from attnkit import __version__
 from attnkit.commands.rewrite import CheckedSource, RewriteRequest, check_rewrite, source_record
 from attnkit.errors import AttnkitError, UsageError
+from attnkit.commands.convert.mla_layer import convert_one, refit_o_proj, without_o_bias
 from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, VALUE_WEIGHTS, MLAOptions, MLAShape
 
 #: Families whose attention maps onto DeepseekV3 (the rest are refused with the reason in REFUSED).
@@ -289,122 +289,6 @@ def input_gamma(src: Source, weight):
     return gamma
 
 
-def convert_one(src: Source, weights: dict, hidden, gamma, freqs, options: MLAOptions, dtype,
-                latent_norm: str, norm_eps: float) -> tuple[dict, dict]:
-    """(DeepseekV3 attention tensors of one layer in `dtype`, report row) from its source tensors and the
-    calibration inputs hidden [B, T, n] of its attention (gamma: input_layernorm's scale, for the engine route)."""
-    from attnkit.ops.gqa import augmented_rows, is_biased
-    from attnkit.ops.mla import convert_layer
-    from attnkit.runtime.calibrate import input_covariance
-
-    s, augmented = src.shape, is_biased(weights)
-    cov = input_covariance(hidden, augmented)  # [n(+1), n(+1)]
-    q_scale = math.sqrt((s.head_dim + s.rope_dim) / s.head_dim)  # softmax-scale fold: D^-1/2 -> (D + P)^-1/2
-    if latent_norm == "bias":
-        from attnkit.ops.mla_deepseek import attention_tensors
-
-        q, k, v = (augmented_rows(weights, r, augmented) for r in ("q", "k", "v"))
-        layer = convert_layer(q, k, v, weights["o"], cov, s, freqs, options)
-        n = src.spec.hidden_size
-        tensors = attention_tensors(layer, s, q_scale=q_scale, augmented=augmented, q_bias=src.q_lora,
-                                    o=weights["o"], o_bias=weights.get("o_bias"),
-                                    x_mean_sq=float(cov[:n, :n].diagonal().sum()))
-        row = {"k_err": layer.k_err, "v_err": layer.v_err, "position_free": layer.position_free,
-               "latent_norm": "bias", "norm_error": 0.0}
-    else:
-        tensors, row = _engine_layer(src, weights, hidden, cov, gamma, freqs, options, latent_norm, norm_eps,
-                                     q_scale)
-    return {name: t.to(dtype) for name, t in tensors.items()}, row
-
-
-def _engine_layer(src: Source, weights: dict, hidden, cov, gamma, freqs, options: MLAOptions, latent_norm: str,
-                  norm_eps: float, q_scale: float) -> tuple[dict, dict]:
-    """One layer by the engine route: factor at the ranks the anchor and span latents need, keep the latent
-    (attnkit.ops.latent_norm) that leaves the smaller error on the calibration tokens, write it without biases."""
-    import dataclasses
-
-    import torch
-
-    from attnkit.ops.gqa import augmented_rows, is_biased
-    from attnkit.ops.anchor import anchor_row, substitute_constant
-    from attnkit.ops.latent_norm import anchor_plan, fold_gamma, span_plan
-    from attnkit.ops.mla import convert_layer
-    from attnkit.ops.mla_deepseek import engine_tensors, q_lora_readout
-
-    s, augmented, rank = src.shape, is_biased(weights), src.rank
-    shape = dataclasses.replace(s, rope_dim=min(s.rope_dim, s.head_dim))  # wider RoPE keys are padded below
-    u = hidden.detach().reshape(-1, hidden.shape[-1]).to(device="cpu", dtype=torch.float64) / gamma  # [N, n]
-    anchor = anchor_row(u)
-    q, k, v = (augmented_rows(weights, r, augmented) for r in ("q", "k", "v"))
-    full = min(2 * s.num_kv * s.head_dim, cov.shape[0])  # rank of the stacked keys and values
-    candidates = []
-    for kind in (("anchor", "span") if latent_norm == "auto" else (latent_norm,)):
-        info_rank = min(rank - 1 if kind == "anchor" else rank, full)
-        layer = convert_layer(q, k, v, weights["o"], cov, dataclasses.replace(shape, latent_rank=info_rank),
-                              freqs, options)
-        info = substitute_constant(fold_gamma(layer.down, gamma), anchor)  # [r, n] on u
-        plan = (anchor_plan(info, anchor, u, rank, norm_eps) if kind == "anchor"
-                else span_plan(info, u, rank, norm_eps))
-        lost = layer.truncation_error(info_rank)
-        candidates.append((lost + (1 - lost) * plan.scale_error, layer, plan))
-    total, layer, plan = min(candidates, key=lambda c: c[0])
-    if s.rope_dim > shape.rope_dim:
-        layer = _pad_rope(layer, shape, s.rope_dim)
-    q_lora_scale = q_lora_readout(u, norm_eps) if src.q_lora else None
-    tensors = engine_tensors(layer, plan, s, gamma=gamma, anchor=anchor, q_scale=q_scale,
-                             q_lora_scale=q_lora_scale, o=weights["o"])
-    row = {"k_err": layer.k_err, "v_err": layer.v_err, "position_free": layer.position_free,
-           "latent_norm": plan.kind, "norm_error": math.sqrt(plan.scale_error)}
-    return tensors, row
-
-
-def without_o_bias(src: Source, weights: dict) -> dict:
-    """The layer's tensors with o_proj's bias moved onto the value bias (attention weights sum to 1, so a value
-    bias reaches the output as o_proj of it): same outputs, no o_proj bias for the engine route."""
-    import torch
-
-    from attnkit.ops.anchor import fold_o_bias
-
-    if "o_bias" not in weights:
-        return weights
-    delta, residual = fold_o_bias(weights["o"], weights["o_bias"], src.shape.num_heads, src.shape.num_kv,
-                                  src.shape.head_dim)
-    if residual > 1e-4:
-        raise AttnkitError(f"{src.ckpt.ref}: o_proj's bias is not in the range of o_proj (residual "
-                           f"{residual:.2g}); use --latent-norm bias (transformers only)")
-    base = weights["v_bias"].to(torch.float64) if "v_bias" in weights else torch.zeros_like(delta)
-    return {**{k: w for k, w in weights.items() if k != "o_bias"}, "v_bias": base + delta}
-
-
-def _pad_rope(layer, shape: MLAShape, rope_dim: int):
-    """The layer with its RoPE key and query rows padded by zero pairs from shape.rope_dim to rope_dim (slower
-    frequencies that the source does not have)."""
-    import dataclasses
-
-    import torch
-
-    extra = rope_dim - shape.rope_dim
-    rope = torch.cat([layer.rope, torch.zeros(extra, layer.rope.shape[1], dtype=layer.rope.dtype)])
-    heads = layer.q_rope.reshape(shape.num_heads, shape.rope_dim, -1)
-    q_rope = torch.cat([heads, torch.zeros(shape.num_heads, extra, heads.shape[2], dtype=heads.dtype)], dim=1)
-    return dataclasses.replace(layer, rope=rope, q_rope=q_rope.reshape(shape.num_heads * rope_dim, -1))
-
-
-def _refit_o(config, layer: int, tensors: dict, weights: dict, hidden, rope, scaling, s: MLAShape, ridge: float,
-             device, input_scale=None):
-    """o_proj refit (attnkit.ops.orefit) so the converted layer's output matches the source's on these tokens
-    (the converted layer runs on hidden * input_scale when given)."""
-    from attnkit.ops.orefit import refit_o
-    from attnkit.runtime.attention import deepseek_attention, run_attention, source_attention_inputs
-
-    attn, rotary = deepseek_attention(config, layer, tensors, device)
-    x = hidden.detach().to(device).float()
-    _, z_new = run_attention(attn, rotary, x if input_scale is None else x * input_scale.to(x))
-    z_old = source_attention_inputs(weights, hidden.to(device), rope, scaling, s)
-    o = weights["o"]
-    return refit_o(z_new.cpu(), z_old.cpu(), o, o, ridge).to(tensors["o_proj.weight"].dtype)
-
-
 def _calibrate_and_convert(req: MLARequest, src: Source, config, writer, expected: dict) -> tuple[list, dict]:
     """One pass over the calibration windows; each layer is converted (and written) when reached."""
     import torch
@@ -436,7 +320,7 @@ def _calibrate_and_convert(req: MLARequest, src: Source, config, writer, expecte
             if req.options.o_refit > 0:
                 if rope is None or scaling is None:
                     raise AttnkitError("o_proj refit needs the source's rotary embedding and softmax scale")
-                tensors["o_proj.weight"] = _refit_o(config, layer, tensors, weights, hidden, rope, scaling,
+                tensors["o_proj.weight"] = refit_o_proj(config, layer, tensors, weights, hidden, rope, scaling,
                                                     src.shape, req.options.o_refit, loaded.device, scale)
             rows[layer]["layer"] = layer
             for name, t in tensors.items():
@@ -492,28 +376,14 @@ def _kv_bytes(src: Source, rank: int) -> dict:
             "elements_after": rank + src.shape.rope_dim}
 
 
-def cache_check(model, prompt_len: int = 8, new_tokens: int = 4) -> dict:
-    """Generate with the converted model and read what its DynamicCache holds per layer and token."""
-    import torch
-
-    ids = torch.arange(3, 3 + prompt_len, device=model.device)[None] % model.config.vocab_size
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             return_dict_in_generate=True, pad_token_id=model.config.pad_token_id)
-    layer = out.past_key_values.layers[0]
-    k, v = layer.keys, layer.values  # [B, 1, T, R] and [B, 1, T, P]
-    tokens = k.shape[2]
-    per_token = (k.numel() + v.numel()) // (k.shape[0] * tokens)
-    return {"key_shape": list(k.shape), "value_shape": list(v.shape), "tokens": tokens,
-            "values_per_token_layer": per_token}
-
-
 def _evaluate(req: MLARequest, source_root: Path, result_root: Path) -> dict:
     from attnkit.commands.quality import quality
     from attnkit.runtime import load_model
 
     source = load_model(str(source_root), device=req.device, dtype="float32")
     result = load_model(str(result_root), device=req.device, dtype="float32")
+    from attnkit.runtime.generate import cache_check
+
     return {**quality(source, result, req), "cache": cache_check(result.model)}
 
 
