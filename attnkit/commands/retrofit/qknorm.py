@@ -290,6 +290,17 @@ def _unbiased_rows(src, layer: int, role: str, t, biases: dict, anchor):
     return substitute_constant(torch.cat([w, bias.to(torch.float64)[:, None]], dim=1), anchor)
 
 
+def _attention_roles(src) -> dict:
+    """Tensor name -> (layer, role) for every attention weight and bias the source has."""
+    roles = {}
+    for i in range(src.spec.num_layers):
+        for role in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias"):
+            name = src.tensor(role, i)
+            if name:
+                roles[name] = (i, role)
+    return roles
+
+
 def _anchor_rewriter(src, fits: list[AnchorFit], pads: list, biases: dict, new_dim: int):
     """rewrite(name, tensor) for the anchor method: no bias tensors; q/k rows get an anchor row and (new_dim > D)
     zero pad rows, v/o zero pad rows/columns, and q_norm/k_norm weights that are 0 on every pad."""
@@ -299,12 +310,7 @@ def _anchor_rewriter(src, fits: list[AnchorFit], pads: list, biases: dict, new_d
 
     spec = src.spec
     h, hkv, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    roles = {}
-    for i in range(spec.num_layers):
-        for role in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias"):
-            name = src.tensor(role, i)
-            if name:
-                roles[name] = (i, role)
+    roles = _attention_roles(src)
 
     def attn_name(i: int, leaf: str) -> str:
         return f"{src.prefix}layers.{i}.self_attn.{leaf}"
@@ -357,12 +363,7 @@ def _rewriter(src, method: str, fits: list | None, pads: list | None, bias: bool
     spec = src.spec
     h, hkv, dim, hidden = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
     eps = float(src.ckpt.config.get("rms_norm_eps", 1e-6))
-    roles = {}
-    for i in range(spec.num_layers):
-        for role in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias"):
-            name = src.tensor(role, i)
-            if name:
-                roles[name] = (i, role)
+    roles = _attention_roles(src)
 
     def attn_name(i: int, leaf: str) -> str:
         return f"{src.prefix}layers.{i}.self_attn.{leaf}"
