@@ -46,6 +46,8 @@ def run(label: str, args: list[str], src: Path, tmp: Path) -> dict:
         raise SystemExit(f"{label}: {made.stderr.strip()}")
     converted = time.perf_counter() - started
     checked = attnkit("verify", str(out), "--format", "json")
+    if not checked.stdout.strip():
+        raise SystemExit(f"{label}: verify printed no report (exit {checked.returncode}): {checked.stderr.strip()}")
     report = json.loads(checked.stdout)
     kvmem = json.loads(attnkit("kvmem", str(out), "--dtype", "fp32", "--context", "1k", "--format", "json").stdout)
     return {"output": label, "verify_exit": checked.returncode, "convert_seconds": round(converted, 1),

@@ -35,3 +35,14 @@ def test_an_incomplete_checkpoint_is_refused_before_any_engine_runs(runner, tiny
     save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
     result = runner.invoke(app, ["verify", str(model), "--engine", "llama.cpp"])
     assert result.exit_code == 1 and "k_proj" in result.stderr, result.output
+
+
+def test_llama_cpp_output_cut_inside_a_utf8_character_is_read():
+    """llama-completion prints a continuation byte for byte; one that stops inside a multi-byte character (common
+    for a badly degraded rewrite) is read with a replacement character, not a UnicodeDecodeError."""
+    import sys
+
+    from attnkit.engines.llamacpp import _run
+
+    proc = _run([sys.executable, "-c", "import sys; sys.stdout.buffer.write(b'ok \\xe2\\x82')"], "test", 60)
+    assert proc.stdout == "ok \ufffd"

@@ -68,7 +68,8 @@ def find_llama_cpp(folder: str | None, python: str) -> LlamaCpp | str:
 
 def _run(cmd: list[str], what: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(cmd, capture_output=True, encoding="utf-8", errors="replace",
+                              timeout=timeout, env=env)  # a continuation may end inside a UTF-8 character
     except subprocess.TimeoutExpired:
         raise AttnkitError(f"llama.cpp {what} did not finish in {timeout:.0f}s") from None
     if proc.returncode != 0:

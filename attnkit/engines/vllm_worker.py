@@ -41,10 +41,13 @@ def main() -> None:
     if req.get("custom_ops"):
         kwargs["compilation_config"] = {"custom_ops": req["custom_ops"]}
     llm = LLM(**kwargs)
+    # no progress bars: with TQDM_DISABLE set (attnkit sets it when stderr is not a terminal) vLLM's bar divides
+    # by an elapsed time of 0 (ZeroDivisionError)
     greedy = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]],
-                          SamplingParams(temperature=0.0, max_tokens=req["new_tokens"], ignore_eos=True))
+                          SamplingParams(temperature=0.0, max_tokens=req["new_tokens"], ignore_eos=True),
+                          use_tqdm=False)
     scored = llm.generate([TokensPrompt(prompt_token_ids=w) for w in req["windows"]],
-                          SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+                          SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     nll = [[-out.prompt_logprobs[i][w[i]].logprob for i in range(1, len(w))]
            for out, w in zip(scored, req["windows"])]
     result = {"greedy": [list(out.outputs[0].token_ids) for out in greedy], "nll": nll,
