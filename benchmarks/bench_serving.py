@@ -77,7 +77,11 @@ def markdown(rows: list[dict]) -> str:
               "the token ids given by attnkit), vLLM on every token after the first, each against transformers on "
               "the same tokens (fp32). Greedy: 4 prompts x 32 tokens. Text: attnkit's sample "
               "(attnkit/engines/data/sample.txt). `python benchmarks/bench_serving.py --write` reproduces the "
-              "table; `tests/test_engines.py` checks the same in CI."]
+              "table; `tests/test_engines.py` checks the same in CI. MLA at a shape vLLM's MLA kernels do not take (here "
+              "128 + 64) runs with VLLM_MLA_DISABLE=1 as plain attention, so vLLM caches expanded keys and values "
+              "(276,480 bytes) instead of the latent that `kvmem` counts; `--kv-lora-rank 512 --rope-dim 64` (or "
+              "`--engine vllm`) is the shape vLLM serves as MLA. `qknorm --method pad` is the transformers-only route "
+              "(an o_proj bias and head size 66): both engines refuse it, as its warning says."]
     return "\n".join(lines)
 
 
