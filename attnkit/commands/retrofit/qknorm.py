@@ -290,6 +290,11 @@ def _unbiased_rows(src, layer: int, role: str, t, biases: dict, anchor):
     return substitute_constant(torch.cat([w, bias.to(torch.float64)[:, None]], dim=1), anchor)
 
 
+def _attn_name(src, layer: int, leaf: str) -> str:
+    """The name of a new tensor of layer `layer`'s attention (e.g. q_norm.weight, o_proj.bias)."""
+    return f"{src.prefix}layers.{layer}.self_attn.{leaf}"
+
+
 def _attention_roles(src) -> dict:
     """Tensor name -> (layer, role) for every attention weight and bias the source has."""
     roles = {}
@@ -312,9 +317,6 @@ def _anchor_rewriter(src, fits: list[AnchorFit], pads: list, biases: dict, new_d
     h, hkv, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
     roles = _attention_roles(src)
 
-    def attn_name(i: int, leaf: str) -> str:
-        return f"{src.prefix}layers.{i}.self_attn.{leaf}"
-
     def rewrite(name, t):
         if name not in roles:
             return {name: t}
@@ -328,7 +330,7 @@ def _anchor_rewriter(src, fits: list[AnchorFit], pads: list, biases: dict, new_d
             out = {name: (widen_columns(w, h, dim, new_dim) if new_dim > dim else w).to(t.dtype)}
             for which, pad, scale in (("q", pads[i][0], (new_dim / dim) ** 0.5), ("k", pads[i][1], 1.0)):
                 g = anchor_norm_weight(new_dim, zero, pad, fit.gain, scale)
-                out[attn_name(i, f"{which}_norm.weight")] = g.to(t.dtype)
+                out[_attn_name(src, i, f"{which}_norm.weight")] = g.to(t.dtype)
             return out
         heads = h if role == "q" else hkv
         w = _unbiased_rows(src, i, role, t, biases, fit.anchor)  # [heads * D, n]
@@ -365,9 +367,6 @@ def _rewriter(src, method: str, fits: list | None, pads: list | None, bias: bool
     eps = float(src.ckpt.config.get("rms_norm_eps", 1e-6))
     roles = _attention_roles(src)
 
-    def attn_name(i: int, leaf: str) -> str:
-        return f"{src.prefix}layers.{i}.self_attn.{leaf}"
-
     def rewrite(name, t):
         if name not in roles:
             return {name: t}
@@ -390,9 +389,10 @@ def _rewriter(src, method: str, fits: list | None, pads: list | None, bias: bool
                                          ("v", hkv, 0.0)):
                     if not src.tensor(f"{r}_bias", i):
                         z = torch.zeros(n_heads * dim, dtype=t.dtype)
-                        out[attn_name(i, f"{r}_proj.bias")] = pad_rows(z, n_heads, dim, fill) if method == "pad" else z
+                        bias = pad_rows(z, n_heads, dim, fill) if method == "pad" else z
+                        out[_attn_name(src, i, f"{r}_proj.bias")] = bias
                 if not src.tensor("o_bias", i):
-                    out[attn_name(i, "o_proj.bias")] = torch.zeros(hidden, dtype=t.dtype)
+                    out[_attn_name(src, i, "o_proj.bias")] = torch.zeros(hidden, dtype=t.dtype)
             for which in ("q", "k"):
                 if method == "pad":
                     b = pads[i][0] if which == "q" else pads[i][1]
@@ -400,7 +400,7 @@ def _rewriter(src, method: str, fits: list | None, pads: list | None, bias: bool
                 else:
                     g = fits[i].g_q if which == "q" else fits[i].g_k
                 assert g.shape == (new_dim,)
-                out[attn_name(i, f"{which}_norm.weight")] = g.to(t.dtype)
+                out[_attn_name(src, i, f"{which}_norm.weight")] = g.to(t.dtype)
         return out
 
     return rewrite
