@@ -389,8 +389,8 @@ def _rewriter(src, method: str, fits: list | None, pads: list | None, bias: bool
                                          ("v", hkv, 0.0)):
                     if not src.tensor(f"{r}_bias", i):
                         z = torch.zeros(n_heads * dim, dtype=t.dtype)
-                        bias = pad_rows(z, n_heads, dim, fill) if method == "pad" else z
-                        out[_attn_name(src, i, f"{r}_proj.bias")] = bias
+                        zero_bias = pad_rows(z, n_heads, dim, fill) if method == "pad" else z
+                        out[_attn_name(src, i, f"{r}_proj.bias")] = zero_bias
                 if not src.tensor("o_bias", i):
                     out[_attn_name(src, i, "o_proj.bias")] = torch.zeros(hidden, dtype=t.dtype)
             for which in ("q", "k"):
