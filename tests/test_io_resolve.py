@@ -88,6 +88,8 @@ def test_folder_without_weights(tiny):
     ("absent.gguf", "absent.gguf: file not found"),
     ("absent.safetensors", "absent.safetensors: file not found"),
     ("not a model!", "not a valid hub id"),
+    ("", "empty model path"),  # Path("") is the current folder: not a reason to read ./config.json
+    ("  ", "empty model path"),
 ])
 def test_missing_paths(ref, words, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -18,6 +18,8 @@ def looks_like_hub_id(ref: str) -> bool:
 
 def resolve(ref: str, *, need_weights: bool = True) -> Checkpoint:
     """Find config and weights for `ref`; hub ids download only what is needed."""
+    if not ref.strip():
+        raise AttnkitError("empty model path: give a folder, a .safetensors or .gguf file, or a hub id")
     path = Path(ref).expanduser()
     if path.is_dir():
         return _from_folder(ref, path, need_weights)
