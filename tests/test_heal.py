@@ -283,3 +283,29 @@ def test_training_is_a_line_of_the_one_progress_display(pair, tmp_path):
     text = buffer.getvalue()
     assert "training" in text and "2048/2048" in text and "tok/s, loss" in text
     assert "scoring 2 window(s) x 32 tokens against the reference" in text
+
+
+def test_latent_rows_behind_a_large_norm_train_at_a_scaled_rate():
+    """convert mla's anchor latent: kv_a_layernorm weights ~256 undo information rows scaled by 2^-8, so the
+    latent projection trains at lr / 256 (its own AdamW group); other tensors keep factor 1."""
+    import transformers
+
+    from attnkit.commands.heal.loop import param_groups
+    from attnkit.commands.heal.params import lr_scales
+
+    config = transformers.DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=8,
+                                           q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                                           n_routed_experts=0, first_k_dense_replace=2)
+    model = transformers.DeepseekV3ForCausalLM(config)
+    assert lr_scales(model) == {}  # norm weights 1: nothing to rescale
+    with torch.no_grad():
+        model.model.layers[1].self_attn.kv_a_layernorm.weight.fill_(256.0)
+    assert lr_scales(model) == {"model.layers.1.self_attn.kv_a_proj_with_mqa": pytest.approx(1 / 256)}
+    trainable = [(n, p) for n, p in model.named_parameters() if ".self_attn." in n]
+    groups = param_groups(trainable, lr_scales(model))
+    slow = [g for g in groups if g["lr_scale"] != 1.0]
+    assert len(groups) == 2 and len(slow) == 1
+    assert slow[0]["params"] == [model.model.layers[1].self_attn.kv_a_proj_with_mqa.weight]
+    peft_name = "base_model.model.model.layers.1.self_attn.kv_a_proj_with_mqa.lora_A.default.weight"
+    assert param_groups([(peft_name, trainable[0][1])], lr_scales(model))[0]["lr_scale"] == pytest.approx(1 / 256)

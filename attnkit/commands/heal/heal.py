@@ -191,7 +191,7 @@ def _trainer(req, acc, student, teacher, plan, run, report, before, log):
                      max_time=req.max_time, eval_every=req.eval_every, patience=req.patience,
                      checkpoint_every=req.checkpoint_every, seed=req.seed)
     trainer = Trainer(acc, model, teacher, plan["train"], plan["val"], cfg, pairs,
-                      LoopState(**run["state"]) if run else None)
+                      LoopState(**run["state"]) if run else None, lr_scales=params.lr_scales(student))
     if run:
         trainer.load_state_dict(checkpoint.load_state(req.checkpoint_folder))
         log(f"resumed at step {trainer.state.step} ({trainer.state.tokens:,} tokens)")

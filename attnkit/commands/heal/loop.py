@@ -85,6 +85,16 @@ def batch_indices(n_windows: int, step: int, batch: int, seed: int):
     return torch.tensor(out)
 
 
+def param_groups(trainable: list, scales: dict) -> list[dict]:
+    """AdamW groups by learning-rate factor: a parameter under a module named in `scales` ({module name: factor},
+    also inside peft's wrappers, whose names end with it) gets that factor, every other one 1."""
+    groups: dict[float, list] = {}
+    for name, p in trainable:
+        factor = next((f for module, f in scales.items() if f".{module}." in f".{name}"), 1.0)
+        groups.setdefault(factor, []).append(p)
+    return [{"params": ps, "lr_scale": factor} for factor, ps in groups.items()]
+
+
 @contextlib.contextmanager
 def stop_requests():
     """Within the block, SIGINT/SIGTERM set flag['stop'] instead of raising; a second signal raises."""
@@ -112,7 +122,7 @@ class Trainer:
     """One healing run: call run() once; trained tensors live in the student, curves in .state."""
 
     def __init__(self, accelerator, student, teacher, train_windows, val_windows, cfg: LoopConfig,
-                 attention_pairs: dict, state: LoopState | None = None):
+                 attention_pairs: dict, state: LoopState | None = None, lr_scales: dict | None = None):
         import torch
 
         world = accelerator.num_processes
@@ -123,8 +133,8 @@ class Trainer:
         self.train_windows, self.val_windows = train_windows, val_windows
         self.state = state or LoopState()
         self.trainable = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW([p for _, p in self.trainable], lr=cfg.lr, betas=(0.9, 0.95),
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(param_groups(self.trainable, lr_scales or {}), lr=cfg.lr,
+                                           betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.model, self.optimizer = accelerator.prepare(student, self.optimizer)
         self.attention_pairs = attention_pairs if cfg.attn_loss > 0 else {}
         self.best_tensors: dict | None = None
@@ -213,7 +223,7 @@ class Trainer:
             acc.clip_grad_norm_([p for _, p in self.trainable], cfg.max_grad_norm)
         lr = lr_at(cfg, st.step, self.progress(elapsed))
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_scale"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss, kl, attn = (acc.reduce(sums / len(micro), reduction="mean")).tolist()
