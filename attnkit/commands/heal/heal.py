@@ -9,6 +9,7 @@ what trains -> score --eval text before -> train -> merge LoRA -> write OUT (sco
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Callable
@@ -24,6 +25,7 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
     """Run (or with dry_run, plan) a healing run; returns the report (see docs/heal.md), or None in the
     processes other than the main one of a multi-process run."""
     from attnkit.commands.heal.pair import check_pair, checkpoint_digest, rewrite_summary
+    from attnkit.commands.heal.params import default_lr
     from attnkit.commands.heal.request import check_options
 
     started = time.perf_counter()
@@ -31,6 +33,8 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
     if req.device not in DEVICES:
         raise UsageError(f"--device must be one of {', '.join(DEVICES)} (processes pick their GPU), got {req.device!r}")
     pair = check_pair(req.student, req.teacher)
+    if req.lr is None:
+        req = dataclasses.replace(req, lr=default_lr(pair.student.config))
     _check_targets(req, pair)
     plan = _plan_data(req, pair)
     fingerprint = _fingerprint(req, checkpoint_digest(pair.student), checkpoint_digest(pair.teacher), plan["digest"])

@@ -31,7 +31,7 @@ class HealRequest:
     eval_curve: bool = False  # also score --eval at every validation (reported only)
     train: str = "rewritten"
     lora_rank: int = 0
-    lr: float = 3e-4
+    lr: float | None = None  # None: params.default_lr of the student
     warmup_steps: int = 5
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
@@ -93,10 +93,10 @@ def check_options(req: HealRequest) -> None:
         raise UsageError("give one budget: --tokens or --max-time, not both")
     if req.train not in TRAIN_CHOICES:
         raise UsageError(f"--train must be one of {', '.join(TRAIN_CHOICES)}, got {req.train!r}")
-    positive = {"--lr": req.lr, "--batch-size": req.batch_size, "--micro-batch-size": req.micro_batch_size,
+    positive = {"--batch-size": req.batch_size, "--micro-batch-size": req.micro_batch_size,
                 "--val-tokens": req.val_tokens, "--eval-every": req.eval_every,
                 "--checkpoint-every": req.checkpoint_every}
-    positive.update({flag: v for flag, v in (("--tokens", req.tokens), ("--sample-tokens", req.sample_tokens),
+    positive.update({flag: v for flag, v in (("--lr", req.lr), ("--tokens", req.tokens), ("--sample-tokens", req.sample_tokens),
                                              ("--max-time", req.max_time)) if v is not None})
     for flag, value in positive.items():
         if not value > 0:
