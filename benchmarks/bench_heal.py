@@ -32,9 +32,9 @@ TECHNICAL = ROOT / "benchmarks/data/technical.txt"
 SECTION = "## heal"
 PLOT = ROOT / "docs/heal-curve.png"
 STUDENTS = {"mqa": ["convert", "mqa", "--method", "merge"], "mla25": ["convert", "mla", "--kv-budget", "0.25"]}
-#: Short trials: a token budget (validation does not eat it), small validation and evaluation sets.
 #: Stands for the path of benchmarks/wiki_corpus.py's corpus in RUNS (built in WORK on first use).
 WIKI = "{wiki}"
+#: Short trials: a token budget (validation does not eat it), small validation and evaluation sets.
 TRIAL = ["--tokens", "6k", "--val-tokens", "1024", "--eval-tokens", "1024"]
 #: name -> (student, heal options beyond the defaults); finals also score technical.txt and record the curve.
 RUNS = {
@@ -152,7 +152,7 @@ def plot(results: dict, path: Path) -> None:
         curve = e["report"]["validation"]["curve"]
         teacher = e["report"]["eval"]["teacher_perplexity"]
         ax.plot([c["tokens"] for c in curve], [c["eval_perplexity"] for c in curve], marker="o",
-                color=colors[e["student"]], linestyle="-" if WIKI in e["options"] else "--", label=_label(e))
+                color=colors[e["student"]], linestyle="-" if _on_wiki(e) else "--", label=_label(e))
     for student, color in colors.items():
         ax.axhline(GOALS[student] * teacher, linestyle=":", color=color,
                    label=f"goal for {LABELS[student]}: {GOALS[student]}x the teacher")
@@ -172,15 +172,20 @@ GPU_PEAK_FLOPS, GPU_UTILIZATION = (989e12, (0.05, 0.20))
 GOALS = {"mqa": 1.5, "mla25": 2.0}
 SAMPLING_NOTE = (" Sampling scales the same way, so such a run could train on fresh teacher text throughout; what "
                  "that buys in quality was not measured here.")
-MLA_RATE_NOTE = ("The MLA runs use --lr 1e-4 (heal's default for MLA students since): at 3e-4 the same student's validation KL rose from 1.90 to "
-                 "2.42 by step 50 (that run was stopped); before heal's scaled rate for the anchor latent's "
+MLA_RATE_NOTE = ("The MLA runs use --lr 1e-4 (heal's default for MLA students since): at 3e-4 the same student's "
+                 "validation KL rose from 1.90 to 2.42 by step 50 (that run was stopped); before heal's scaled rate for the anchor latent's "
                  "projection it diverged at both rates (9.60 at 3e-4, 22.3 at 1e-4, step 50).")
 LABELS = {"mqa": "MQA merge", "mla25": "MLA, 25% of the cache"}
 
 
+def _on_wiki(e: dict) -> bool:
+    """Whether a run trained on the Wikipedia corpus (else on teacher-written text)."""
+    return WIKI in e["options"]
+
+
 def _label(e: dict) -> str:
     """The student and the kind of training text of one run."""
-    return f"{LABELS[e['student']]}, {'Wikipedia' if WIKI in e['options'] else 'teacher-written'} text"
+    return f"{LABELS[e['student']]}, {'Wikipedia' if _on_wiki(e) else 'teacher-written'} text"
 
 
 def _gpu_note(e: dict) -> str:
@@ -195,7 +200,7 @@ def _gpu_note(e: dict) -> str:
             f"{GPU_UTILIZATION[0]:.0%}-{GPU_UTILIZATION[1]:.0%} of 989 TFLOP/s would train {low:,.0f}-{high:,.0f} tok/s, "
             f"{low * tr['seconds'] / 1e6:,.0f}M-{high * tr['seconds'] / 1e6:,.0f}M tokens in the same "
             f"{tr['seconds'] / 60:.0f} minutes ({low / tr['tokens_per_second']:,.0f}-{high / tr['tokens_per_second']:,.0f}x "
-            f"this run).{SAMPLING_NOTE if WIKI not in e['options'] else ''}")
+            f"this run).{'' if _on_wiki(e) else SAMPLING_NOTE}")
 
 
 def _goal(e: dict) -> str:
@@ -219,8 +224,8 @@ def write(work: Path) -> None:
               "|---|---|---:|---:|---:|---|---|---|---|---|---|\n")
     finals = [e for n, e in sorted(results.items()) if n.startswith("final-")]
     trials = [e for n, e in sorted(results.items()) if n.startswith("trial-")]
-    data = next(e for e in finals + trials if WIKI not in e["options"])["report"]["data"]
-    wiki = next((e["report"]["data"] for e in finals if WIKI in e["options"]), None)
+    data = next(e for e in finals + trials if not _on_wiki(e))["report"]["data"]
+    wiki = next((e["report"]["data"] for e in finals if _on_wiki(e)), None)
     wiki_text = ("" if wiki is None else
                  " The -wiki runs train on real English text instead: `--data` = the 105 Wikipedia articles of "
                  "benchmarks/wiki_corpus.py (an excerpt of an English Wikipedia dump shipped in gensim 4.4.0's wheel, "

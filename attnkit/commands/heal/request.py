@@ -96,8 +96,9 @@ def check_options(req: HealRequest) -> None:
     positive = {"--batch-size": req.batch_size, "--micro-batch-size": req.micro_batch_size,
                 "--val-tokens": req.val_tokens, "--eval-every": req.eval_every,
                 "--checkpoint-every": req.checkpoint_every}
-    positive.update({flag: v for flag, v in (("--lr", req.lr), ("--tokens", req.tokens), ("--sample-tokens", req.sample_tokens),
-                                             ("--max-time", req.max_time)) if v is not None})
+    optional = (("--lr", req.lr), ("--tokens", req.tokens), ("--sample-tokens", req.sample_tokens),
+                ("--max-time", req.max_time))
+    positive.update({flag: v for flag, v in optional if v is not None})
     for flag, value in positive.items():
         if not value > 0:
             raise UsageError(f"{flag} must be positive, got {value}")
