@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
         train: str = typer.Option("rewritten", "--train", help="rewritten (attention tensors the rewrite changed) or all."),
         lora_rank: int = typer.Option(0, "--lora-rank", help="Train LoRA adapters of this rank (merged back); 0: off."),
         lr: Optional[float] = typer.Option(None, "--lr", show_default=False,
-                                           help="Peak learning rate of AdamW [default: 3e-4; 1e-4 for MLA students]."),
+                                           help="Peak learning rate of AdamW (default 3e-4; 1e-4 for MLA students)."),
         warmup_steps: int = typer.Option(5, "--warmup-steps", help="Linear warmup steps."),
         min_lr_ratio: float = typer.Option(0.1, "--min-lr-ratio", help="Cosine decays to lr x this."),
         weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
