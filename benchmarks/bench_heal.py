@@ -8,7 +8,8 @@ Usage: python benchmarks/bench_heal.py [--run NAME ...] [--write] [--work DIR]
               docs/heal-curve.png.
 Every run scores the student before and the healed model after on tests/data/prose/heldout.txt (heal's own
 --eval, also at every validation: the curve) and on benchmarks/data/technical.txt (scored here); neither text
-is trained on. Training text is written by the teacher (heal's default, cached under $ATTNKIT_CACHE).
+is trained on. Training text is written by the teacher (heal's default, cached under $ATTNKIT_CACHE), or for the
+*-wiki runs the Wikipedia articles of benchmarks/wiki_corpus.py (built in WORK; needs `pip install 'attnkit[bench]'`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bz2
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -58,8 +59,6 @@ def wiki_corpus(folder: Path) -> Path:
 
 def articles(xml: bytes):
     """Plain text of each main-namespace, non-redirect page of a MediaWiki XML dump of at least MIN_CHARS."""
-    import io
-
     import mwparserfromhell
 
     for _, el in ET.iterparse(io.BytesIO(xml)):
