@@ -165,16 +165,16 @@ def test_data_formats(tmp_path):
     import datasets
     import pandas as pd
 
-    from attnkit.commands.heal.data import read_documents
+    from attnkit.commands.heal.data import DataFiles
 
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "one"}) + "\n" + json.dumps({"text": "two"}) + "\n")
     pd.DataFrame({"text": ["three", "four"]}).to_parquet(tmp_path / "b.parquet")
     datasets.Dataset.from_dict({"text": ["five"]}).save_to_disk(str(tmp_path / "saved"))
     (tmp_path / "blank.txt").write_text("  \n")
     paths = [str(tmp_path / n) for n in ("a.jsonl", "b.parquet", "saved")]
-    assert read_documents(paths) == ["one", "two", "three", "four", "five"]
+    assert list(DataFiles(tuple(paths)).pieces()) == [(t, True) for t in ("one", "two", "three", "four", "five")]
     with pytest.raises(Exception, match="blank.txt: no text"):
-        read_documents([str(tmp_path / "blank.txt")])
+        list(DataFiles((str(tmp_path / "blank.txt"),)).pieces())
 
 
 def test_teacher_samples_are_cached_and_seeded(pair, tmp_path):

@@ -84,11 +84,15 @@ def convert(tools: LlamaCpp, folder: Path, gguf: Path, timeout: float = 1800) ->
          "convert_hf_to_gguf.py", timeout, tools.env())
 
 
-def add_bos(gguf: Path) -> bool:
-    """Whether llama.cpp prepends BOS for this GGUF (tokenizer.ggml.add_bos_token; absent: false for BPE)."""
+def added_bos(gguf: Path) -> int | None:
+    """The BOS id llama.cpp puts in front of every prompt and perplexity chunk of this GGUF, or None when it adds
+    none (tokenizer.ggml.add_bos_token; absent: none for the BPE vocabularies the converter writes)."""
     from attnkit.io.gguf_header import parse_gguf_header
 
-    return bool(parse_gguf_header(gguf).fields.get("tokenizer.ggml.add_bos_token", False))
+    fields = parse_gguf_header(gguf).fields
+    if not fields.get("tokenizer.ggml.add_bos_token", False):
+        return None
+    return int(fields.get("tokenizer.ggml.bos_token_id", -1))
 
 
 def write_kld_base(path: Path, tokens: list[int], n_ctx: int, vocab: int, chunk_logits) -> None:

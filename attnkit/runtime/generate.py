@@ -6,14 +6,16 @@ from __future__ import annotations
 
 def greedy(loaded, prompt: str, new_tokens: int) -> str | None:
     """The model's greedy continuation of `prompt` (`new_tokens` at most, fewer at EOS), decoded; None
-    without a tokenizer."""
+    without a tokenizer. The prompt starts as the tokenizer starts a text (attnkit.runtime.texts)."""
     import torch
     from transformers import GenerationConfig
+
+    from attnkit.runtime.texts import prompt_ids
 
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         return None
-    ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]], device=loaded.device)  # [1, T]
+    ids = torch.tensor([prompt_ids(tokenizer, prompt)], device=loaded.device)  # [1, T]
     config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=tokenizer.eos_token_id,
                               pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
     with torch.no_grad():

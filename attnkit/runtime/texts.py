@@ -1,32 +1,27 @@
-"""Text input: read documents, cut them into fixed token windows, batch them."""
+"""Text input: read documents lazily, turn them into token windows that start as the tokenizer starts a text.
+
+One rule for every command that runs a model on text (eval, probe, diff, calibration, heal, verify, greedy
+samples): a window begins with the tokens the tokenizer puts in front of any text (its BOS where it adds
+one, nothing where it adds none), followed by the text's tokens; documents are joined by EOS and that same
+prefix. Text is read and tokenized piece by piece and only as far as the windows asked for need it, so
+memory does not grow with the size of a file when a token budget is given.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from attnkit.errors import AttnkitError, UsageError
 
-
 #: Bytes read at a time when checking that a text file is UTF-8.
 CHECK_CHUNK = 1 << 20
-
-
-def _jsonl(path: str, lines) -> list[str]:
-    texts = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):  # JSONDecodeError, over-long integers, deep nesting
-            raise AttnkitError(f"{path}:{n}: not valid JSON") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise AttnkitError(f"{path}:{n}: no string field 'text'")
-        texts.append(record["text"])
-    return texts
+#: Characters of a text tokenized at a time, cut after the last line break (else space) in them; a
+#: document shorter than this is tokenized whole.
+PIECE_CHARS = 1 << 20
 
 
 def _text_file(p: str) -> Path:
@@ -70,44 +65,172 @@ def check_text_files(paths: list[str]) -> None:
             raise AttnkitError(f"{p}: cannot read ({exc.strerror or exc})") from None
 
 
-def read_texts(paths: list[str], text: str | None = None) -> list[str]:
-    """Documents from .txt files (one document each), .jsonl files (field `text`), "-" (stdin) and `text`."""
-    texts: list[str] = []
-    for p in paths:
-        docs = _read_one(p)
-        if any("\0" in doc for doc in docs):
-            raise _binary(p)
-        texts.extend(docs)
-    if text is not None:
-        texts.append(text)
-    texts = [t for t in texts if t.strip()]
-    if not texts:
-        raise UsageError("no text given: pass text files, '-' for stdin, or --text")
-    return texts
+def _pieces(fh) -> Iterator[str]:
+    """A text stream in pieces of about PIECE_CHARS characters, each cut after its last line break or space."""
+    carry = ""
+    while block := fh.read(PIECE_CHARS):
+        block = carry + block
+        cut = block.rfind("\n")
+        if cut < 0:
+            cut = block.rfind(" ")
+        if cut < 0 or len(block) < PIECE_CHARS:  # no boundary to cut at, or a short block
+            carry = ""
+            yield block
+            continue
+        carry = block[cut + 1:]
+        yield block[:cut + 1]
+    if carry:
+        yield carry
 
 
-def _read_one(p: str) -> list[str]:
-    """The documents of one text input; undecodable bytes are an AttnkitError naming it."""
+def _jsonl(path: str, lines) -> Iterator[str]:
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):  # JSONDecodeError, over-long integers, deep nesting
+            raise AttnkitError(f"{path}:{n}: not valid JSON") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise AttnkitError(f"{path}:{n}: no string field 'text'")
+        yield record["text"]
+
+
+@dataclass(frozen=True)
+class Texts:
+    """Documents from .txt files (one document each), .jsonl files (field `text`), stdin and a literal text,
+    read lazily and re-iterable. Iterating gives whole documents; `pieces()` gives (piece, starts a document)
+    in bounded pieces. Stdin ("-") is read when the Texts is made, so that it can be iterated again."""
+
+    paths: tuple[str, ...]
+    text: str | None = None
+    stdin: str | None = None
+
+    def pieces(self) -> Iterator[tuple[str, bool]]:
+        for p in self.paths:
+            if p == "-":
+                yield from _document("stdin", iter([self.stdin or ""]))
+            else:
+                yield from _file_pieces(p)
+        if self.text is not None:
+            yield from _document("--text", iter([self.text]))
+
+    def __iter__(self) -> Iterator[str]:
+        doc: list[str] = []
+        for piece, starts in self.pieces():
+            if starts and doc:
+                yield "".join(doc)
+                doc = []
+            doc.append(piece)
+        if doc:
+            yield "".join(doc)
+
+
+def _file_pieces(p: str) -> Iterator[tuple[str, bool]]:
+    """The (piece, starts a document) of one text file; undecodable bytes are an AttnkitError naming it."""
     try:
-        if p == "-":
-            return [sys.stdin.read()]
         path = _text_file(p)
-        if path.suffix.lower() == ".jsonl":
-            with path.open(encoding="utf-8") as fh:
-                return _jsonl(p, fh)
-        return [path.read_text(encoding="utf-8")]
+        with path.open(encoding="utf-8") as fh:
+            if path.suffix.lower() == ".jsonl":
+                for doc in _jsonl(p, fh):
+                    yield from _document(p, iter([doc]))
+            else:
+                yield from _document(p, _pieces(fh))
     except UnicodeDecodeError as exc:
-        raise _undecodable("stdin" if p == "-" else p, exc) from None
+        raise _undecodable(p, exc) from None
     except OSError as exc:
         raise AttnkitError(f"{p}: cannot read ({exc.strerror or exc})") from None
 
 
-def make_windows(tokenizer, texts: list[str], seq_len: int, max_tokens: int | None = None, *,
-                 flags: tuple[str, str] = ("--seq-len", "--max-tokens")):
-    """LongTensor [N, seq_len]: documents joined with EOS between them, cut into full windows, <= max_tokens in all.
-    `flags` name the options that set seq_len and max_tokens, for the messages."""
+def _document(name: str, pieces: Iterator[str]) -> Iterator[tuple[str, bool]]:
+    """The pieces of one document, the first marked as its start; a blank document gives none."""
+    pending: list[str] = []  # leading blank pieces, kept until the document turns out not to be blank
+    started = False
+    for piece in pieces:
+        if "\0" in piece:
+            raise _binary(name)
+        if started:
+            yield piece, False
+        elif piece.strip():
+            started = True
+            yield "".join(pending) + piece, True
+        else:
+            pending.append(piece)
+
+
+def read_texts(paths: list[str], text: str | None = None) -> Texts:
+    """The text inputs, checked to exist (nothing read yet but stdin); a UsageError when none is given."""
+    if not paths and text is None:
+        raise UsageError("no text given: pass text files, '-' for stdin, or --text")
+    for p in paths:
+        if p != "-":
+            _text_file(p)
+    stdin = None
+    if "-" in paths:
+        try:
+            stdin = sys.stdin.read()
+        except UnicodeDecodeError as exc:
+            raise _undecodable("stdin", exc) from None
+    return Texts(tuple(paths), text, stdin)
+
+
+def text_prefix(tokenizer) -> list[int]:
+    """The token ids the tokenizer puts in front of any text (e.g. [BOS] for Gemma or Llama 3, [] for GPT-2)."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return list(full[:start])
+    return []
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """The token ids of `text` alone, without special tokens."""
+    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """A prompt as the model sees it at the start of a text: the tokenizer's prefix, then its tokens."""
+    return text_prefix(tokenizer) + encode(tokenizer, prompt)
+
+
+def token_windows(pieces: Iterable[tuple[list[int], bool]], prefix: list[int], eos: int | None, seq_len: int,
+                  max_windows: int | None = None):
+    """LongTensor [N, seq_len] from tokenized pieces (ids, starts a document): each window is `prefix` and then
+    seq_len - len(prefix) tokens of the stream of documents joined by EOS + `prefix`; at most `max_windows`
+    full windows, reading no further than they need. Returns (windows, tokens of the stream read)."""
     import torch
 
+    body = seq_len - len(prefix)
+    separator = ([eos] if eos is not None else []) + prefix
+    stream: list[int] = []
+    need = None if max_windows is None else max_windows * body
+    for ids, starts in pieces:
+        if starts and stream:
+            stream.extend(separator)
+        stream.extend(ids)
+        if need is not None and len(stream) >= need:
+            break
+    n = len(stream) // body
+    if max_windows is not None:
+        n = min(n, max_windows)
+    rows = [prefix + stream[w * body:(w + 1) * body] for w in range(n)]
+    return torch.tensor(rows, dtype=torch.long).view(n, seq_len), len(stream)
+
+
+def _tokenized(tokenizer, texts) -> Iterator[tuple[list[int], bool]]:
+    """(token ids, starts a document) of `texts` (anything with a Texts-like `pieces()`, or a list of document
+    strings), piece by piece."""
+    pieces = texts.pieces() if hasattr(texts, "pieces") else ((doc, True) for doc in texts if doc.strip())
+    for piece, starts in pieces:
+        yield encode(tokenizer, piece), starts
+
+
+def make_windows(tokenizer, texts, seq_len: int, max_tokens: int | None = None, *,
+                 flags: tuple[str, str] = ("--seq-len", "--max-tokens")):
+    """LongTensor [N, seq_len] of `texts` (Texts or document strings), <= max_tokens in all: every window starts
+    as the tokenizer starts a text (see text_prefix) and holds seq_len tokens in all. `flags` name the options
+    that set seq_len and max_tokens, for the messages."""
     seq_flag, tokens_flag = flags
     if seq_len < 2:
         raise UsageError(f"{seq_flag} must be at least 2")
@@ -115,21 +238,17 @@ def make_windows(tokenizer, texts: list[str], seq_len: int, max_tokens: int | No
         raise UsageError(f"{tokens_flag} {max_tokens} is shorter than one window ({seq_flag} {seq_len})")
     if tokenizer is None:
         raise AttnkitError("the checkpoint has no tokenizer; cannot turn text into tokens")
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for i, doc in enumerate(texts):
-        if i and eos is not None:
-            ids.append(eos)
-        ids.extend(tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"])
-        if max_tokens is not None and len(ids) >= max_tokens:
-            break
-    n = len(ids) // seq_len
-    if max_tokens is not None:
-        n = min(n, max_tokens // seq_len)
-    if n == 0:
-        raise AttnkitError(f"the text has {len(ids)} tokens, shorter than one window of {seq_len}; "
+    prefix = text_prefix(tokenizer)
+    if seq_len <= len(prefix) + 1:
+        raise UsageError(f"{seq_flag} {seq_len} leaves no room for text after the tokenizer's {len(prefix)} "
+                         "start token(s)")
+    windows, read = token_windows(_tokenized(tokenizer, texts), prefix, tokenizer.eos_token_id, seq_len,
+                                  None if max_tokens is None else max_tokens // seq_len)
+    if windows.shape[0] == 0:
+        after = f" after the tokenizer's {len(prefix)} start token(s)" if prefix else ""
+        raise AttnkitError(f"the text has {read} tokens, shorter than one window of {seq_len}{after}; "
                            f"give more text or a smaller {seq_flag}")
-    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)  # [N, seq_len]
+    return windows
 
 
 def batches(windows, batch_size: int) -> Iterator:

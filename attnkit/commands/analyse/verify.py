@@ -1,7 +1,8 @@
 """`attnkit verify OUT`: run a checkpoint in each installed serving engine and diff it against transformers.
 
-The same tokens on every side. Greedy: a few prompts (sentences of the text); vLLM gets transformers' token
-ids and returns ids, llama.cpp tokenizes the prompt itself (its ids are checked) and returns the
+The same tokens on every side, starting as the tokenizer starts a text (attnkit.runtime.texts: its BOS where
+it adds one, which is also what llama.cpp puts first). Greedy: a few prompts (sentences of the text); vLLM gets
+transformers' token ids and returns ids, llama.cpp tokenizes the prompt itself (its ids are checked) and returns the
 continuation's text. Perplexity: fixed windows of the text; vLLM scores every token after the first,
 llama.cpp the second half of each window (llama-perplexity's protocol) through its --kl-divergence mode,
 which reads the token ids from a file written here, so tokenization cannot differ. A greedy difference at a
@@ -99,27 +100,28 @@ def _sentences(text: str, count: int, words: int = 12) -> list[str]:
 
 
 def reference(loaded, text: str, req: VerifyRequest) -> Reference:
-    """transformers' greedy continuations (with per-step logit margins) and per-window NLLs, fp32."""
+    """transformers' greedy continuations (with per-step logit margins) and per-window NLLs, fp32. Prompts and
+    windows start as the tokenizer starts a text (attnkit.runtime.texts): with a BOS-adding tokenizer each
+    window's first token is its BOS, the token llama-perplexity puts first in every chunk."""
     import torch
+
+    from attnkit.runtime.texts import make_windows, prompt_ids as start_ids
 
     tok, model = loaded.tokenizer, loaded.model
     prompts = _sentences(text, req.prompts)
     prompt_ids, greedy, margins = [], [], []
     for prompt in prompts:
-        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        ids = torch.tensor([start_ids(tok, prompt)])  # [1, T]
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=req.new_tokens, min_new_tokens=req.new_tokens,
-                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=req.new_tokens,
+                                 min_new_tokens=req.new_tokens, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True,
                                  pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
         top2 = torch.stack([s[0].double().topk(2).values for s in out.logits])  # [steps, 2]
         prompt_ids.append(ids[0].tolist())
         greedy.append(out.sequences[0, ids.shape[1]:].tolist())
         margins.append((top2[:, 0] - top2[:, 1]).tolist())
-    all_ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
-    n_chunk = min(len(all_ids), req.ppl_tokens) // req.ctx
-    if n_chunk < 1:
-        raise AttnkitError(f"the text has {len(all_ids)} tokens, fewer than one --ctx window of {req.ctx}")
-    windows = [all_ids[c * req.ctx:(c + 1) * req.ctx] for c in range(n_chunk)]
+    windows = make_windows(tok, [text], req.ctx, req.ppl_tokens, flags=("--ctx", "--ppl-tokens")).tolist()
     nll_full, nll_half = [], []
     first = req.ctx // 2
     for w in windows:
@@ -193,8 +195,11 @@ def run_llama_cpp(req: VerifyRequest, ref: Reference, loaded, tools, workdir: Pa
                            "26/27-layer ones may omit it): convert with --engine any or --engine llama.cpp")
     gguf = workdir / "model-f32.gguf"
     llamacpp.convert(tools, Path(loaded.checkpoint.root), gguf, req.timeout)
-    if llamacpp.add_bos(gguf):
-        raise AttnkitError("the GGUF adds BOS to every llama-perplexity chunk; verify does not model that yet")
+    bos = llamacpp.added_bos(gguf)
+    if bos is not None and any(w[0] != bos for w in ref.windows):
+        raise AttnkitError(f"llama.cpp puts BOS (id {bos}) in front of every prompt and chunk of this GGUF, and the "
+                           "checkpoint's tokenizer starts a text without it: llama.cpp serves other tokens than "
+                           "transformers runs")
     base = workdir / "transformers.kld"
     llamacpp.write_kld_base(base, [t for w in ref.windows for t in w], req.ctx, ref.vocab,
                             _half_logits(loaded.model, ref.windows, req.ctx))

@@ -4,7 +4,9 @@ training and validation parts, and a digest that identifies the data of a run.""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from attnkit.errors import AttnkitError
 
@@ -12,38 +14,34 @@ from attnkit.errors import AttnkitError
 HASH_CHUNK = 1 << 20
 
 
-def read_documents(paths: list[str]) -> list[str]:
-    """Documents of every --data path: .txt (one document), .jsonl ('text' field), .parquet and folders
-    (a `text` column, through the `datasets` library). A path without text is an error."""
-    docs: list[str] = []
-    for p in paths:
-        path = Path(p)
-        if path.is_dir() or path.suffix.lower() == ".parquet":
-            found = _dataset_texts(path)
-        elif path.suffix.lower() == ".jsonl":
-            found = _jsonl_texts(p)
-        else:
-            found = [path.read_text(encoding="utf-8")]
-        found = [t for t in found if t.strip()]
-        if not found:
-            raise AttnkitError(f"{p}: no text in this data file")
-        docs.extend(found)
-    return docs
+@dataclass(frozen=True)
+class DataFiles:
+    """The --data paths as text for attnkit.runtime.texts.make_windows: .txt (one document), .jsonl ('text'
+    field), .parquet and folders (a `text` column, through the `datasets` library), read lazily piece by piece.
+    A path without text is an error once it is reached."""
+
+    paths: tuple[str, ...]
+
+    def pieces(self) -> Iterator[tuple[str, bool]]:
+        from attnkit.runtime.texts import Texts
+
+        for p in self.paths:
+            path = Path(p)
+            found = False
+            if path.is_dir() or path.suffix.lower() == ".parquet":
+                pieces = ((text, True) for text in _dataset_texts(path) if text.strip())
+            else:
+                pieces = Texts((p,)).pieces()
+            for piece in pieces:
+                found = True
+                yield piece
+            if not found:
+                raise AttnkitError(f"{p}: no text in this data file")
 
 
-def _jsonl_texts(path: str) -> list[str]:
-    """The 'text' fields of a .jsonl file (runtime.texts reads it; a file of blank lines gives [])."""
-    from attnkit.errors import UsageError
-    from attnkit.runtime.texts import read_texts
-
-    try:
-        return read_texts([path])
-    except UsageError:  # read_texts' "no text given"
-        return []
-
-
-def _dataset_texts(path: Path) -> list[str]:
-    """The `text` column of a parquet file, a folder saved by `save_to_disk`, or a folder of data files."""
+def _dataset_texts(path: Path) -> Iterator[str]:
+    """The `text` column of a parquet file, a folder saved by `save_to_disk`, or a folder of data files, row by
+    row (the `datasets` library memory-maps the data)."""
     try:
         import datasets
     except ImportError:
@@ -65,7 +63,8 @@ def _dataset_texts(path: Path) -> list[str]:
         ds = ds["train"]
     if "text" not in ds.column_names:
         raise AttnkitError(f"{path}: no 'text' column (columns: {', '.join(ds.column_names)})")
-    return [t for t in ds["text"] if isinstance(t, str)]
+    for batch in ds.select_columns(["text"]).iter(batch_size=256):
+        yield from (t for t in batch["text"] if isinstance(t, str))
 
 
 def split_windows(windows, val_tokens: int):

@@ -69,7 +69,7 @@ def _check_targets(req: HealRequest, pair) -> None:
 
 def _plan_data(req: HealRequest, pair) -> dict:
     """Tokenized --data split into training and validation windows, or the plan for teacher-written text."""
-    from attnkit.commands.heal.data import files_digest, read_documents, split_windows
+    from attnkit.commands.heal.data import DataFiles, files_digest, split_windows
     from attnkit.commands.heal.pair import checkpoint_digest
     from attnkit.commands.heal.samples import cache_folder
     from attnkit.runtime import make_windows, read_texts
@@ -80,7 +80,9 @@ def _plan_data(req: HealRequest, pair) -> dict:
     if req.eval:
         plan["eval"] = make_windows(tokenizer, read_texts(req.eval), req.eval_seq_len, req.eval_tokens)
     if req.data:
-        windows = make_windows(tokenizer, read_documents(req.data), req.seq_len)
+        budget = req.budget_tokens  # tokenize no more of the files than training and validation use
+        limit = None if budget is None else (budget + req.val_tokens) // req.seq_len * req.seq_len + req.seq_len
+        windows = make_windows(tokenizer, DataFiles(tuple(req.data)), req.seq_len, limit)
         plan["train"], plan["val"] = split_windows(windows, req.val_tokens)
         plan["digest"] = files_digest(req.data)
         plan["info"] = {"source": "files", "files": list(req.data), "sha256": plan["digest"],
@@ -241,8 +243,9 @@ def _write(req, pair, acc, model, teacher, eval_windows, before, report) -> None
 def _teacher_windows(req, plan, teacher, acc, log) -> None:
     """Training and validation windows from teacher-written text (cached; generated where missing)."""
     from attnkit.commands.heal.data import split_windows
-    from attnkit.commands.heal.samples import teacher_documents, token_windows
+    from attnkit.commands.heal.samples import teacher_documents
     from attnkit.progress import phase
+    from attnkit.runtime.texts import text_prefix, token_windows
 
     need = req.samples_needed + req.val_tokens
     log(f"teacher-written training text: {need:,} tokens, cached in {plan['samples']}")
@@ -251,7 +254,9 @@ def _teacher_windows(req, plan, teacher, acc, log) -> None:
         docs, info = teacher_documents(teacher, tokenizer, need, req.seq_len, req.seed, plan["samples"],
                                        rank=acc.process_index, world=acc.num_processes,
                                        barrier=acc.wait_for_everyone, progress=advance)
-    plan["train"], plan["val"] = split_windows(token_windows(docs, tokenizer.eos_token_id, req.seq_len), req.val_tokens)
+    windows, _ = token_windows(((doc, True) for doc in docs), text_prefix(tokenizer), tokenizer.eos_token_id,
+                               req.seq_len)
+    plan["train"], plan["val"] = split_windows(windows, req.val_tokens)
     plan["info"].update(info, train_tokens=int(plan["train"].numel()), validation_tokens=int(plan["val"].numel()))
 
 

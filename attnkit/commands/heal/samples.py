@@ -1,7 +1,7 @@
 """Training text the teacher writes itself: batched sampling, cached on disk, the seed recorded.
 
-Each sample starts from one token drawn uniformly from the vocabulary (special tokens excluded), then
-the teacher samples at temperature 1 (no top-k/top-p), so the text follows the teacher's own
+Each sample starts as the tokenizer starts a text (its BOS where it adds one) and one token drawn uniformly
+from the vocabulary (special tokens excluded), then the teacher samples at temperature 1 (no top-k/top-p), so the text follows the teacher's own
 distribution. Batch b is generated under torch seed (seed, b): a cache with fewer batches is extended,
 never regenerated, and ranks of a multi-process run write different batches of the same cache.
 """
@@ -17,8 +17,8 @@ from typing import Callable
 
 #: Samples per generate() call; part of the cache key, so one cache serves every device.
 SAMPLE_BATCH = 128
-SAMPLER = {"prompt": "one uniform random non-special token", "temperature": 1.0, "top_k": 0, "top_p": 1.0,
-           "batch": SAMPLE_BATCH, "version": 1}
+SAMPLER = {"prompt": "the tokenizer's text prefix and one uniform random non-special token", "temperature": 1.0,
+           "top_k": 0, "top_p": 1.0, "batch": SAMPLE_BATCH, "version": 2}
 
 
 def cache_folder(root: Path, teacher_digest: str, seed: int, length: int) -> Path:
@@ -28,17 +28,23 @@ def cache_folder(root: Path, teacher_digest: str, seed: int, length: int) -> Pat
 
 
 def _generate(model, tokenizer, batch: int, length: int, seed: int):
-    """One batch of samples: LongTensor [SAMPLE_BATCH, length] (prompt token + length - 1 sampled tokens)."""
+    """One batch of samples: LongTensor [SAMPLE_BATCH, length] (text prefix P, a random token, length - P - 1
+    sampled tokens)."""
     import torch
     from transformers import GenerationConfig
+
+    from attnkit.runtime.texts import text_prefix
 
     gen = torch.Generator().manual_seed(seed * 1_000_003 + batch)
     special = set(tokenizer.all_special_ids)
     allowed = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
-    prompt = allowed[torch.randint(len(allowed), (SAMPLE_BATCH, 1), generator=gen)]  # [S, 1]
+    first = allowed[torch.randint(len(allowed), (SAMPLE_BATCH, 1), generator=gen)]  # [S, 1]
+    prefix = torch.tensor(text_prefix(tokenizer), dtype=torch.long).expand(SAMPLE_BATCH, -1)  # [S, P]
+    prompt = torch.cat([prefix, first], dim=1)  # [S, P + 1]
     torch.manual_seed(seed * 1_000_003 + batch)
     eos = tokenizer.eos_token_id
-    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=length - 1,
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              max_new_tokens=length - prompt.shape[1],
                               pad_token_id=eos if eos is not None else 0, eos_token_id=eos)
     device = model.get_input_embeddings().weight.device
     with torch.no_grad():
@@ -47,10 +53,11 @@ def _generate(model, tokenizer, batch: int, length: int, seed: int):
     return torch.nn.functional.pad(out.cpu(), (0, length - out.shape[1]), value=config.pad_token_id)
 
 
-def _documents(ids, eos: int | None) -> list[list[int]]:
-    """Rows of ids [S, L] cut before their first EOS."""
+def _documents(ids, eos: int | None, prefix: list[int]) -> list[list[int]]:
+    """Rows of ids [S, L] without the text prefix they start with, cut before their first EOS."""
     docs = []
     for row in ids.tolist():
+        row = row[len(prefix):]
         if eos is not None and eos in row:
             row = row[:row.index(eos)]
         if row:
@@ -82,8 +89,10 @@ def teacher_documents(model, tokenizer, tokens: int, length: int, seed: int, fol
     Rounds of `world` batches: rank r writes batch round * world + r when missing, then all ranks read the round.
     Returns (documents, info for the manifest).
     """
+    from attnkit.runtime.texts import text_prefix
+
     folder.mkdir(parents=True, exist_ok=True)
-    eos = tokenizer.eos_token_id
+    eos, prefix = tokenizer.eos_token_id, text_prefix(tokenizer)
     docs: list[list[int]] = []
     total = generated = batches = 0
     seconds = 0.0
@@ -96,7 +105,7 @@ def teacher_documents(model, tokenizer, tokens: int, length: int, seed: int, fol
             generated += 1
         barrier()
         for b in range(batches, batches + world):
-            new = _documents(_load(folder / f"batch-{b:05d}.safetensors"), eos)
+            new = _documents(_load(folder / f"batch-{b:05d}.safetensors"), eos, prefix)
             docs.extend(new)
             total += sum(len(d) for d in new)
             if progress is not None:
@@ -106,16 +115,3 @@ def teacher_documents(model, tokenizer, tokens: int, length: int, seed: int, fol
             "tokens": total, "cache": str(folder), "batches_written_here": generated,
             "seconds_writing_here": seconds, **SAMPLER}
     return docs, info
-
-
-def token_windows(docs: list[list[int]], eos: int | None, seq_len: int):
-    """LongTensor [N, seq_len]: documents joined with EOS between them, cut into full windows."""
-    import torch
-
-    ids: list[int] = []
-    for i, doc in enumerate(docs):
-        if i and eos is not None:
-            ids.append(eos)
-        ids.extend(doc)
-    n = len(ids) // seq_len
-    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
