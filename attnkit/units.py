@@ -79,10 +79,11 @@ def parse_positive_int(text: str) -> int:
 
 
 def human_bytes(n: float) -> str:
-    """Binary units, three significant digits: 131072 -> '128 KiB'."""
+    """Binary units, three significant digits and never an exponent: 131072 -> '128 KiB', 1069547520 ->
+    '1020 MiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+            return f"{n:.0f} {unit}" if unit == "B" or abs(n) >= 100 else f"{n:.3g} {unit}"
         n /= 1024
     return f"{n} PiB"
 

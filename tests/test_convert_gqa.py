@@ -188,15 +188,16 @@ def test_eval_report_carries_greedy_samples_of_source_and_result(runner, tmp_pat
     assert table.exit_code == 0 and "greedy sample: 'the cat'" in table.stdout
 
 
-def test_manifest_names_a_gguf_source_as_gguf():
-    from attnkit.commands.rewrite import CheckedSource, source_record
+def test_manifest_names_a_gguf_source_as_gguf(tmp_path):
+    from attnkit.commands.source import Source
     from attnkit.io.checkpoint import Checkpoint
 
     class Spec:
         model_type = "llama"
 
-    folder = Checkpoint("m.gguf", "folder", {}, root=Path("/cache/m-float32-abc"), dequantized_from=Path("m.gguf"))
-    record = source_record("m.gguf", CheckedSource(folder, None, Spec(), ""))
-    assert record["kind"] == "gguf" and record["dequantized"] == "/cache/m-float32-abc"
-    plain = source_record("x", CheckedSource(Checkpoint("x", "folder", {}, root=Path("/x")), None, Spec(), ""))
+    (tmp_path / "config.json").write_text("{}")
+    folder = Checkpoint("m.gguf", "folder", {}, root=tmp_path, dequantized_from=Path("m.gguf"))
+    record = Source("m.gguf", folder, None, Spec(), "", frozenset()).record()
+    assert record["kind"] == "gguf" and record["dequantized"] == str(tmp_path) and len(record["digest"]) == 64
+    plain = Source("x", Checkpoint("x", "folder", {}, root=tmp_path), None, Spec(), "", frozenset()).record()
     assert plain["kind"] == "folder" and plain["dequantized"] is None

@@ -155,7 +155,7 @@ def test_gqa_converts_loads_in_stock_deepseek_and_caches_the_latent(runner, tmp_
     assert report["eval"]["cache"]["values_per_token_layer"] == 16
     assert report["eval"]["kl_mean"] > 0 and report["eval"]["perplexity"] > 1
     assert _digest(src) == before  # input untouched
-    assert json.loads((out / "attnkit.json").read_text())["conversion"] == "mla"
+    assert json.loads((out / "attnkit.json").read_text())["operation"] == "convert mla"
     model = AutoModelForCausalLM.from_pretrained(out)
     assert type(model) is DeepseekV3ForCausalLM
     assert not any("expert" in n or "gate.weight" in n for n, _ in model.named_parameters())
@@ -174,17 +174,18 @@ def test_dry_run_writes_nothing(runner, tmp_path):
     assert not out.exists()
 
 
-def test_rank_flags_are_R_and_P_and_the_old_r_p_still_work(runner, tmp_path):
+def test_rank_flags_are_R_and_P_and_r_is_not_one(runner, tmp_path):
     src = _source(tmp_path, "llama_gqa")
     plans = {}
-    for flags in (["-R", "12", "-P", "4"], ["--kv-lora-rank", "12", "--rope-dim", "4"], ["-r", "12", "-p", "4"]):
+    for flags in (["-R", "12", "-P", "4"], ["--kv-lora-rank", "12", "--rope-dim", "4"]):
         result = runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "out"), *flags, "--dry-run",
                                      "--format", "json"])
         assert result.exit_code == 0, result.output
         doc = json.loads(result.stdout)
         plans[flags[0]] = (doc["kv_lora_rank"], doc["rope_dim"], doc["parameters"]["sequential"])
-        assert ("-r is now -R/--kv-lora-rank" in result.stderr) == (flags[0] == "-r")
     assert set(plans.values()) == {(12, 4, True)}  # sequential calibration is the default, as documented
+    result = runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "out"), "-r", "12", "-P", "4"])
+    assert result.exit_code == 2 and "No such option: -r" in result.output  # -r is eval's --reference
 
 
 @pytest.mark.parametrize("args,needle", [

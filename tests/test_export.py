@@ -46,7 +46,7 @@ def test_export_writes_a_folder_in_the_asked_dtype(runner, gguf_and_cache, tmp_p
     assert (out / "tokenizer.json").read_bytes() == (cached / "tokenizer.json").read_bytes()
     manifest = json.loads((out / "attnkit.json").read_text())
     assert manifest["source"]["kind"] == "gguf" and manifest["source"]["ref"] == str(gguf)
-    assert manifest["dtype"] == "bfloat16"
+    assert manifest["operation"] == "export" and manifest["parameters"]["dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize("args, code, needle", [

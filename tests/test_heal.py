@@ -65,7 +65,7 @@ def test_heal_writes_the_students_layout_and_a_manifest(runner, pair, tmp_path):
     assert report["trainable"]["names"] and all(n.endswith(("k_proj.weight", "v_proj.weight"))
                                                 for n in report["trainable"]["names"])
     manifest = json.loads((out / "attnkit.json").read_text())
-    assert manifest["rewrite"]["conversion"] == "gqa" and manifest["seed"] == 0
+    assert manifest["rewrite"]["operation"] == "convert gqa" and manifest["seed"] == 0
     assert manifest["training"]["tokens"] == 2048 and manifest["training"]["steps"] == 16
     assert manifest["data"]["files"] == [str(data)] and len(manifest["data"]["sha256"]) == 64
     v, e = manifest["validation"], manifest["eval"]
@@ -122,7 +122,7 @@ def test_bad_input_is_one_line_and_writes_nothing(runner, pair, tmp_path, case, 
 
 def _request(pair, out: Path, **overrides) -> HealRequest:
     teacher, student, data = pair
-    settings = dict(student=str(student), out=out, teacher=str(teacher), data=[str(data)], tokens=2048, seq_len=32,
+    settings = dict(model=str(student), out=out, teacher=str(teacher), data=[str(data)], tokens=2048, seq_len=32,
                     batch_size=4, micro_batch_size=2, val_tokens=128, eval_every=4, checkpoint_every=100, lr=3e-3,
                     device="cpu")
     return HealRequest(**{**settings, **overrides})
@@ -233,7 +233,7 @@ def test_dry_run_checks_and_writes_nothing(runner, pair, tmp_path):
     result = _heal(runner, pair, out, "--dry-run")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert report["dry_run"] and report["rewrite"]["rewrite"] == "gqa" and report["data"]["source"] == "files"
+    assert report["dry_run"] and report["rewrite"]["rewrite"] == "convert gqa" and report["data"]["source"] == "files"
     assert not out.exists() and not Path(str(out) + ".checkpoint").exists()
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from attnkit.errors import AttnkitError
-from attnkit.io.reader import open_checkpoint
+from attnkit.commands.source import open_source
+from attnkit.io.reader import LazyReader
 from attnkit.io.resolve import resolve
 from tests.tiny import build_model, save_model
 
@@ -63,7 +64,7 @@ def test_cached_model_resolves_offline_and_reads_weights(hf_cache, tiny_model, c
     assert len(ckpt.weight_files) > 1 and ckpt.config["num_key_value_heads"] == 2
     light = resolve("acme/tiny", need_weights=False)
     assert light.weight_files == [] and light.config == ckpt.config
-    with open_checkpoint(light) as reader:  # fetches the weights (here: from the cache) on demand
+    with LazyReader(open_source("acme/tiny", "read").ckpt.weight_files) as reader:  # weights fetched (from the cache)
         state = model.state_dict()
         assert sorted(reader.names()) == sorted(state)
         assert all(torch.equal(reader.get(n), state[n]) for n in reader.names())

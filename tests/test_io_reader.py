@@ -1,4 +1,4 @@
-"""LazyReader: exact round-trip against torch, one shard open at a time, and open_checkpoint."""
+"""LazyReader: exact round-trip against torch, one shard open at a time; open_source on folders, files, GGUF."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from attnkit.errors import AttnkitError
-from attnkit.io.reader import LazyReader, open_checkpoint
+from attnkit.commands.source import open_source
+from attnkit.io.reader import LazyReader
 from attnkit.io.checkpoint import safetensors_files
 from attnkit.io.resolve import resolve
 from tests.tiny import build_model, save_model
@@ -101,20 +102,18 @@ def test_damaged_shard_data_is_one_line_error(tmp_path):
         LazyReader([path])
 
 
-def test_open_checkpoint_folder_and_single_file(tiny):
+def test_open_source_folder_and_single_file(tiny):
     folder = tiny("qwen2")
-    with open_checkpoint(resolve(str(folder))) as reader:
-        names = reader.names()
-        assert "model.layers.0.self_attn.q_proj.bias" in names
-    with open_checkpoint(resolve(str(folder / "model.safetensors"))) as reader:
-        assert reader.names() == names
+    src = open_source(str(folder), "read")
+    assert "model.layers.0.self_attn.q_proj.bias" in src.names
+    assert src.tensor("q_bias", 0) == "model.layers.0.self_attn.q_proj.bias" and src.tensor("o_bias", 0) is None
+    assert open_source(str(folder / "model.safetensors"), "read").names == src.names
 
 
-def test_open_checkpoint_config_only_is_an_error(tiny):
+def test_open_source_config_only_is_an_error(tiny):
     folder = tiny("llama")
-    ckpt = resolve(str(folder / "config.json"), need_weights=False)
-    with pytest.raises(AttnkitError, match="no weights to read"):
-        open_checkpoint(ckpt)
+    with pytest.raises(AttnkitError, match="a config file has no weights to convert"):
+        open_source(str(folder / "config.json"), "convert")
 
 
 def test_empty_file_list_is_an_error():
@@ -123,19 +122,18 @@ def test_empty_file_list_is_an_error():
 
 
 @pytest.mark.real_model
-def test_open_checkpoint_real_gguf_materializes_once():
-    from tests.realmodel import CACHE, smollm2_gguf
+def test_real_gguf_source_materializes_once():
+    from tests.realmodel import smollm2_gguf
 
-    ckpt = resolve(str(smollm2_gguf()), need_weights=False)
-    assert ckpt.kind == "gguf"
-    with open_checkpoint(ckpt, cache_dir=CACHE) as reader:
+    src = open_source(str(smollm2_gguf()), "read")
+    assert src.record()["kind"] == "gguf" and src.record()["dequantized"] == str(src.root)
+    with LazyReader(src.ckpt.weight_files) as reader:
         folder = Path(reader.files[0]).parent
         assert reader.info("model.layers.0.self_attn.q_proj.weight").shape == (576, 576)
         k = reader.get("model.layers.29.self_attn.k_proj.weight")
         assert k.shape == (192, 576) and k.dtype == torch.float32 and torch.isfinite(k).all()
         n_params = sum(reader.info(n).numel for n in reader.names())
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
-    with open_checkpoint(ckpt, cache_dir=CACHE) as reader:
-        assert Path(reader.files[0]).parent == folder
+    assert open_source(str(smollm2_gguf()), "read").root == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
     assert 134_000_000 < n_params < 135_000_000  # SmolLM2-135M, tied embeddings stored once

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from attnkit.errors import AttnkitError
-from attnkit.io import writer as writer_mod
+from attnkit.io import finite as finite_mod
 from attnkit.io.reader import LazyReader
 from attnkit.io.checkpoint import safetensors_files
 from attnkit.io.safetensors_header import read_header
@@ -145,11 +145,16 @@ def test_verify_output_accepts_good_and_names_problems(tmp_path):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("where", [0, 23, 49])
 def test_verify_output_finds_non_finite_values_in_any_chunk(tmp_path, monkeypatch, bad, dtype, where):
-    monkeypatch.setattr(writer_mod, "SCAN_CHUNK", 7)
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(finite_mod, "SCAN_CHUNK", 7)
     values = torch.randn(50)
     values[where] = bad  # first, middle or last chunk
-    _write(tmp_path, {"ok": torch.randn(3).to(dtype), "bad": values.to(dtype).reshape(10, 5)}, 1 << 20)
-    with pytest.raises(AttnkitError, match=f"{tmp_path}: tensor 'bad' contains NaN or Inf"):
+    tensors = {"ok": torch.randn(3).to(dtype), "bad": values.to(dtype).reshape(10, 5)}
+    with pytest.raises(AttnkitError, match="tensor 'bad' holds NaN or Inf"):
+        _write(tmp_path / "refused", tensors, 1 << 20)  # the writer refuses it as it is added
+    save_file(tensors, str(tmp_path / "model.safetensors"))  # written by another tool: found by the scan
+    with pytest.raises(AttnkitError, match=f"{tmp_path}: tensor 'bad' holds NaN or Inf"):
         verify_output(tmp_path, None)
 
 

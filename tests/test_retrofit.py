@@ -51,7 +51,7 @@ def test_softcap_auto_writes_config_copies_weights_and_measures(runner, tiny, te
     assert config["attn_logit_softcapping"] == auto["cap"] and config["final_logit_softcapping"] == 30
     assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
     manifest = json.loads((out / "attnkit.json").read_text())
-    assert manifest["retrofit"] == "softcap" and manifest["auto"]["attn"]["cap"] == auto["cap"]
+    assert manifest["operation"] == "retrofit softcap" and manifest["auto"]["attn"]["cap"] == auto["cap"]
     assert doc["eval"]["kl_mean"] >= -1e-6 and doc["eval"]["predicted"] == 126 and doc["eval"]["tokens"] == 128
     assert "ignore attn_logit_softcapping" in res.stderr
     assert len(doc["probe"]["layers"]) == 2
@@ -122,7 +122,7 @@ def test_qknorm_pad_loads_as_stock_qwen3_and_is_exact(runner, tiny, tmp_path, fa
 
         b = load_file(str(src / "model.safetensors"))["model.layers.0.self_attn.q_proj.bias"].view(8, 8)
         assert torch.equal(attn.q_proj.bias.detach().view(8, 10)[:, [0, 1, 2, 3, 5, 6, 7, 8]], b)
-    assert doc["head_dim_after"] == 10 and json.loads((out / "attnkit.json").read_text())["retrofit"] == "qknorm"
+    assert doc["head_dim_after"] == 10 and json.loads((out / "attnkit.json").read_text())["operation"] == "retrofit qknorm"
 
 
 def _anchored_source(tmp_path, family: str, biases: bool = False):

@@ -48,17 +48,13 @@ DEVICE_OPTION = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N o
 DTYPE_OPTION = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16 (or fp32, bf16, fp16).")
 
 
-#: --sample-prompt of the commands that rewrite a checkpoint (convert, retrofit).
-SAMPLE_OPTION = typer.Option([], "--sample-prompt",
-                             help="With --eval: a prompt both models continue greedily (16 tokens) in the report; "
-                                  "repeatable (default: 'The capital of the United States is').")
+def print_notes(notes: list[str] = (), warnings: list[str] = ()) -> None:
+    """A report's notes and warnings on stderr, one line each, printed as they are (never read as markup)."""
+    from rich.text import Text
 
-
-def sample_prompts_or_default(prompts: list[str]) -> list[str]:
-    """The --sample-prompt values, or attnkit.commands.quality's default prompt."""
-    from attnkit.commands.quality import DEFAULT_PROMPTS
-
-    return list(prompts) or list(DEFAULT_PROMPTS)
+    for label, style, lines in (("note", "yellow", notes), ("warning", "bold yellow", warnings)):
+        for line in lines:
+            stderr.print(Text.assemble((f"{label}: ", style), line), soft_wrap=True)
 
 
 def examples(*lines: str) -> str:

@@ -30,23 +30,14 @@ def register(app: typer.Typer) -> None:
         fmt: OutputFormat = FORMAT_OPTION,
     ) -> None:
         """Token-level perplexity on text windows; with --reference also KL(ref || model) and top-1 agreement."""
-        from attnkit.commands.analyse.evaluate import evaluate
-        from attnkit.runtime import load_model, make_windows, read_texts
-        from attnkit.runtime.loader import check_models
-        from attnkit.runtime.texts import check_text_files
+        from attnkit.commands.analyse.evaluate import EvalRequest, run_eval
 
-        check_text_files(texts or [])
-        check_models([model, *([reference] if reference else [])], device, dtype)
-        docs = read_texts(texts or [], text)
-        loaded = load_model(model, device=device, dtype=dtype)
-        windows = make_windows(loaded.tokenizer, docs, seq_len, max_tokens)
-        ref = load_model(reference, device=device, dtype=dtype) if reference else None
-        stderr.print(f"scoring {windows.shape[0]} window(s) of {seq_len} tokens", style="dim")
-        result = evaluate(loaded, windows, reference=ref, batch_size=batch_size)
-        doc = {"model": model, "reference": reference, "seq_len": seq_len, "windows": int(windows.shape[0]),
-               "dtype": str(loaded.dtype).removeprefix("torch."), **result.to_dict()}
+        doc = run_eval(EvalRequest(model=model, reference=reference, texts=list(texts or []), text=text,
+                                   seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size, device=device,
+                                   dtype=dtype),
+                       log=lambda message: stderr.print(message, style="dim", markup=False))
         columns = [Column("tokens", "tokens"), Column("nll_mean", "NLL"), Column("perplexity", "perplexity")]
-        if ref is not None:
+        if reference is not None:
             columns += [Column("reference_perplexity", "ref perplexity"), Column("kl_mean", "KL mean"),
                         Column("kl_max", "KL max"), Column("top1_agreement", "top-1 agree")]
         render([doc], columns, fmt, title=f"eval: {model}", json_obj=doc,

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import shlex
-import sys
-from pathlib import Path
-
 import typer
 
 from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors
 from attnkit.cli.output import Column, render
+from attnkit.cli.shared import request_fields, writes
 from attnkit.units import human_bytes
 
 EXAMPLES = examples("attnkit export SmolLM2-135M-Instruct.Q4_1.gguf ./smollm2",
@@ -19,24 +16,18 @@ EXAMPLES = examples("attnkit export SmolLM2-135M-Instruct.Q4_1.gguf ./smollm2",
 def register(app: typer.Typer) -> None:
     @app.command("export", epilog=EXAMPLES)
     @handle_errors
+    @writes(model_help="A .gguf file (or a folder holding one).")
     def export_(
-        model: str = typer.Argument(..., metavar="MODEL", help="A .gguf file (or a folder holding one)."),
-        out: Path = typer.Argument(..., metavar="OUT", help="Output folder (must be empty or absent unless --overwrite)."),
         dtype: str = typer.Option("float32", "--dtype", help="Weights dtype: float32, bfloat16 or float16 "
                                                              "(or fp32, bf16, fp16)."),
-        max_shard_size: str = typer.Option("1GiB", "--max-shard-size", help="Largest output shard."),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT."),
-        dry_run: bool = typer.Option(False, "--dry-run", help="Check and print the plan; write nothing."),
         fmt: OutputFormat = FORMAT_OPTION,
+        shared: dict = None,
     ) -> None:
         """Dequantize a GGUF file into a Hugging Face safetensors folder (config, weights, tokenizer) that every
         other command reads; the fp32 copy stays in attnkit's cache for eval and probe."""
         from attnkit.commands.export import ExportRequest, export
-        from attnkit.units import parse_bytes
 
-        report = export(ExportRequest(model=model, out=out, dtype=dtype, overwrite=overwrite, dry_run=dry_run,
-                                      max_shard_bytes=parse_bytes(max_shard_size, "--max-shard-size"),
-                                      command=shlex.join(["attnkit", *sys.argv[1:]])))
+        report = export(ExportRequest(**request_fields(shared), dtype=dtype))
         caption = ("dry run, nothing written" if report["dry_run"] else
                    f"wrote {report['tensors']} tensors, {human_bytes(report['bytes'])}, in {report['seconds']:.1f}s")
         columns = [Column("source", "source", justify="left"), Column("output", "output", justify="left"),

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
-import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -11,6 +9,7 @@ import typer
 
 from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, stderr
 from attnkit.cli.output import Column, render
+from attnkit.cli.shared import DEVICE, EVAL, request_fields, writes
 
 
 def _num(v, fmt: str = "{:.4f}") -> str:
@@ -36,17 +35,13 @@ def register(app: typer.Typer) -> None:
         "attnkit heal ./mqa-model ./mqa-healed --teacher ./my-model --data corpus.jsonl --max-time 30m --eval heldout.txt",
         "attnkit heal ./mla-model ./mla-healed --teacher ./my-model --tokens 256k --lora-rank 16 --dry-run"))
     @handle_errors
+    @writes(EVAL, DEVICE, model_help="The rewritten model (e.g. a convert or retrofit output folder).")
     def heal_(
-        student: str = typer.Argument(..., help="The rewritten model (e.g. a convert or retrofit output folder)."),
-        out: Path = typer.Argument(..., help="Output folder (must be empty or absent unless --overwrite)."),
         teacher: str = typer.Option(..., "--teacher", "-t", help="The source model the student was rewritten from."),
         data: List[str] = typer.Option([], "--data", help="Training text: .txt, .jsonl, .parquet or a datasets folder "
                                        "(repeatable); none: the teacher writes its own."),
         tokens: Optional[str] = typer.Option(None, "--tokens", help="Token budget (e.g. 256k); default 256k."),
         max_time: Optional[str] = typer.Option(None, "--max-time", help="Wall-clock budget of training (e.g. 30m)."),
-        eval_files: List[str] = typer.Option([], "--eval", help="Held-out text: perplexity and KL before and after."),
-        eval_tokens: int = typer.Option(4096, "--eval-tokens", min=2, help="At most this many evaluation tokens."),
-        eval_seq_len: int = typer.Option(512, "--eval-seq-len", min=2, help="Tokens per evaluation window."),
         eval_curve: bool = typer.Option(False, "--eval-curve",
                                         help="Also score --eval at every validation (reported, never used to stop)."),
         train: str = typer.Option("rewritten", "--train", help="rewritten (attention tensors the rewrite changed) or all."),
@@ -73,30 +68,25 @@ def register(app: typer.Typer) -> None:
         gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing/--no-gradient-checkpointing",
                                                     help="Recompute activations in backward (less memory)."),
         seed: int = typer.Option(0, "--seed", help="Seed of data order and teacher sampling."),
-        device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-        max_shard_size: str = typer.Option("1GiB", "--max-shard-size", help="Largest output shard."),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT (and an old checkpoint)."),
-        dry_run: bool = typer.Option(False, "--dry-run", help="Check everything, print the plan; load no model."),
         fmt: OutputFormat = FORMAT_OPTION,
+        shared: dict = None,
     ) -> None:
         """Distil STUDENT (a rewrite of --teacher) toward the teacher: KL on next-token distributions."""
         from attnkit.commands.heal.heal import heal
         from attnkit.commands.heal.request import HealRequest, parse_duration
-        from attnkit.units import parse_bytes, parse_tokens
+        from attnkit.units import parse_tokens
 
         req = HealRequest(
-            student=student, out=out, teacher=teacher, data=list(data),
+            **request_fields(shared), teacher=teacher, data=list(data),
             tokens=parse_tokens(tokens) if tokens is not None else None,
-            max_time=parse_duration(max_time) if max_time is not None else None, eval=list(eval_files),
-            eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, eval_curve=eval_curve, train=train, lora_rank=lora_rank, lr=lr,
+            max_time=parse_duration(max_time) if max_time is not None else None,
+            eval_curve=eval_curve, train=train, lora_rank=lora_rank, lr=lr,
             warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, weight_decay=weight_decay,
             max_grad_norm=max_grad_norm, batch_size=batch_size, micro_batch_size=micro_batch_size, seq_len=seq_len,
             attn_loss=attn_loss, val_tokens=val_tokens, eval_every=eval_every, patience=patience,
             checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, resume=resume,
             sample_tokens=parse_tokens(sample_tokens) if sample_tokens is not None else None,
-            sample_cache=sample_cache, gradient_checkpointing=gradient_checkpointing, seed=seed, device=device,
-            overwrite=overwrite, dry_run=dry_run, max_shard_bytes=parse_bytes(max_shard_size, "--max-shard-size"),
-            command=shlex.join(["attnkit", *sys.argv[1:]]))
+            sample_cache=sample_cache, gradient_checkpointing=gradient_checkpointing, seed=seed)
         report = heal(req, log=lambda message: stderr.print(message, style="dim", soft_wrap=True))
         if report is None:
             return  # not the main process of a multi-process run: the main one prints and writes
@@ -104,13 +94,13 @@ def register(app: typer.Typer) -> None:
             plan = {**report["budget"], **report["settings"], "data": report["data"]["source"], "seed": report["seed"]}
             render([{"setting": k, "value": v} for k, v in plan.items()],
                    [Column("setting", "setting", justify="left"), Column("value", "value", justify="left")], fmt,
-                   title=f"heal: {student} (plan)", json_obj=report, caption=_caption(report))
+                   title=f"heal: {req.model} (plan)", json_obj=report, caption=_caption(report))
             return
         columns = [Column("step", "step"), Column("tokens", "tokens"), Column("seconds", "seconds", _num_s),
                    Column("kl_mean", "validation KL", _num), Column("perplexity", "validation perplexity", _num)]
         if req.eval_curve:
             columns += [Column("eval_perplexity", "--eval perplexity", _num), Column("eval_kl_mean", "--eval KL", _num)]
-        render(report["validation"]["curve"], columns, fmt, title=f"heal: {student}", json_obj=report,
+        render(report["validation"]["curve"], columns, fmt, title=f"heal: {req.model}", json_obj=report,
                caption=_caption(report))
 
 

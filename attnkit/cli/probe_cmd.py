@@ -41,46 +41,20 @@ def register(app: typer.Typer) -> None:
                                                     "(also logz_max, entropy_min, z_loss, ...); repeatable."),
         out: Optional[str] = typer.Option(None, "--out", help="Write per-head rows to FILE.parquet or FILE.csv."),
         plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG: max-logit heatmap and log Z per layer."),
-        top: int = typer.Option(20, "--top", help="Heads shown in the table (worst max logit first); 0 = all."),
+        top: int = typer.Option(20, "--top", min=0, help="Heads shown in the table (worst max logit first); 0 = all."),
         device: str = DEVICE_OPTION,
         dtype: str = DTYPE_OPTION,
         fmt: OutputFormat = FORMAT_OPTION,
     ) -> None:
         """Attention logits (max, min, mean, std, share above --threshold), log Z, entropy and q/k norms per head."""
-        from attnkit.commands.analyse.probe import check_rules, max_logit_limit, parse_rule, probe
-        from attnkit.errors import UsageError
-        from attnkit.runtime import load_model, make_windows, read_texts
-        from attnkit.runtime.loader import check_models
-        from attnkit.runtime.texts import check_text_files
+        from attnkit.commands.analyse.probe import ProbeRequest, run_probe
+        from attnkit.commands.analyse.probe_rules import check_rules
 
         models, text_files = _split(args)
-        rules = [parse_rule(r) for r in fail_if or []]
-        if not models:
-            raise UsageError("give at least one model")
-        from attnkit.commands.analyse.probe_report import PLOT_SUFFIXES, TABLE_SUFFIXES, check_output_path
-
-        for path, option, suffixes in ((out, "--out", TABLE_SUFFIXES), (plot, "--plot", PLOT_SUFFIXES)):
-            if path:
-                check_output_path(path, option, suffixes)
-        check_text_files(text_files)
-        check_models(models, device, dtype)
-        docs = read_texts(text_files, text)
-        results = []
-        for ref in models:
-            loaded = load_model(ref, device=device, dtype=dtype)
-            windows = make_windows(loaded.tokenizer, docs, seq_len, max_tokens)
-            stderr.print(f"probing {ref}: {windows.shape[0]} window(s) of {seq_len} tokens", style="dim")
-            results.append(probe(loaded, windows, threshold=threshold, z_lambda=z_lambda, batch_size=batch_size,
-                                 name=ref))
-            del loaded
-        if out:
-            from attnkit.commands.analyse.probe_report import write_table
-
-            write_table(results, out)
-        if plot:
-            from attnkit.commands.analyse.probe_report import plot as write_plot
-
-            write_plot(results, plot, limit=max_logit_limit(rules))
+        req = ProbeRequest(models=models, texts=text_files, text=text, seq_len=seq_len, max_tokens=max_tokens,
+                           batch_size=batch_size, threshold=threshold, z_lambda=z_lambda, fail_if=list(fail_if or []),
+                           out=out, plot=plot, device=device, dtype=dtype)
+        results, rules = run_probe(req, log=lambda message: stderr.print(message, style="dim", markup=False))
         _render(results, fmt, top, threshold)
         check_rules(results, rules)
 

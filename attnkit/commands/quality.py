@@ -1,19 +1,12 @@
-"""How a rewrite scores against its source on the --eval text: perplexity of both, KL(source || result),
-top-1 agreement, and greedy continuations of the sample prompts by both (a perplexity can hide a wrong
-answer). Shared by convert gqa|mqa|mla and retrofit."""
+"""How a rewrite scores against its source, for every command that writes one (convert, retrofit, heal): on the
+--eval text the perplexity of both, KL(source || result) and top-1 agreement, and greedy continuations of the
+sample prompts by both (a perplexity can hide a wrong answer)."""
 
 from __future__ import annotations
 
-#: Prompt of the greedy sample when none is given: a fact a small model knows and a damaged one gets wrong.
-DEFAULT_PROMPTS = ("The capital of the United States is",)
+from typing import Callable
 
-
-def eval_windows(source, req):
-    """The --eval text as windows [N, --eval-seq-len], tokenized by the source's tokenizer."""
-    from attnkit.runtime import make_windows, read_texts
-
-    return make_windows(source.tokenizer, read_texts(req.eval), req.eval_seq_len, req.eval_tokens,
-                        flags=("--eval-seq-len", "--eval-tokens"))
+from attnkit.commands.rewrite import eval_windows
 
 
 def samples(source, result, prompts, new_tokens: int) -> list[dict]:
@@ -26,15 +19,34 @@ def samples(source, result, prompts, new_tokens: int) -> list[dict]:
             for p in prompts]
 
 
-def quality(source, result, req, windows=None) -> dict:
-    """The "eval" section of a rewrite report (see docs/convert-gqa.md): both loaded models, the request's
-    --eval files and sample prompts; `windows` when the caller made them already."""
+def quality(source, result, req, windows) -> dict:
+    """The "eval" section of a report (see docs/convert-gqa.md): both loaded models scored on `windows` of the
+    request's --eval text, and their greedy continuations of its sample prompts."""
     from attnkit.commands.analyse.evaluate import evaluate
 
-    windows = eval_windows(source, req) if windows is None else windows
     res = evaluate(result, windows, reference=source)
     return {"files": list(req.eval), "tokens": res.tokens, "predicted": res.predicted,
             "seq_len": req.eval_seq_len, "source_perplexity": res.reference_perplexity,
             "perplexity": res.perplexity, "kl_mean": res.kl_mean, "kl_max": res.kl_max,
             "top1_agreement": res.top1_agreement,
             "samples": samples(source, result, req.sample_prompts, req.sample_tokens)}
+
+
+def score_rewrite(req, source_root, result_root, *, probe: bool = False,
+                  extra: Callable[[object], dict] | None = None) -> dict:
+    """Load source and result (fp32, on --device) and score the result: {"eval": quality(...)}, plus with
+    `probe` both models' attention statistics side by side under "probe" (analyse.probe.probe_summary).
+    `extra(result)` may check the loaded result (raising on what is wrong) and returns more "eval" entries."""
+    from attnkit.runtime import load_model
+
+    source = load_model(str(source_root), device=req.device, dtype="float32")
+    result = load_model(str(result_root), device=req.device, dtype="float32")
+    more = extra(result) if extra is not None else {}
+    windows = eval_windows(source.tokenizer, req)
+    scores = {"eval": {**quality(source, result, req, windows), **more}}
+    if probe:
+        from attnkit.commands.analyse.probe import probe as run_probe, probe_summary
+
+        scores["probe"] = probe_summary(run_probe(source, windows, name="source"),
+                                        run_probe(result, windows, name="result"))
+    return scores

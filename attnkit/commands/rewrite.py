@@ -1,19 +1,38 @@
-"""What every command that writes a checkpoint (convert gqa|mqa|mla, retrofit) takes."""
+"""What every command that writes a checkpoint takes (WriteRequest: export, heal; RewriteRequest: convert and
+retrofit, which also calibrate and score), and the checks those options get before anything is resolved or
+loaded."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from attnkit.commands.quality import DEFAULT_PROMPTS
+from attnkit.errors import UsageError
+from attnkit.io.writer import OutputDir
+from attnkit.runtime.loader import resolve_device
+from attnkit.runtime.texts import check_text_files, make_windows, read_texts
+
+#: Prompt of the greedy sample when none is given: a fact a small model knows and a damaged one gets wrong.
+DEFAULT_PROMPTS = ("The capital of the United States is",)
 
 
 @dataclass(kw_only=True)
-class RewriteRequest:
-    """Source and target, calibration and evaluation text, safe-write and device options."""
+class WriteRequest:
+    """The source, the output folder and how to write it."""
 
     model: str
     out: Path
+    overwrite: bool = False
+    dry_run: bool = False
+    device: str = "auto"
+    max_shard_bytes: int = 2**30
+    command: str = ""  # the command line, recorded in attnkit.json
+
+
+@dataclass(kw_only=True)
+class RewriteRequest(WriteRequest):
+    """A rewrite of the source: calibration text, evaluation text and what the report scores on it."""
+
     calib: list[str] = field(default_factory=list)
     calib_tokens: int = 2048
     calib_seq_len: int = 512
@@ -22,52 +41,6 @@ class RewriteRequest:
     eval_seq_len: int = 512
     sample_prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))  # greedy samples with --eval
     sample_tokens: int = 16
-    overwrite: bool = False
-    dry_run: bool = False
-    device: str = "auto"
-    max_shard_bytes: int = 2**30
-    command: str = ""  # the command line, recorded in attnkit.json
-
-
-@dataclass
-class CheckedSource:
-    """A source checkpoint that passed a command's checks: resolved files, architecture, attention spec and the
-    prefix in front of its tensor names."""
-
-    ckpt: object
-    arch: object
-    spec: object
-    prefix: str
-
-
-def source_record(ref: str, src: CheckedSource) -> dict:
-    """The "source" of an attnkit.json manifest: the reference as given, its kind (a GGUF file stays "gguf"
-    although its weights were read from the dequantized cache folder named in "dequantized"), hub repo and
-    revision (a hub snapshot's commit when none was asked for) and model type."""
-    ckpt = src.ckpt
-    gguf = getattr(ckpt, "dequantized_from", None)
-    revision = ckpt.revision
-    if revision is None and ckpt.kind == "hub" and ckpt.root is not None:
-        revision = Path(ckpt.root).name  # snapshots/<commit>
-    return {"ref": ref, "kind": "gguf" if gguf else ckpt.kind, "repo_id": ckpt.repo_id, "revision": revision,
-            "model_type": src.spec.model_type, "dequantized": str(ckpt.root) if gguf else None}
-
-
-def check_rewrite(req: RewriteRequest) -> None:
-    """What a rewrite checks before it resolves or loads anything: text files are UTF-8 text, token budgets
-    hold a window, --device exists, and OUT is usable and neither is, holds nor lies inside a local input."""
-    from attnkit.errors import UsageError
-    from attnkit.io.writer import OutputDir
-    from attnkit.runtime.loader import resolve_device
-    from attnkit.runtime.texts import check_text_files
-
-    check_text_files([*req.calib, *req.eval])
-    for kind, files, tokens, seq_len in (("calib", req.calib, req.calib_tokens, req.calib_seq_len),
-                                         ("eval", req.eval, req.eval_tokens, req.eval_seq_len)):
-        if files and tokens is not None and tokens < seq_len:
-            raise UsageError(f"--{kind}-tokens {tokens} is shorter than one window (--{kind}-seq-len {seq_len})")
-    resolve_device(req.device)
-    OutputDir(Path(req.out), overwrite=req.overwrite, sources=local_sources(req.model))  # checks only
 
 
 def local_sources(ref: str) -> list[Path]:
@@ -78,3 +51,39 @@ def local_sources(ref: str) -> list[Path]:
     if path.is_file():
         return [path] if path.suffix.lower() == ".gguf" else [path.parent]
     return []
+
+
+def check_write(req: WriteRequest, inputs: list[str] | None = None) -> None:
+    """--device exists and OUT can be written: it is absent, an empty folder or (--overwrite) a folder, its parent
+    can hold it, and it neither is, holds nor lies inside a local input (`inputs`: refs, default the model)."""
+    resolve_device(req.device)
+    if req.max_shard_bytes <= 0:
+        raise UsageError(f"--max-shard-size must be positive, got {req.max_shard_bytes}")
+    sources = [p for ref in (inputs or [req.model]) for p in local_sources(ref)]
+    OutputDir(Path(req.out), overwrite=req.overwrite, sources=sources)  # checks only; creates nothing
+
+
+def check_rewrite(req: RewriteRequest) -> None:
+    """check_write, plus: text files are UTF-8 text, token budgets hold a window, and a window has room."""
+    check_text_files([*req.calib, *req.eval])
+    for kind, files, tokens, seq_len in (("calib", req.calib, req.calib_tokens, req.calib_seq_len),
+                                         ("eval", req.eval, req.eval_tokens, req.eval_seq_len)):
+        if seq_len < 2:
+            raise UsageError(f"--{kind}-seq-len must be at least 2, got {seq_len}")
+        if files and tokens is not None and tokens < seq_len:
+            raise UsageError(f"--{kind}-tokens {tokens} is shorter than one window (--{kind}-seq-len {seq_len})")
+    if req.sample_tokens < 1:
+        raise UsageError(f"the greedy samples need at least 1 new token, got {req.sample_tokens}")
+    check_write(req)
+
+
+def calib_windows(tokenizer, req: RewriteRequest):
+    """The --calib text as windows [N, --calib-seq-len], at most --calib-tokens in all."""
+    return make_windows(tokenizer, read_texts(req.calib), req.calib_seq_len, req.calib_tokens,
+                        flags=("--calib-seq-len", "--calib-tokens"))
+
+
+def eval_windows(tokenizer, req: RewriteRequest):
+    """The --eval text as windows [N, --eval-seq-len], at most --eval-tokens in all."""
+    return make_windows(tokenizer, read_texts(req.eval), req.eval_seq_len, req.eval_tokens,
+                        flags=("--eval-seq-len", "--eval-tokens"))

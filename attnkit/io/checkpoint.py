@@ -85,3 +85,18 @@ def safetensors_files(folder: Path) -> list[Path]:
             raise AttnkitError(f"{index}: shard {missing[0]} is missing")
         return files
     return [inside(folder, f.name, folder) for f in sorted(folder.glob("*.safetensors"))]
+
+
+def checkpoint_digest(ckpt: Checkpoint) -> str:
+    """sha256 over config.json and every weight file's name, size and safetensors header (no tensor data): what
+    identifies a checkpoint in manifests and caches, cheap whatever its size."""
+    import hashlib
+    import struct
+
+    h = hashlib.sha256((Path(ckpt.root) / "config.json").read_bytes())
+    for f in sorted(ckpt.weight_files):
+        with open(f, "rb") as fh:
+            raw = fh.read(8)
+            header = fh.read(struct.unpack("<Q", raw)[0]) if len(raw) == 8 else b""
+        h.update(f"{Path(f).name}|{Path(f).stat().st_size}|".encode() + header)
+    return h.hexdigest()

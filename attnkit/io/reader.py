@@ -84,26 +84,3 @@ class LazyReader:
             self._handle, self._open_file = handle.__enter__(), file
             self.opens += 1
         return self._handle
-
-
-def open_checkpoint(ckpt: Checkpoint, cache_dir: Path | None = None) -> LazyReader:
-    """A LazyReader over the weights of `ckpt`.
-
-    Folders, single files and hub snapshots are read in place (hub weights are downloaded
-    when `ckpt` was resolved without them). A GGUF file is first dequantized into an fp32
-    safetensors folder under `cache_dir` (default: see gguf_load.cache_root), once.
-    """
-    if ckpt.gguf_file is not None:
-        from attnkit.io.gguf_load import gguf_cache_folder, materialize_gguf
-        from attnkit.io.checkpoint import safetensors_files
-
-        folder = materialize_gguf(ckpt.gguf_file, gguf_cache_folder(ckpt.gguf_file, cache_dir))
-        return LazyReader(safetensors_files(folder))
-    files = ckpt.weight_files
-    if not files and ckpt.kind == "hub":
-        from attnkit.io.hub import resolve_hub
-
-        files = resolve_hub(ckpt.ref, need_weights=True).weight_files
-    if not files:
-        raise AttnkitError(f"{ckpt.ref}: no weights to read (only a config)")
-    return LazyReader(files)

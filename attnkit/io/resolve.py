@@ -47,6 +47,17 @@ def resolve(ref: str, *, need_weights: bool = True) -> Checkpoint:
     raise AttnkitError(f"{ref}: no such file or folder, and not a valid hub id")
 
 
+def resolve_weights(ref: str, purpose: str) -> Checkpoint:
+    """`ref` resolved for a command that reads its weights: a bare config file is refused ("a config file has no
+    weights to <purpose>"), a hub id gets its weight files; a GGUF file stays undequantized (gguf_load.dequantized)."""
+    ckpt = resolve(ref)
+    if ckpt.kind == "config":
+        raise AttnkitError(f"{ref}: a config file has no weights to {purpose}")
+    if ckpt.gguf_file is None and not ckpt.weight_files:
+        raise AttnkitError(f"{ref}: no safetensors weights found")
+    return ckpt
+
+
 def _from_folder(ref: str, folder: Path, need_weights: bool) -> Checkpoint:
     ggufs = sorted(folder.glob("*.gguf"))
     config_path = folder / "config.json"

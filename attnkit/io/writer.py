@@ -24,8 +24,6 @@ TORCH_TO_SAFETENSORS = {
     "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
     "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0",
 }
-#: Scan this many elements at a time for NaN/Inf, so a huge tensor needs little extra memory.
-SCAN_CHUNK = 1 << 24
 
 
 def _disk_full(exc: BaseException | None) -> bool:
@@ -56,6 +54,18 @@ def sync_tree(folder: Path) -> None:
         for name in files:
             _fsync_path(Path(root, name))
         _fsync_path(Path(root))
+
+
+def check_writable_parent(target: Path) -> None:
+    """The folder that will hold `target` can hold it: its nearest existing ancestor is a folder this process may
+    create entries in (checked before any work, so a read-only or misplaced target fails in one line at once)."""
+    parent = Path(target).parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise AttnkitError(f"{target}: cannot be created, {parent} is a file and not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise AttnkitError(f"{target}: cannot write into {parent} (permission denied)")
 
 
 class OutputDir:
@@ -89,6 +99,7 @@ class OutputDir:
             raise AttnkitError(f"{self.target}: exists and is not a folder")
         if self.target.is_dir() and any(self.target.iterdir()) and not self.overwrite:
             raise AttnkitError(f"{self.target}: folder is not empty (pass --overwrite to replace it)")
+        check_writable_parent(self.target)
 
     @property
     def path(self) -> Path:
@@ -164,17 +175,27 @@ class ShardedWriter:
         self.total_parameters = 0
 
     @property
+    def tensors(self) -> int:
+        """How many tensors were added."""
+        return len(self._names)
+
+    @property
     def folder(self) -> Path:
         if callable(self._folder):
             self._folder = self._folder()
         return Path(self._folder)
 
     def add(self, name: str, tensor) -> None:
-        """Queue `tensor` under `name`; writes a shard first when it would overflow the current one."""
+        """Queue `tensor` under `name`; writes a shard first when it would overflow the current one. A tensor
+        holding NaN or Inf is refused (so what a writer wrote needs no second scan)."""
+        from attnkit.io.finite import is_finite
+
         interrupts.check()
         if name in self._names:
             raise AttnkitError(f"{self.folder}: tensor {name!r} added twice")
         tensor = tensor.detach().to("cpu").contiguous()
+        if not is_finite(tensor):
+            raise AttnkitError(f"tensor {name!r} holds NaN or Inf; the output would not run")
         nbytes = tensor.numel() * tensor.element_size()
         storage = tensor.untyped_storage()
         if storage.nbytes() != nbytes or any(
@@ -259,19 +280,21 @@ def copy_side_files(src_root: Path, dst: Path) -> list[str]:
     return copied
 
 
-def verify_output(folder: Path, expected: dict[str, tuple[int, ...]] | None = None) -> None:
-    """Check names and shapes against `expected` (when given) and that no tensor holds NaN/Inf."""
+def verify_output(folder: Path, expected: dict[str, tuple[int, ...]] | None = None, scan: bool = True) -> None:
+    """Check names and shapes against `expected` (when given) and, with `scan`, that no tensor holds NaN/Inf
+    (tensors a ShardedWriter wrote were scanned when added)."""
+    from attnkit.io.finite import check_finite_files
     from attnkit.io.reader import LazyReader
 
     folder = Path(folder)
     files = safetensors_files(folder)
     if not files:
         raise AttnkitError(f"{folder}: no safetensors weights were written")
-    with LazyReader(files) as reader:
-        if expected is not None:
+    if expected is not None:
+        with LazyReader(files) as reader:
             _check_shapes(folder, reader, expected)
-        for name in reader.names():
-            _check_finite(folder, name, reader.get(name))
+    if scan:
+        check_finite_files(files, folder)
 
 
 def _check_shapes(folder: Path, reader, expected: dict[str, tuple[int, ...]]) -> None:
@@ -286,19 +309,3 @@ def _check_shapes(folder: Path, reader, expected: dict[str, tuple[int, ...]]) ->
         got = reader.info(name).shape
         if tuple(got) != tuple(shape):
             raise AttnkitError(f"{folder}: tensor {name!r} has shape {list(got)}, expected {list(shape)}")
-
-
-def _check_finite(folder: Path, name: str, tensor) -> None:
-    import torch
-
-    if not tensor.is_floating_point():
-        return
-    flat = tensor.reshape(-1)
-    for start in range(0, flat.numel(), SCAN_CHUNK):
-        chunk = flat[start:start + SCAN_CHUNK]
-        if chunk.element_size() == 1:  # fp8: aminmax has no kernel; float32 holds every value
-            chunk = chunk.float()
-        # min/max propagate NaN and reach +-Inf; ~5x faster than isfinite().all() on CPU
-        low, high = torch.aminmax(chunk)
-        if not (torch.isfinite(low) and torch.isfinite(high)):
-            raise AttnkitError(f"{folder}: tensor {name!r} contains NaN or Inf")

@@ -18,6 +18,9 @@ from attnkit.ops.headmerge import (
 from attnkit.ops.whiten import relative_error
 
 METHODS = ("mean", "first", "merge")
+#: How the merge weighs value and key errors (MergeOptions.value_weight, key_weight).
+VALUE_WEIGHTS = ("o_proj", "none")
+KEY_WEIGHTS = ("query", "uniform", "attention")
 #: Layer roles a conversion rewrites (o_bias, q_norm and a per-head k_norm pass through).
 KV_ROLES = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "qkv", "k_norm")
 

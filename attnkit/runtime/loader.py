@@ -108,14 +108,12 @@ def check_checkpoint(ckpt) -> None:
 def check_models(refs: list[str], device: str, dtype: str) -> None:
     """--device, --dtype and every model reference (files, config, completeness; hub ids downloaded) checked
     before the first model is loaded, so the second of two models cannot fail after the first one ran."""
-    from attnkit.io.resolve import resolve
+    from attnkit.io.resolve import resolve_weights
 
     dtype_name(dtype)
     resolve_device(device)
     for ref in refs:
-        ckpt = resolve(ref)
-        if ckpt.kind == "config":
-            raise AttnkitError(f"{ref}: a config file has no weights to run")
+        ckpt = resolve_weights(ref, "run")
         check_causal(ref, ckpt.model_type)
         check_checkpoint(ckpt)
 
@@ -128,16 +126,15 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_ma
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from attnkit.io.finite import is_finite
     from attnkit.io.gguf_load import dequantized
-    from attnkit.io.resolve import resolve
+    from attnkit.io.resolve import resolve_weights
     from attnkit.runtime.softcap import apply_softcaps
 
     hf_logging.disable_progress_bar()
-    ckpt = resolve(ref)
+    ckpt = resolve_weights(ref, "run")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev, ckpt.config)
-    if ckpt.kind == "config":
-        raise AttnkitError(f"{ref}: a config file has no weights to run")
     check_causal(ref, ckpt.model_type)
     check_checkpoint(ckpt)
     if ckpt.gguf_file is not None:
@@ -160,6 +157,9 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_ma
     if missing:  # transformers would run them with random values
         raise AttnkitError(f"{ref}: incomplete checkpoint: {len(missing)} weight(s) the model needs are missing, "
                            f"e.g. {missing[0]!r}")
+    bad = next((name for name, p in model.named_parameters() if not is_finite(p.detach())), None)
+    if bad is not None:
+        raise AttnkitError(f"{ref}: tensor {bad!r} holds NaN or Inf")
     if device_map is None:
         model = model.to(dev)
     tokenizer = load_tokenizer(ckpt.root)

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnkit.commands.source import open_source
 from attnkit.errors import AttnkitError
 
 #: Per-head probe fields compared; a row holds each for A and B and their difference B - A.
@@ -29,19 +30,6 @@ class DiffRequest:
     values: bool = True  # compare tensor values, not only names, shapes and dtypes
     device: str = "auto"
     dtype: str = "auto"
-
-
-def _resolved(ref: str):
-    """A checkpoint with weights (a GGUF file through its cache folder), checked like every command's input."""
-    from attnkit.io.gguf_load import dequantized
-    from attnkit.io.resolve import resolve
-    from attnkit.runtime.loader import check_checkpoint
-
-    ckpt = resolve(ref)
-    if ckpt.kind == "config":
-        raise AttnkitError(f"{ref}: a config file has no weights to compare")
-    check_checkpoint(ckpt)
-    return dequantized(ckpt)
 
 
 def flatten(config: dict, prefix: str = "") -> dict:
@@ -67,16 +55,12 @@ def config_changes(a: dict, b: dict) -> list[dict]:
 _MISSING = object()
 
 
-def _raw_config(ckpt) -> dict:
-    return json.loads((Path(ckpt.root) / "config.json").read_text(encoding="utf-8"))
-
-
-def tensor_changes(ckpt_a, ckpt_b, values: bool) -> tuple[list[dict], int]:
+def tensor_changes(src_a, src_b, values: bool) -> tuple[list[dict], int]:
     """Rows for tensors added, removed, reshaped, recast or (with values) changed, and how many tensors are the
     same on both sides (name, shape and dtype; with values, also every value)."""
     from attnkit.io.safetensors_header import read_headers
 
-    ha, hb = read_headers(ckpt_a.weight_files), read_headers(ckpt_b.weight_files)
+    ha, hb = read_headers(src_a.ckpt.weight_files), read_headers(src_b.ckpt.weight_files)
     rows = []
     for name in dict.fromkeys([*ha, *hb]):
         ia, ib = ha.get(name), hb.get(name)
@@ -86,19 +70,19 @@ def tensor_changes(ckpt_a, ckpt_b, values: bool) -> tuple[list[dict], int]:
                      "shape_b": list(ib.shape) if ib else None, "dtype_a": ia.dtype if ia else None,
                      "dtype_b": ib.dtype if ib else None, "rel_change": None})
     if values:
-        _compare_values(ckpt_a, ckpt_b, [r for r in rows if r["change"] in (None, "recast")])
+        _compare_values(src_a, src_b, [r for r in rows if r["change"] in (None, "recast")])
     changed = [r for r in rows if r["change"] is not None]
     return changed, len(rows) - len(changed)
 
 
-def _compare_values(ckpt_a, ckpt_b, rows: list[dict]) -> None:
+def _compare_values(src_a, src_b, rows: list[dict]) -> None:
     """Fill rel_change (and change = "values" where they differ) for tensors of one shape on both sides."""
     import torch
 
     from attnkit.io.reader import LazyReader
     from attnkit.progress import phase
 
-    with LazyReader(ckpt_a.weight_files) as ra, LazyReader(ckpt_b.weight_files) as rb, \
+    with LazyReader(src_a.ckpt.weight_files) as ra, LazyReader(src_b.ckpt.weight_files) as rb, \
             phase("comparing tensors", len(rows), "tensors") as advance:
         for row in rows:
             ta, tb = ra.get(row["name"]), rb.get(row["name"])
@@ -116,12 +100,11 @@ def _compare_values(ckpt_a, ckpt_b, rows: list[dict]) -> None:
             advance(1)
 
 
-def layout(ckpt) -> dict:
+def layout(src) -> dict:
     """Attention layout and KV bytes per token (bf16, the same basis for both sides)."""
-    from attnkit.archs.spec import attention_spec
     from attnkit.kvcache import bytes_per_token, cache_dtype
 
-    spec = attention_spec(ckpt.config)
+    spec = src.spec
     return {"model_type": spec.model_type, "variant": spec.variant, "layers": spec.num_layers,
             "heads": spec.num_heads, "kv_heads": spec.num_kv_heads if spec.mla is None else None,
             "head_dim": spec.head_dim, "kv_bytes_per_token_bf16": bytes_per_token(spec, cache_dtype("bf16"))}
@@ -168,15 +151,15 @@ def check_request(req: DiffRequest):
         check_text_files(req.texts)
         resolve_device(req.device)
         req.dtype = dtype_name(req.dtype)
-    return _resolved(req.a), _resolved(req.b)
+    return open_source(req.a, "compare", causal=False), open_source(req.b, "compare", causal=False)
 
 
 def diff_models(req: DiffRequest) -> dict:
     """The report of `attnkit diff` (see docs/diff.md)."""
-    ckpt_a, ckpt_b = check_request(req)
-    tensors, identical = tensor_changes(ckpt_a, ckpt_b, req.values)
-    report = {"a": req.a, "b": req.b, "layout": {"a": layout(ckpt_a), "b": layout(ckpt_b)},
-              "config": config_changes(_raw_config(ckpt_a), _raw_config(ckpt_b)),
+    src_a, src_b = check_request(req)
+    tensors, identical = tensor_changes(src_a, src_b, req.values)
+    report = {"a": req.a, "b": req.b, "layout": {"a": layout(src_a), "b": layout(src_b)},
+              "config": config_changes(src_a.raw_config(), src_b.raw_config()),
               "tensors": tensors, "tensors_unchanged": identical,
               "values_compared": req.values, "probe": None}
     if req.texts:

@@ -1,22 +1,14 @@
-"""Attention statistics of a model on text windows, per layer and head, and CI thresholds on them."""
+"""`attnkit probe`: attention statistics of models on text windows, per layer and head (`probe`), the command's
+orchestration (`run_probe`: checks before any model loads, then each model in turn, output files, --fail-if
+rules of attnkit.commands.analyse.probe_rules) and the before/after summary rewrite reports print."""
 
 from __future__ import annotations
 
 import math
-import operator
-import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from attnkit.errors import ThresholdError, UsageError
 from attnkit.runtime.loader import unwrap
-
-#: Per-head metrics a --fail-if rule may test (entropy_min: the head's mean entropy, tested on every head).
-HEAD_METRICS = {"max_logit": "max_logit", "max_logit_precap": "max_logit_precap", "logz_max": "logz_max",
-                "logz_mean": "logz_mean", "frac_above": "frac_above", "entropy_min": "entropy_mean",
-                "max_prob_mean": "max_prob_mean"}
-MODEL_METRICS = ("z_loss", "final_logit_max", "final_logz_max")
-_OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 
 @dataclass
@@ -114,59 +106,105 @@ def probe(model, windows, *, threshold: float = 100.0, z_lambda: float = 1e-4, b
                        heads=_head_rows(name, layers), final=final)
 
 
-@dataclass(frozen=True)
-class Rule:
-    """One --fail-if rule, e.g. max_logit>100."""
-
-    metric: str
-    op: str
-    value: float
-
-    def __str__(self) -> str:
-        return f"{self.metric}{self.op}{self.value:g}"
-
-    def crossed(self, x: float | None) -> bool:
-        return x is not None and _OPS[self.op](x, self.value)
+def _layer_summary(heads: list[dict]) -> dict[int, dict]:
+    layers: dict[int, dict] = {}
+    for row in heads:
+        s = layers.setdefault(row["layer"], {"max_logit": None, "logz_mean": [], "logz_max": None})
+        s["max_logit"] = _max(s["max_logit"], row["max_logit"])
+        s["logz_max"] = _max(s["logz_max"], row["logz_max"])
+        if row["logz_mean"] is not None:
+            s["logz_mean"].append(row["logz_mean"])
+    for s in layers.values():
+        s["logz_mean"] = sum(s["logz_mean"]) / len(s["logz_mean"]) if s["logz_mean"] else None
+    return layers
 
 
-def parse_rule(text: str) -> Rule:
-    """'METRIC OP NUMBER' with OP one of > >= < <=."""
-    m = re.fullmatch(r"\s*([a-z_]+)\s*(>=|<=|>|<)\s*([-+0-9.eE]+)\s*", text)
-    if not m:
-        raise UsageError(f"--fail-if {text!r}: expected METRIC>VALUE (or >=, <, <=)")
-    metric, op, value = m.groups()
-    if metric not in HEAD_METRICS and metric not in MODEL_METRICS:
-        raise UsageError(f"--fail-if {text!r}: unknown metric {metric!r}; choose from "
-                         f"{', '.join([*HEAD_METRICS, *MODEL_METRICS])}")
-    try:
-        return Rule(metric, op, float(value))
-    except ValueError:
-        raise UsageError(f"--fail-if {text!r}: {value!r} is not a number") from None
+def _max(a, b):
+    return b if a is None else a if b is None else max(a, b)
 
 
-def max_logit_limit(rules: list[Rule]) -> float | None:
-    """The lowest upper bound the --fail-if rules put on max_logit (what a plot marks), or None."""
-    bounds = [r.value for r in rules if r.metric in ("max_logit", "max_logit_precap") and r.op in (">", ">=")]
-    return min(bounds) if bounds else None
+def probe_summary(before: ProbeResult, after: ProbeResult) -> dict:
+    """Per layer: max attention logit (over heads), mean and max log Z, before vs after; final-logit stats."""
+    b, a = _layer_summary(before.heads), _layer_summary(after.heads)
+    rows = [{"layer": layer,
+             "max_logit_before": b[layer]["max_logit"], "max_logit_after": a[layer]["max_logit"],
+             "logz_mean_before": b[layer]["logz_mean"], "logz_mean_after": a[layer]["logz_mean"],
+             "logz_max_before": b[layer]["logz_max"], "logz_max_after": a[layer]["logz_max"]}
+            for layer in sorted(set(b) & set(a))]
+    keys = ("final_logit_max", "final_logz_mean", "final_logz_max", "z_loss")
+    return {"layers": rows, "final": {k: {"before": before.final.get(k), "after": after.final.get(k)} for k in keys}}
 
 
-def check_rules(results: list[ProbeResult], rules: list[Rule], limit: int = 8) -> None:
-    """Raise ThresholdError naming the offending models, layers and heads of every crossed rule."""
-    failures = []
-    for rule in rules:
-        hits = []
-        for res in results:
-            if rule.metric in MODEL_METRICS:
-                value = res.final[rule.metric]
-                if rule.crossed(value):
-                    hits.append(f"{res.model} {value:.4g}")
-                continue
-            for row in res.heads:
-                value = row[HEAD_METRICS[rule.metric]]
-                if rule.crossed(value):
-                    hits.append(f"{res.model} layer {row['layer']} head {row['head']} ({value:.4g})")
-        if hits:
-            more = f", +{len(hits) - limit} more" if len(hits) > limit else ""
-            failures.append(f"{rule}: {', '.join(hits[:limit])}{more}")
-    if failures:
-        raise ThresholdError("threshold crossed: " + "; ".join(failures))
+@dataclass(kw_only=True)
+class ProbeRequest:
+    """attnkit probe: the models, the text, how it is cut and run, the thresholds and output files."""
+
+    models: list[str]
+    texts: list[str] = field(default_factory=list)
+    text: str | None = None
+    seq_len: int = 512
+    max_tokens: int | None = None
+    batch_size: int = 1
+    threshold: float = 100.0
+    z_lambda: float = 1e-4
+    fail_if: list[str] = field(default_factory=list)
+    out: str | None = None
+    plot: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+def check_request(req: ProbeRequest):
+    """Options, rules, output paths, text files and every model, before the first model loads; returns
+    (rules, text inputs)."""
+    from attnkit.commands.analyse.probe_report import PLOT_SUFFIXES, TABLE_SUFFIXES, check_output_path
+    from attnkit.commands.analyse.probe_rules import parse_rule
+    from attnkit.errors import UsageError
+    from attnkit.runtime.loader import check_models
+    from attnkit.runtime.texts import check_text_files, read_texts
+
+    if not req.models:
+        raise UsageError("give at least one model")
+    rules = [parse_rule(r) for r in req.fail_if]
+    if req.seq_len < 2:
+        raise UsageError(f"--seq-len must be at least 2, got {req.seq_len}")
+    if req.max_tokens is not None and req.max_tokens < req.seq_len:
+        raise UsageError(f"--max-tokens {req.max_tokens} is shorter than one window (--seq-len {req.seq_len})")
+    if req.batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, got {req.batch_size}")
+    for value, flag in ((req.threshold, "--threshold"), (req.z_lambda, "--z-lambda")):
+        if not math.isfinite(value):
+            raise UsageError(f"{flag} must be a finite number, got {value}")
+    for path, option, suffixes in ((req.out, "--out", TABLE_SUFFIXES), (req.plot, "--plot", PLOT_SUFFIXES)):
+        if path:
+            check_output_path(path, option, suffixes)
+    check_text_files(req.texts)
+    texts = read_texts(req.texts, req.text)
+    check_models(req.models, req.device, req.dtype)
+    return rules, texts
+
+
+def run_probe(req: ProbeRequest, log: Callable[[str], None] = lambda message: None) -> tuple[list[ProbeResult], list]:
+    """Probe every model on the same text (one loaded at a time), write --out and --plot; returns the results and
+    the --fail-if rules, which the caller checks once the results are shown (check_rules)."""
+    from attnkit.commands.analyse.probe_rules import max_logit_limit
+    from attnkit.runtime import load_model, make_windows
+
+    rules, texts = check_request(req)
+    results = []
+    for ref in req.models:
+        loaded = load_model(ref, device=req.device, dtype=req.dtype)
+        windows = make_windows(loaded.tokenizer, texts, req.seq_len, req.max_tokens)
+        log(f"probing {ref}: {windows.shape[0]} window(s) of {req.seq_len} tokens")
+        results.append(probe(loaded, windows, threshold=req.threshold, z_lambda=req.z_lambda,
+                             batch_size=req.batch_size, name=ref))
+        del loaded
+    if req.out:
+        from attnkit.commands.analyse.probe_report import write_table
+
+        write_table(results, req.out)
+    if req.plot:
+        from attnkit.commands.analyse.probe_report import plot
+
+        plot(results, req.plot, limit=max_logit_limit(rules))
+    return results, rules

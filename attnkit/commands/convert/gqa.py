@@ -8,16 +8,18 @@ the temp folder into place. The source is only read; a failure leaves no output 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
-from attnkit import __version__
-from attnkit.commands.rewrite import CheckedSource, RewriteRequest, check_rewrite, source_record
+from attnkit.commands.quality import score_rewrite
+from attnkit.commands.rewrite import RewriteRequest, calib_windows, check_rewrite
+from attnkit.commands.source import Source, open_source
+from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
-from attnkit.ops.gqa import KV_ROLES, METHODS, LayerShape, MergeOptions
+from attnkit.ops.gqa import KEY_WEIGHTS, KV_ROLES, METHODS, VALUE_WEIGHTS, LayerShape, MergeOptions
 
 ROLE_ORDER = ("q", "q_bias", "k", "k_bias", "v", "v_bias", "qkv", "qkv_bias", "o", "k_norm")
 
@@ -33,46 +35,37 @@ class ConvertRequest(RewriteRequest):
 
 
 @dataclass
-class Source(CheckedSource):
-    """The checked source and its layer shape."""
+class GQASource(Source):
+    """The checked source, its layer shape and the tensors the conversion reads."""
 
     shape: LayerShape
     layer_names: list[dict]  # per layer: role -> tensor name (roles the conversion reads)
 
 
-def check_request(req: ConvertRequest) -> Source:
+def check_request(req: ConvertRequest) -> GQASource:
     """Validate everything that can be checked without reading tensors; one-line errors."""
-    from attnkit.archs import get_arch
-    from attnkit.archs.spec import attention_spec
-    from attnkit.io.complete import checked_weights
-    from attnkit.io.gguf_load import dequantized
-    from attnkit.io.resolve import resolve
-
     if req.method not in METHODS:
         raise UsageError(f"unknown --method {req.method!r}; choose from {', '.join(METHODS)}")
     if req.method == "merge" and not req.calib:
         raise UsageError("--method merge needs calibration text: pass --calib FILE")
-    check_rewrite(req)
+    _check_options(req.options)
     if req.kv_heads < 1:
         raise UsageError(f"--kv-heads must be at least 1, got {req.kv_heads}")
-    ckpt = resolve(req.model)
-    if ckpt.kind == "config":
-        raise AttnkitError(f"{req.model}: a config file has no weights to convert")
-    arch = get_arch(ckpt.model_type)
-    _check_family(arch)
-    _check_heads(attention_spec(ckpt.config), req.kv_heads)  # a GGUF header's config: before dequantizing
-    ckpt = dequantized(ckpt)
-    spec = attention_spec(ckpt.config)
-    _output_dir(req, Path(ckpt.root))
-    infos, prefix = checked_weights(ckpt, arch, spec)
-    names = set(infos)
+    check_rewrite(req)
+
+    def check(arch, spec, _config) -> None:  # on a GGUF file's header config: before dequantizing
+        _check_family(arch)
+        _check_heads(spec, req.kv_heads)
+
+    src = open_source(req.model, "convert", check)
+    spec, arch, prefix = src.spec, src.arch, src.prefix
     rotary = int(spec.head_dim * spec.partial_rotary_factor)
     shape = LayerShape(spec.num_heads, spec.num_kv_heads, req.kv_heads, spec.head_dim, rotary - rotary % 2,
                        spec.qk_norm)
     layer_names = []
     for layer in range(spec.num_layers):
         roles = {r: arch.tensor_name(r, layer, prefix) for r in arch.tensors if r in KV_ROLES or r == "qkv_bias"}
-        roles = {r: n for r, n in roles.items() if n in names}
+        roles = {r: n for r, n in roles.items() if n in src.names}
         if spec.qk_norm != "full":
             roles.pop("k_norm", None)
         need = {"qkv", "o"} if arch.qkv_layout == "fused_concat" else {"q", "k", "v", "o"}
@@ -80,7 +73,17 @@ def check_request(req: ConvertRequest) -> Source:
             missing = arch.tensor_name(sorted(need - set(roles))[0], layer, prefix)
             raise AttnkitError(f"{req.model}: tensor {missing!r} not found")
         layer_names.append(roles)
-    return Source(ckpt, arch, spec, prefix, shape, layer_names)
+    return GQASource(**src.fields(), shape=shape, layer_names=layer_names)
+
+
+def _check_options(o: MergeOptions) -> None:
+    if o.value_weight not in VALUE_WEIGHTS:
+        raise UsageError(f"--value-weight must be {' or '.join(VALUE_WEIGHTS)}, got {o.value_weight!r}")
+    if o.key_weight not in KEY_WEIGHTS:
+        raise UsageError(f"--key-weight must be {', '.join(KEY_WEIGHTS[:-1])} or {KEY_WEIGHTS[-1]}, "
+                         f"got {o.key_weight!r}")
+    if o.o_refit is not None and not o.o_refit >= 0:
+        raise UsageError(f"--o-refit must be >= 0 (0 turns the refit off), got {o.o_refit}")
 
 
 def _check_family(arch) -> None:
@@ -109,13 +112,6 @@ def _check_heads(spec, groups: int) -> None:
                          f"valid: {', '.join(map(str, valid))}")
 
 
-def _output_dir(req: ConvertRequest, src_root: Path):
-    """The OutputDir for req.out; constructing it checks the target (non-empty, inside the input)."""
-    from attnkit.io.writer import OutputDir
-
-    return OutputDir(Path(req.out), overwrite=req.overwrite, sources=[src_root])
-
-
 def kv_bytes(spec, config: dict, groups: int) -> dict:
     """KV-cache bytes per token over all layers, in the checkpoint's dtype, before and after."""
     import dataclasses
@@ -131,18 +127,16 @@ def _read_layer(reader, roles: dict) -> dict:
     return {role: reader.get(name) for role, name in roles.items()}
 
 
-def _calibrate(req: ConvertRequest, src: Source) -> tuple[list, dict]:
+def _calibrate(req: ConvertRequest, src: GQASource) -> tuple[list, dict]:
     """Per-layer plans from calibration (sequential: each layer sees the converted layers before it)."""
     from attnkit.commands.convert.gqa_layer import attention_key_covariance, reference_attention_ok, refit_output
     from attnkit.runtime.calibrate import attention_module_name, calibrate, input_covariance
     from attnkit.io.reader import LazyReader
     from attnkit.ops.gqa import apply_plan, expand_layer, is_biased, plan_layer
-    from attnkit.runtime import make_windows, read_texts
     from attnkit.runtime.streaming import load_for_calibration
 
-    loaded = load_for_calibration(str(src.ckpt.root), req.device)  # decoder layers streamed when possible
-    windows = make_windows(loaded.tokenizer, read_texts(req.calib), req.calib_seq_len, req.calib_tokens,
-                           flags=("--calib-seq-len", "--calib-tokens"))
+    loaded = load_for_calibration(str(src.root), req.device)  # decoder layers streamed when possible
+    windows = calib_windows(loaded.tokenizer, req)
     template = src.arch.tensors.get("k") or src.arch.tensors["qkv"]
     modules = [attention_module_name(template, src.prefix, i) for i in range(src.spec.num_layers)]
     plans: list = [None] * src.spec.num_layers
@@ -172,18 +166,13 @@ def _calibrate(req: ConvertRequest, src: Source) -> tuple[list, dict]:
     return plans, info
 
 
-def _stream(reader, src: Source, req: ConvertRequest, plans: list, folder: Path) -> dict:
+def _stream(reader, src: GQASource, req: ConvertRequest, plans: list, writer) -> dict:
     """Copy every tensor to new shards, rewriting a layer's attention when its first tensor comes up.
 
     Holds one layer's attention tensors (plus the writer's shard buffer) at a time; layers without
     a plan (streaming mean/first) are planned from their weights alone. Returns name -> expected shape.
     """
-    import dataclasses
-
-    import torch
-
     from attnkit.archs.tensors import role_shape
-    from attnkit.io.writer import ShardedWriter
     from attnkit.ops.gqa import apply_plan, plan_layer
     from attnkit.progress import phase
 
@@ -191,7 +180,6 @@ def _stream(reader, src: Source, req: ConvertRequest, plans: list, folder: Path)
     new_spec = dataclasses.replace(src.spec, num_kv_heads=req.kv_heads)
     expected: dict[str, tuple] = {}
     written: set[int] = set()
-    writer = ShardedWriter(folder, req.max_shard_bytes)
     names = reader.names()
     with phase(f"writing {req.out}", len(names), "tensors") as advance:
         for name in names:
@@ -208,35 +196,20 @@ def _stream(reader, src: Source, req: ConvertRequest, plans: list, folder: Path)
             if plans[layer] is None:
                 plans[layer] = plan_layer(weights, src.shape, req.method)
             converted = apply_plan(weights, plans[layer], src.shape)
-            for role, tensor in converted.items():
-                if not torch.isfinite(tensor).all():
-                    raise AttnkitError(f"layer {layer}: the converted {role} tensor has NaN or Inf")
             for role in sorted(roles, key=ROLE_ORDER.index):
                 writer.add(roles[role], converted.get(role, weights[role]))
                 expected[roles[role]] = role_shape(src.arch, new_spec, role)
             written.add(layer)
-        writer.finish()
     return expected
 
 
-def _verify(folder: Path, expected: dict) -> None:
-    """Names and shapes of the written shards (headers only) against the new config's. Copied tensors
-    are the source's bytes; rewritten ones were checked for NaN/Inf before writing."""
-    from attnkit.io.checkpoint import safetensors_files
-    from attnkit.io.safetensors_header import read_headers
-
-    written = {name: tuple(info.shape) for name, info in read_headers(safetensors_files(folder)).items()}
-    if written != {name: tuple(shape) for name, shape in expected.items()}:
-        bad = sorted(set(written) ^ set(expected)) or sorted(n for n in written if written[n] != tuple(expected[n]))
-        raise AttnkitError(f"{folder}: written tensors do not match the converted config (e.g. {bad[0]!r})")
-
-
-def _write_config(src: Source, groups: int, folder: Path) -> None:
+def _config(src: GQASource, groups: int) -> dict:
     """The source config.json with num_key_value_heads = G (inside text_config for multimodal configs)."""
-    raw = json.loads((Path(src.ckpt.root) / "config.json").read_text(encoding="utf-8"))
-    target = raw["text_config"] if isinstance(raw.get("text_config"), dict) and "num_key_value_heads" in raw["text_config"] else raw
+    raw = json.loads((src.root / "config.json").read_text(encoding="utf-8"))
+    text = raw.get("text_config")
+    target = text if isinstance(text, dict) and "num_key_value_heads" in text else raw
     target["num_key_value_heads"] = groups
-    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return raw
 
 
 def _layer_rows(plans: list) -> list[dict]:
@@ -244,20 +217,18 @@ def _layer_rows(plans: list) -> list[dict]:
             for i, p in enumerate(plans)]
 
 
-def _evaluate(req: ConvertRequest, source_root: Path, result_root: Path) -> dict:
-    """Perplexity of source and result on --eval text, KL(source || result) per token, greedy samples."""
-    from attnkit.commands.quality import quality
-    from attnkit.runtime import load_model
+def _loads_with_kv_heads(groups: int):
+    """extra(result) for score_rewrite: the written model loads with `groups` KV heads."""
+    def check(result) -> dict:
+        heads = result.model.config.num_key_value_heads
+        if heads != groups:
+            raise AttnkitError(f"the written model loads with {heads} KV heads, expected {groups}")
+        return {}
 
-    source = load_model(str(source_root), device=req.device, dtype="float32")
-    result = load_model(str(result_root), device=req.device, dtype="float32")
-    if result.model.config.num_key_value_heads != req.kv_heads:
-        raise AttnkitError(f"the written model loads with {result.model.config.num_key_value_heads} KV heads, "
-                           f"expected {req.kv_heads}")
-    return quality(source, result, req)
+    return check
 
 
-def _parameters(req: ConvertRequest, src: Source) -> dict:
+def _parameters(req: ConvertRequest, src: GQASource) -> dict:
     params = {"kv_heads_before": src.spec.num_kv_heads, "kv_heads": req.kv_heads, "method": req.method,
               "max_shard_bytes": req.max_shard_bytes}
     if req.calib:
@@ -273,7 +244,6 @@ def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -
     """Run (or with dry_run, plan) the conversion; returns the report (see docs/convert-gqa.md).
     `log` receives one line per phase, after the request has been checked."""
     from attnkit.io.reader import LazyReader
-    from attnkit.io.writer import copy_side_files
 
     started = time.perf_counter()
     src = check_request(req)
@@ -281,7 +251,7 @@ def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -
         "source": req.model, "output": str(req.out), "dry_run": req.dry_run, "model_type": src.spec.model_type,
         "method": req.method, "num_heads": src.spec.num_heads, "kv_heads_before": src.spec.num_kv_heads,
         "kv_heads_after": req.kv_heads, "num_layers": src.spec.num_layers,
-        "kv_bytes_per_token": kv_bytes(src.spec, src.ckpt.config, req.kv_heads),
+        "kv_bytes_per_token": kv_bytes(src.spec, src.config, req.kv_heads),
         "parameters": _parameters(req, src), "error_basis": None, "calibration": None, "layers": [], "eval": None,
     }
     if req.dry_run:
@@ -293,23 +263,22 @@ def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -
         log(f"calibrating {src.spec.num_layers} layers on {req.calib_tokens} tokens ({req.method})")
         plans, report["calibration"] = _calibrate(req, src)
     log(f"writing {req.out}: {src.spec.num_kv_heads} -> {req.kv_heads} KV heads ({req.method})")
-    with _output_dir(req, Path(src.ckpt.root)) as out:
+
+    def weights(writer) -> dict:
         with LazyReader(src.ckpt.weight_files) as reader:
-            expected = _stream(reader, src, req, plans, out.path)
-        _write_config(src, req.kv_heads, out.path)
-        copy_side_files(Path(src.ckpt.root), out.path)
-        _verify(out.path, expected)
+            expected = _stream(reader, src, req, plans, writer)
         report["error_basis"] = "activations" if req.calib else "weights"
         report["layers"] = _layer_rows(plans)
-        if req.eval:
-            log("evaluating source and result")
-            report["eval"] = _evaluate(req, Path(src.ckpt.root), out.path)
-        manifest = {"attnkit_version": __version__, "command": req.command, "conversion": "gqa",
-                    "source": source_record(req.model, src),
-                    "method": req.method, "parameters": report["parameters"],
-                    "calibration": report["calibration"], "error_basis": report["error_basis"],
-                    "layers": report["layers"], "eval": report["eval"]}
-        (out.path / "attnkit.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        out.commit()
+        return expected
+
+    def score(folder) -> dict:
+        log("evaluating source and result")
+        report["eval"] = score_rewrite(req, src.root, folder, extra=_loads_with_kv_heads(req.kv_heads))["eval"]
+        return {"eval": report["eval"]}
+
+    write_checkpoint(req, src, "convert gqa", config=_config(src, req.kv_heads), weights=weights,
+                     body=lambda: {k: report[k] for k in ("method", "parameters", "calibration", "error_basis",
+                                                          "layers")},
+                     score=score if req.eval else None)
     report["seconds"] = time.perf_counter() - started
     return report

@@ -14,16 +14,16 @@ transformers runs.
 
 from __future__ import annotations
 
-import json
 import resource
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from attnkit import __version__
-from attnkit.commands.rewrite import CheckedSource, RewriteRequest, check_rewrite, source_record
-from attnkit.errors import AttnkitError, UsageError
 from attnkit.commands.convert.mla_layer import convert_one, refit_o_proj, without_o_bias
+from attnkit.commands.quality import score_rewrite
+from attnkit.commands.rewrite import RewriteRequest, calib_windows, check_rewrite
+from attnkit.commands.source import Source, open_source
+from attnkit.commands.write import write_checkpoint
+from attnkit.errors import AttnkitError, UsageError
 from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, VALUE_WEIGHTS, MLAOptions, MLAShape
 
 #: Families whose attention maps onto DeepseekV3 (the rest are refused with the reason in REFUSED).
@@ -58,7 +58,7 @@ LATENT_NORMS = ("auto", "anchor", "span", "bias")
 
 
 @dataclass
-class Source(CheckedSource):
+class MLASource(Source):
     """The checked source, its layer shape and RoPE parameters, and the route the conversion takes."""
 
     shape: MLAShape  # latent_rank = R - 1 (R cached latent values per token and layer), rope_dim = P
@@ -150,7 +150,7 @@ def _rope_parameters(ckpt) -> dict:
     return params
 
 
-def source_freqs(src: Source):
+def source_freqs(src: MLASource):
     """The source's rotary frequencies [D/2] (radians per token), as its transformers class computes them."""
     import torch
     from transformers import AutoConfig
@@ -159,61 +159,49 @@ def source_freqs(src: Source):
     d = src.shape.head_dim
     if src.rope["rope_type"] == "default":
         return float(src.rope["rope_theta"]) ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    cfg = AutoConfig.from_pretrained(str(src.ckpt.root))
+    cfg = AutoConfig.from_pretrained(str(src.root))
     cfg.head_dim = d
     inv_freq, _ = ROPE_INIT_FUNCTIONS[src.rope["rope_type"]](cfg, "cpu")
     return inv_freq.to(torch.float64)
 
 
-def check_request(req: MLARequest) -> Source:
+def check_request(req: MLARequest) -> MLASource:
     """Validate family, ranks, files and target without reading tensors; one-line errors."""
-    from attnkit.archs import get_arch
-    from attnkit.archs.spec import attention_spec
-    from attnkit.io.complete import checked_weights
-    from attnkit.io.resolve import resolve
-    from attnkit.io.writer import OutputDir
-
     if not req.calib and not req.dry_run:
         raise UsageError("convert mla needs calibration text: pass --calib FILE")
-    check_rewrite(req)
     _check_options(req.options)
     _check_route(req)
-    ckpt = resolve(req.model)
-    if ckpt.kind == "config":
-        raise AttnkitError(f"{req.model}: a config file has no weights to convert")
-    arch = get_arch(ckpt.model_type)
-    if arch.family in REFUSED or arch.family not in SUPPORTED:
-        why = REFUSED.get(arch.family) or (f"{arch.qkv_layout} attention with {arch.position} positions is not an "
-                                           "MHA/GQA RoPE decoder this converter maps onto DeepseekV3")
-        raise AttnkitError(f"{arch.family} cannot be converted to MLA: {why}; supported: {', '.join(SUPPORTED)}")
-    if ckpt.gguf_file is not None:
-        from attnkit.io.gguf_load import dequantized
+    check_rewrite(req)
 
-        ckpt = dequantized(ckpt)
-    spec = attention_spec(ckpt.config)
-    if spec.partial_rotary_factor != 1.0:
-        raise AttnkitError(f"{req.model}: partial rotary embeddings are not converted")
-    rope = _rope_parameters(ckpt)
+    def check(arch, spec, _config) -> None:  # on a GGUF file's header config: before dequantizing
+        if arch.family in REFUSED or arch.family not in SUPPORTED:
+            why = REFUSED.get(arch.family) or (f"{arch.qkv_layout} attention with {arch.position} positions is not "
+                                               "an MHA/GQA RoPE decoder this converter maps onto DeepseekV3")
+            raise AttnkitError(f"{arch.family} cannot be converted to MLA: {why}; supported: {', '.join(SUPPORTED)}")
+        if spec.partial_rotary_factor != 1.0:
+            raise AttnkitError(f"{req.model}: partial rotary embeddings are not converted")
+        _ranks(req, spec, augmented=True)  # the loosest bounds; checked again below once the biases are known
+
+    src = open_source(req.model, "convert", check)
+    spec, arch, prefix = src.spec, src.arch, src.prefix
+    rope = _rope_parameters(src.ckpt)
     if rope["rope_type"] not in ROPE_TYPES:
         raise AttnkitError(f"{req.model}: rope_type {rope['rope_type']!r} depends on the rotary width; "
                            f"convertible: {', '.join(ROPE_TYPES)}")
-    infos, prefix = checked_weights(ckpt, arch, spec)
-    names = set(infos)
     layer_names = []
     for layer in range(spec.num_layers):
         roles = {r: arch.tensor_name(r, layer, prefix) for r in ATTN_ROLES}
-        roles = {r: n for r, n in roles.items() if n in names}
+        roles = {r: n for r, n in roles.items() if n in src.names}
         missing = [r for r in ("q", "k", "v", "o") if r not in roles]
         if missing:
             raise AttnkitError(f"{req.model}: tensor {arch.tensor_name(missing[0], layer, prefix)!r} not found")
         layer_names.append(roles)
     augmented = any(r in layer_names[0] for r in ("q_bias", "k_bias", "v_bias"))
     rank, rope_dim = _ranks(req, spec, augmented)
-    OutputDir(Path(req.out), overwrite=req.overwrite, sources=[Path(ckpt.root)])  # checks only; creates nothing
     shape = MLAShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, rank - 1, rope_dim)
-    src = Source(ckpt, arch, spec, prefix, shape, layer_names, rope, q_lora=False, warnings=[])
-    _check_engine(req, src)
-    return src
+    mla_src = MLASource(**src.fields(), shape=shape, layer_names=layer_names, rope=rope, q_lora=False, warnings=[])
+    _check_engine(req, mla_src)
+    return mla_src
 
 
 def _check_route(req: MLARequest) -> None:
@@ -228,7 +216,7 @@ def _check_route(req: MLARequest) -> None:
                          "use --latent-norm auto")
 
 
-def _check_engine(req: MLARequest, src: Source) -> None:
+def _check_engine(req: MLARequest, src: MLASource) -> None:
     """What the --engine target needs of the source (one-line refusals), its q_lora choice and its warnings."""
     from attnkit.engines.targets import engine_safe, needs_q_lora
 
@@ -240,7 +228,7 @@ def _check_engine(req: MLARequest, src: Source) -> None:
         return
     src.q_lora = needs_q_lora(req.engine, spec.num_layers)
     if engine_safe(req.engine):
-        act = src.ckpt.config.get("hidden_activation") or src.ckpt.config.get("hidden_act")
+        act = src.config.get("hidden_activation") or src.config.get("hidden_act")
         if act != "silu":
             raise AttnkitError(f"{req.model}: MLP activation {act!r}; the engines' DeepSeek MLPs are silu only "
                                "(pass --engine transformers for an output that only transformers runs)")
@@ -274,34 +262,32 @@ def _layer_weights(reader, roles: dict) -> dict:
     return {role: reader.get(name) for role, name in roles.items()}
 
 
-def input_norm_name(src: Source, layer: int) -> str:
+def input_norm_name(src: MLASource, layer: int) -> str:
     return f"{src.prefix}layers.{layer}.input_layernorm.weight"
 
 
-def input_gamma(src: Source, weight):
+def input_gamma(src: MLASource, weight):
     """The scale input_layernorm applies (Gemma stores w and applies 1 + w), float64 [n]."""
     import torch
 
     gamma = weight.to(torch.float64) + (1.0 if src.arch.family == "gemma" else 0.0)
     if bool((gamma.abs() < 1e-12).any()):
-        raise AttnkitError(f"{src.ckpt.ref}: input_layernorm has zero weights, which cannot be folded into the "
+        raise AttnkitError(f"{src.ref}: input_layernorm has zero weights, which cannot be folded into the "
                            "projections; use --latent-norm bias (transformers only)")
     return gamma
 
 
-def _calibrate_and_convert(req: MLARequest, src: Source, config, writer, expected: dict) -> tuple[list, dict]:
+def _calibrate_and_convert(req: MLARequest, src: MLASource, config, writer, expected: dict) -> tuple[list, dict]:
     """One pass over the calibration windows; each layer is converted (and written) when reached."""
     import torch
 
     from attnkit.io.reader import LazyReader
     from attnkit.runtime.calibrate import attention_module_name, calibrate
-    from attnkit.runtime import make_windows, read_texts
     from attnkit.runtime.attention import replace_output_once
     from attnkit.runtime.streaming import load_for_calibration
 
-    loaded = load_for_calibration(str(src.ckpt.root), req.device)  # decoder layers streamed when possible
-    windows = make_windows(loaded.tokenizer, read_texts(req.calib), req.calib_seq_len, req.calib_tokens,
-                           flags=("--calib-seq-len", "--calib-tokens"))
+    loaded = load_for_calibration(str(src.root), req.device)  # decoder layers streamed when possible
+    windows = calib_windows(loaded.tokenizer, req)
     modules = [attention_module_name(src.arch.tensors["k"], src.prefix, i) for i in range(src.spec.num_layers)]
     rows: list = [None] * src.spec.num_layers
     with LazyReader(src.ckpt.weight_files) as reader:
@@ -339,7 +325,7 @@ def _calibrate_and_convert(req: MLARequest, src: Source, config, writer, expecte
     return [{"layer": r.pop("layer"), **r} for r in rows], info
 
 
-def _copy_rest(reader, src: Source, writer, expected: dict, fold_input_norm: bool) -> None:
+def _copy_rest(reader, src: MLASource, writer, expected: dict, fold_input_norm: bool) -> None:
     """Every non-attention tensor under its DeepseekV3 name (Gemma: norms 1 + w, embeddings x sqrt(n)), lm_head
     written out whenever the target has one; fold_input_norm: input_layernorm weights are ones (the engine route
     folds them into the attention projections)."""
@@ -353,7 +339,7 @@ def _copy_rest(reader, src: Source, writer, expected: dict, fold_input_norm: boo
         if name in attention:
             continue
         if name not in expected:
-            raise AttnkitError(f"{src.ckpt.ref}: tensor {name!r} has no place in a DeepseekV3 checkpoint")
+            raise AttnkitError(f"{src.ref}: tensor {name!r} has no place in a DeepseekV3 checkpoint")
         t = reader.get(name)
         if fold_input_norm and name in input_norms:
             t = torch.ones_like(t)
@@ -366,28 +352,17 @@ def _copy_rest(reader, src: Source, writer, expected: dict, fold_input_norm: boo
         writer.add(name, t)
 
 
-def _kv_bytes(src: Source, rank: int) -> dict:
+def _kv_bytes(src: MLASource, rank: int) -> dict:
     from attnkit.kvcache import apply_variant, bytes_per_token, cache_dtype
 
-    dtype = cache_dtype(str(src.ckpt.config.get("torch_dtype") or src.ckpt.config.get("dtype") or "bfloat16"))
+    dtype = cache_dtype(str(src.config.get("torch_dtype") or src.config.get("dtype") or "bfloat16"))
     after = apply_variant(src.spec, f"mla:{rank}+{src.shape.rope_dim}")
     return {"dtype": dtype.name, "before": bytes_per_token(src.spec, dtype), "after": bytes_per_token(after, dtype),
             "elements_before": 2 * src.spec.num_kv_heads * src.spec.head_dim,
             "elements_after": rank + src.shape.rope_dim}
 
 
-def _evaluate(req: MLARequest, source_root: Path, result_root: Path) -> dict:
-    from attnkit.commands.quality import quality
-    from attnkit.runtime import load_model
-
-    source = load_model(str(source_root), device=req.device, dtype="float32")
-    result = load_model(str(result_root), device=req.device, dtype="float32")
-    from attnkit.runtime.generate import cache_check
-
-    return {**quality(source, result, req), "cache": cache_check(result.model)}
-
-
-def _parameters(req: MLARequest, src: Source) -> dict:
+def _parameters(req: MLARequest, src: MLASource) -> dict:
     o = req.options
     return {"kv_lora_rank": src.shape.latent_rank + 1, "latent_rank": src.shape.latent_rank,
             "rope_dim": src.shape.rope_dim, "rope_pairs": src.shape.pairs, "kv_budget": req.kv_budget,
@@ -404,7 +379,7 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
     `log(message)` hears progress once the request has been checked."""
     from attnkit.commands.convert.mla_target import expected_shapes, target_config
     from attnkit.io.reader import LazyReader
-    from attnkit.io.writer import OutputDir, ShardedWriter, copy_side_files, verify_output
+    from attnkit.runtime.generate import cache_check
 
     started = time.perf_counter()
     src = check_request(req)
@@ -421,32 +396,31 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
         report["seconds"] = time.perf_counter() - started
         return report
     log("calibrating and converting layer by layer ...")
-    with OutputDir(Path(req.out), overwrite=req.overwrite, sources=[Path(src.ckpt.root)]) as out:
-        writer = ShardedWriter(lambda: out.path, req.max_shard_bytes)  # temp folder made at the first write
-        config = target_config(src, bias_route=req.latent_norm == "bias")
-        expected = expected_shapes(config)
+    config = target_config(src, bias_route=req.latent_norm == "bias")
+    expected = expected_shapes(config)
+
+    def weights(writer) -> dict:
         report["layers"], report["calibration"] = _calibrate_and_convert(req, src, config, writer, expected)
         with LazyReader(src.ckpt.weight_files) as reader:
             _copy_rest(reader, src, writer, expected, fold_input_norm=req.latent_norm != "bias")
-        writer.finish()
-        config.save_pretrained(out.path)
-        copy_side_files(Path(src.ckpt.root), out.path)
-        verify_output(out.path, expected)
         report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        if req.eval:
-            log("scoring source and result on the --eval text ...")
-            report["eval"] = _evaluate(req, Path(src.ckpt.root), out.path)
-        manifest = {"attnkit_version": __version__, "command": req.command, "conversion": "mla",
-                    "source": source_record(req.model, src),
-                    **{k: report[k] for k in ("parameters", "calibration", "kv_bytes_per_token", "layers", "eval",
-                                              "notes", "warnings")}}
-        (out.path / "attnkit.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        out.commit()
+        return expected
+
+    def score(folder) -> dict:
+        log("scoring source and result on the --eval text ...")
+        report["eval"] = score_rewrite(req, src.root, folder,
+                                       extra=lambda result: {"cache": cache_check(result.model)})["eval"]
+        return {"eval": report["eval"]}
+
+    write_checkpoint(req, src, "convert mla", config=config, weights=weights,
+                     body=lambda: {k: report[k] for k in ("parameters", "calibration", "kv_bytes_per_token",
+                                                          "layers", "notes", "warnings")},
+                     score=score if req.eval else None)
     report["seconds"] = time.perf_counter() - started
     return report
 
 
-def _notes(req: MLARequest, src: Source) -> list[str]:
+def _notes(req: MLARequest, src: MLASource) -> list[str]:
     notes = []
     if req.latent_norm == "bias":
         if src.q_lora:

@@ -11,10 +11,10 @@ from attnkit.errors import AttnkitError
 from attnkit.ops.mla import MLAOptions, MLAShape
 
 if TYPE_CHECKING:
-    from attnkit.commands.convert.mla import Source
+    from attnkit.commands.convert.mla import MLASource
 
 
-def convert_one(src: Source, weights: dict, hidden, gamma, freqs, options: MLAOptions, dtype,
+def convert_one(src: MLASource, weights: dict, hidden, gamma, freqs, options: MLAOptions, dtype,
                 latent_norm: str, norm_eps: float) -> tuple[dict, dict]:
     """(DeepseekV3 attention tensors of one layer in `dtype`, report row) from its source tensors and the
     calibration inputs hidden [B, T, n] of its attention (gamma: input_layernorm's scale, for the engine route)."""
@@ -42,7 +42,7 @@ def convert_one(src: Source, weights: dict, hidden, gamma, freqs, options: MLAOp
     return {name: t.to(dtype) for name, t in tensors.items()}, row
 
 
-def _engine_layer(src: Source, weights: dict, hidden, cov, gamma, freqs, options: MLAOptions, latent_norm: str,
+def _engine_layer(src: MLASource, weights: dict, hidden, cov, gamma, freqs, options: MLAOptions, latent_norm: str,
                   norm_eps: float, q_scale: float) -> tuple[dict, dict]:
     """One layer by the engine route: factor at the ranks the anchor and span latents need, keep the latent
     (attnkit.ops.latent_norm) that leaves the smaller error on the calibration tokens, write it without biases."""
@@ -83,7 +83,7 @@ def _engine_layer(src: Source, weights: dict, hidden, cov, gamma, freqs, options
     return tensors, row
 
 
-def without_o_bias(src: Source, weights: dict) -> dict:
+def without_o_bias(src: MLASource, weights: dict) -> dict:
     """The layer's tensors with o_proj's bias moved onto the value bias (attention weights sum to 1, so a value
     bias reaches the output as o_proj of it): same outputs, no o_proj bias for the engine route."""
     import torch
@@ -95,7 +95,7 @@ def without_o_bias(src: Source, weights: dict) -> dict:
     delta, residual = fold_o_bias(weights["o"], weights["o_bias"], src.shape.num_heads, src.shape.num_kv,
                                   src.shape.head_dim)
     if residual > 1e-4:
-        raise AttnkitError(f"{src.ckpt.ref}: o_proj's bias is not in the range of o_proj (residual "
+        raise AttnkitError(f"{src.ref}: o_proj's bias is not in the range of o_proj (residual "
                            f"{residual:.2g}); use --latent-norm bias (transformers only)")
     base = weights["v_bias"].to(torch.float64) if "v_bias" in weights else torch.zeros_like(delta)
     return {**{k: w for k, w in weights.items() if k != "o_bias"}, "v_bias": base + delta}

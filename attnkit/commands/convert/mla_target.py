@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from attnkit.commands.convert.mla import Source
+    from attnkit.commands.convert.mla import MLASource
 
 
-def target_config(src: Source, bias_route: bool):
+def target_config(src: MLASource, bias_route: bool):
     """The DeepseekV3Config of the result: dense MLPs in every layer, no experts, the source's rope.
 
     Written for the engines' loaders as well as transformers: `architectures`, expert counts 0 with no
@@ -19,7 +19,7 @@ def target_config(src: Source, bias_route: bool):
     from transformers import AutoConfig, DeepseekV3Config
 
     s, spec = src.shape, src.spec
-    cfg = AutoConfig.from_pretrained(str(src.ckpt.root))
+    cfg = AutoConfig.from_pretrained(str(src.root))
     rope = dict(src.rope)
     rope["rope_theta"] = float(rope["rope_theta"]) ** (s.rope_dim / s.head_dim)  # same frequencies at width P
     dtype = getattr(cfg, "dtype", None) or torch.float32

@@ -14,36 +14,35 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from attnkit import __version__
 from attnkit.commands.heal.request import HealRequest
+from attnkit.commands.rewrite import check_write
+from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
-
-DEVICES = ("auto", "cpu", "cuda")
 
 
 def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) -> dict | None:
     """Run (or with dry_run, plan) a healing run; returns the report (see docs/heal.md), or None in the
     processes other than the main one of a multi-process run."""
-    from attnkit.commands.heal.pair import check_pair, checkpoint_digest, rewrite_summary
+    from attnkit.commands.heal.pair import check_pair, rewrite_summary
     from attnkit.commands.heal.params import default_lr
     from attnkit.commands.heal.request import check_options
 
     started = time.perf_counter()
     check_options(req)
-    if req.device not in DEVICES:
-        raise UsageError(f"--device must be one of {', '.join(DEVICES)} (processes pick their GPU), got {req.device!r}")
-    pair = check_pair(req.student, req.teacher)
+    _check_device(req.device)
+    check_write(req, inputs=[req.model, req.teacher])
+    _check_checkpoint_folder(req)
+    pair = check_pair(req.model, req.teacher)
     if req.lr is None:
         req = dataclasses.replace(req, lr=default_lr(pair.student.config))
-    _check_targets(req, pair)
     plan = _plan_data(req, pair)
-    fingerprint = _fingerprint(req, checkpoint_digest(pair.student), checkpoint_digest(pair.teacher), plan["digest"])
+    fingerprint = _fingerprint(req, pair.student.digest, pair.teacher.digest, plan["digest"])
     run = None
     if req.resume:
         from attnkit.commands.heal.checkpoint import check_fingerprint
 
         run = check_fingerprint(req.checkpoint_folder, fingerprint)
-    report = {"student": req.student, "teacher": req.teacher, "output": str(req.out), "dry_run": req.dry_run,
+    report = {"student": req.model, "teacher": req.teacher, "output": str(req.out), "dry_run": req.dry_run,
               "rewrite": rewrite_summary(pair.manifest), "data": plan["info"], "budget": _budget(req),
               "settings": _settings(req), "seed": req.seed, "checkpoint": str(req.checkpoint_folder),
               "resumed_from_step": run["state"]["step"] if run else None}
@@ -53,11 +52,20 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
     return _train_and_write(req, pair, plan, fingerprint, run, report, started, log)
 
 
-def _check_targets(req: HealRequest, pair) -> None:
-    """OUT is writable (empty, absent or --overwrite) and not an input; the checkpoint folder is ours to use."""
-    from attnkit.io.writer import OutputDir
+def _check_device(device: str) -> None:
+    """--device takes what every command takes; cuda:N picks the GPU of a single process only."""
+    import os
 
-    OutputDir(Path(req.out), overwrite=req.overwrite, sources=[Path(pair.student.root), Path(pair.teacher.root)])
+    from attnkit.runtime.loader import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type == "cuda" and dev.index is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError(f"--device {device} names one GPU; the processes of a multi-process run take one each: "
+                         "use --device cuda")
+
+
+def _check_checkpoint_folder(req: HealRequest) -> None:
+    """The checkpoint folder is ours to use: absent, empty, or (--resume, --overwrite) an earlier run's."""
     folder = req.checkpoint_folder
     if folder.is_dir() and any(folder.iterdir()):
         if not (folder / "run.json").is_file():
@@ -70,7 +78,6 @@ def _check_targets(req: HealRequest, pair) -> None:
 def _plan_data(req: HealRequest, pair) -> dict:
     """Tokenized --data split into training and validation windows, or the plan for teacher-written text."""
     from attnkit.commands.heal.data import DataFiles, files_digest, split_windows
-    from attnkit.commands.heal.pair import checkpoint_digest
     from attnkit.commands.heal.samples import cache_folder
     from attnkit.runtime import make_windows, read_texts
     from attnkit.runtime.loader import load_tokenizer
@@ -91,7 +98,7 @@ def _plan_data(req: HealRequest, pair) -> dict:
     from attnkit.io.gguf_load import cache_root
 
     root = Path(req.sample_cache).expanduser() if req.sample_cache else cache_root()
-    plan["samples"] = cache_folder(root, checkpoint_digest(pair.teacher), req.seed, req.seq_len)
+    plan["samples"] = cache_folder(root, pair.teacher.digest, req.seed, req.seq_len)
     plan["digest"] = f"{plan['samples'].name}:{req.samples_needed}"
     plan["info"] = {"source": "teacher samples", "cache": str(plan["samples"]), "seed": req.seed,
                     "tokens_requested": req.samples_needed}
@@ -119,14 +126,17 @@ def _settings(req: HealRequest) -> dict:
 
 
 def accelerator_for(device: str):
-    """accelerate's Accelerator: CPU (fp32) when asked or without CUDA, else the GPU with bf16 autocast."""
+    """accelerate's Accelerator on --device (resolved as every command does): a CUDA GPU trains with bf16
+    autocast (cuda:N chooses it), MPS and the CPU in fp32."""
     import torch
     from accelerate import Accelerator
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise AttnkitError("--device cuda: no CUDA device is available")
-    cpu = device == "cpu" or not torch.cuda.is_available()
-    return Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16")
+    from attnkit.runtime.loader import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev.index)
+    return Accelerator(cpu=dev.type == "cpu", mixed_precision="bf16" if dev.type == "cuda" else "no")
 
 
 def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) -> dict | None:
@@ -173,7 +183,7 @@ def _load_models(acc, pair, log) -> tuple:
     student = load_model(str(pair.student.root), device=str(acc.device), dtype="float32").model
     for p in teacher.parameters():
         p.requires_grad_(False)
-    check_names(student, stored_layout(pair.student))
+    check_names(student, stored_layout(pair.student.ckpt))
     return teacher, student
 
 
@@ -220,23 +230,24 @@ def _trained_model(trainer, req: HealRequest):
 
 def _write(req, pair, acc, model, teacher, eval_windows, before, report) -> None:
     """Write OUT; the --eval "after" scores come from loading the written folder, before it is renamed."""
-    from attnkit.commands.heal.output import write_healed
+    from attnkit.commands.heal.output import healed_tensors
     from attnkit.runtime import load_model
 
     report["eval"] = None
 
-    def manifest(folder: Path) -> dict:
-        if before is not None:
-            healed = load_model(str(folder), device=str(acc.device), dtype="float32").model
-            after = _score(healed, teacher, eval_windows)
-            report["eval"] = {"files": list(req.eval), "tokens": after.pop("tokens"),
-                              "predicted": after.pop("predicted"), "seq_len": req.eval_seq_len,
-                              "teacher_perplexity": after.pop("teacher_perplexity"),
-                              "before": {k: before[k] for k in after}, "after": after}
-        return _manifest(req, pair, report)
+    def score(folder: Path) -> dict:
+        healed = load_model(str(folder), device=str(acc.device), dtype="float32").model
+        after = _score(healed, teacher, eval_windows)
+        report["eval"] = {"files": list(req.eval), "tokens": after.pop("tokens"),
+                          "predicted": after.pop("predicted"), "seq_len": req.eval_seq_len,
+                          "teacher_perplexity": after.pop("teacher_perplexity"),
+                          "before": {k: before[k] for k in after}, "after": after}
+        return {"eval": report["eval"]}
 
-    write_healed(model, pair.student, req.out, req.overwrite, [Path(pair.student.root), Path(pair.teacher.root)],
-                 req.max_shard_bytes, manifest)
+    write_checkpoint(req, pair.student, "heal", config=pair.student.root / "config.json",
+                     weights=lambda writer: healed_tensors(model, pair.student.ckpt, writer),
+                     body=lambda: _manifest(req, pair, report), score=score if before is not None else None,
+                     inputs=[pair.teacher.root])
     _remove_checkpoint(req.checkpoint_folder)
 
 
@@ -287,12 +298,11 @@ def _summary(trainer, acc, state) -> dict:
 
 
 def _manifest(req: HealRequest, pair, report: dict) -> dict:
-    """attnkit.json of the healed folder: the rewrite it heals, data, budget, training and scores."""
-    keep = ("data", "budget", "settings", "seed", "trainable", "training", "validation", "eval")
-    doc = {"attnkit_version": __version__, "command": req.command, "heal": True,
-           "student": {"ref": req.student, "model_type": pair.student.model_type},
-           "teacher": {"ref": req.teacher, "kind": pair.teacher.kind, "model_type": pair.teacher.model_type},
-           "rewrite": pair.manifest, **{k: report.get(k) for k in keep}}
+    """attnkit.json entries of the healed folder (its source is the student): the teacher, the rewrite it heals,
+    data, budget, settings (its parameters), training and validation."""
+    keep = ("data", "budget", "seed", "trainable", "training", "validation")
+    doc = {"parameters": report.get("settings"), "teacher": pair.teacher.record(), "rewrite": pair.manifest,
+           **{k: report.get(k) for k in keep}}
     doc["trainable"] = {k: v for k, v in (doc["trainable"] or {}).items() if k != "names"}
     return doc
 

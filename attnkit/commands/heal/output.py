@@ -1,12 +1,6 @@
-"""Write the healed student: the student's own tensor names, shapes and dtypes, config and side files copied byte
-for byte, an attnkit.json manifest; checked, then renamed into place (attnkit.io.writer.OutputDir)."""
+"""The healed student's tensors: the student's own names, shapes and dtypes (written by attnkit.commands.write)."""
 
 from __future__ import annotations
-
-import json
-import shutil
-from pathlib import Path
-from typing import Callable
 
 from attnkit.errors import AttnkitError
 
@@ -33,26 +27,13 @@ def check_names(model, layout: dict) -> None:
                                f"stored {list(shape)}")
 
 
-def write_healed(model, student_ckpt, out: Path, overwrite: bool, sources: list[Path], max_shard_bytes: int,
-                 manifest: Callable[[Path], dict]) -> Path:
-    """Write `model`'s tensors under the student's names and dtypes to `out`; manifest(temp folder) returns the
-    attnkit.json document (it may load the written model to score it) before the folder is committed."""
+def healed_tensors(model, student_ckpt, writer) -> dict[str, tuple]:
+    """Add `model`'s tensors to the writer under the student's stored names and dtypes; name -> shape."""
     import torch
-
-    from attnkit.io.writer import OutputDir, ShardedWriter, copy_side_files, verify_output
 
     layout = stored_layout(student_ckpt)
     state = model.state_dict()
-    root = Path(student_ckpt.root)
-    with OutputDir(Path(out), overwrite=overwrite, sources=sources) as od:
-        writer = ShardedWriter(od.path, max_shard_bytes)
-        for name, (_shape, code) in layout.items():
-            tensor = state[name].detach()
-            writer.add(name, tensor.to(getattr(torch, DTYPES[code])) if code in DTYPES else tensor)
-        writer.finish()
-        shutil.copyfile(root / "config.json", od.path / "config.json")
-        copy_side_files(root, od.path)
-        verify_output(od.path, {name: shape for name, (shape, _code) in layout.items()})
-        doc = manifest(od.path)
-        (od.path / "attnkit.json").write_text(json.dumps(doc, indent=2) + "\n")
-        return od.commit()
+    for name, (_shape, code) in layout.items():
+        tensor = state[name].detach()
+        writer.add(name, tensor.to(getattr(torch, DTYPES[code])) if code in DTYPES else tensor)
+    return {name: shape for name, (shape, _code) in layout.items()}

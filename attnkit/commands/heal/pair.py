@@ -11,7 +11,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnkit.commands.source import Source, open_source
 from attnkit.errors import AttnkitError
+from attnkit.io.resolve import resolve_weights
 
 #: Config keys a rewrite keeps; a student that differs in one is not a rewrite of the teacher.
 SAME_CONFIG = (("vocab_size", "vocabulary size"), ("num_hidden_layers", "layer count"), ("hidden_size", "hidden size"))
@@ -21,34 +23,21 @@ SHARED_CHECKS = 4
 
 @dataclass
 class Pair:
-    """Resolved student and teacher checkpoints, the student's rewrite manifest (None without attnkit.json)."""
+    """Checked student and teacher sources, the student's rewrite manifest (None without attnkit.json)."""
 
-    student: object
-    teacher: object
+    student: Source
+    teacher: Source
     manifest: dict | None
 
 
-def open_checkpoint(ref: str, role: str):
-    """Resolve `ref` to safetensors files (a GGUF file is materialized once, as convert does)."""
-    from attnkit.io.resolve import resolve
-
-    ckpt = resolve(ref)
-    if ckpt.kind == "config":
-        raise AttnkitError(f"{ref}: a config file has no weights to use as the {role}")
-    if ckpt.gguf_file is not None:
-        from attnkit.io.gguf_load import gguf_cache_folder, materialize_gguf
-
-        ckpt = resolve(str(materialize_gguf(ckpt.gguf_file, gguf_cache_folder(ckpt.gguf_file))))
-    if not ckpt.weight_files:
-        raise AttnkitError(f"{ref}: no safetensors weights found")
-    return ckpt
-
-
 def check_pair(student_ref: str, teacher_ref: str) -> Pair:
-    """Resolve both and refuse a student that is not a rewrite of the teacher, in one line."""
-    student, teacher = open_checkpoint(student_ref, "student"), open_checkpoint(teacher_ref, "teacher")
-    if Path(student.root).resolve() == Path(teacher.root).resolve():
+    """Open both and refuse a student that is not a rewrite of the teacher, in one line; the same checkpoint
+    given twice is refused before anything is dequantized."""
+    student, teacher = resolve_weights(student_ref, "use as the student"), resolve_weights(teacher_ref,
+                                                                                           "use as the teacher")
+    if _identity(student) == _identity(teacher):
         raise AttnkitError(f"{student_ref}: the student and the teacher are the same checkpoint")
+    student, teacher = open_source(student_ref, "use as the student"), open_source(teacher_ref, "use as the teacher")
     for key, what in SAME_CONFIG:
         s, t = student.config.get(key), teacher.config.get(key)
         if s != t:
@@ -56,7 +45,12 @@ def check_pair(student_ref: str, teacher_ref: str) -> Pair:
                                "the student must be a rewrite of the teacher")
     _check_tokenizers(student, teacher)
     _check_shared_weights(student, teacher)
-    return Pair(student, teacher, read_manifest(Path(student.root)))
+    return Pair(student, teacher, read_manifest(student.root))
+
+
+def _identity(ckpt) -> Path:
+    """What a resolved reference reads: its GGUF file or its folder, symlinks resolved."""
+    return Path(ckpt.gguf_file or ckpt.root).resolve()
 
 
 def _check_tokenizers(student, teacher) -> None:
@@ -77,7 +71,7 @@ def _check_shared_weights(student, teacher) -> None:
 
     from attnkit.io.reader import LazyReader
 
-    with LazyReader(student.weight_files) as s, LazyReader(teacher.weight_files) as t:
+    with LazyReader(student.ckpt.weight_files) as s, LazyReader(teacher.ckpt.weight_files) as t:
         shared = [n for n in s.names() if n in t and "attn" not in n and tuple(s.info(n).shape) == tuple(t.info(n).shape)]
         if not shared:
             raise AttnkitError(f"{student.ref}: shares no tensor outside attention with the teacher; "
@@ -107,7 +101,7 @@ def rewrite_summary(manifest: dict | None) -> dict | None:
     """What produced the student: conversion or retrofit, its method and source, from its manifest."""
     if manifest is None:
         return None
-    kind = manifest.get("conversion") or manifest.get("retrofit") or ("heal" if "heal" in manifest else None)
+    kind = manifest.get("operation") or manifest.get("conversion") or manifest.get("retrofit")  # older manifests
     return {"rewrite": kind, "method": manifest.get("method") or (manifest.get("parameters") or {}).get("method"),
             "source": (manifest.get("source") or {}).get("ref"), "command": manifest.get("command")}
 
@@ -132,17 +126,3 @@ def rewritten_parameters(student, teacher) -> list[str]:
         if q is None or q.shape != p.shape or not torch.equal(q.detach().to(p.device), p.detach()):
             changed.append(name)
     return changed
-
-
-def checkpoint_digest(ckpt) -> str:
-    """sha256 over config.json and every weight file's name, size and safetensors header (no tensor data)."""
-    import hashlib
-    import struct
-
-    h = hashlib.sha256((Path(ckpt.root) / "config.json").read_bytes())
-    for f in sorted(ckpt.weight_files):
-        with open(f, "rb") as fh:
-            raw = fh.read(8)
-            header = fh.read(struct.unpack("<Q", raw)[0]) if len(raw) == 8 else b""
-        h.update(f"{Path(f).name}|{Path(f).stat().st_size}|".encode() + header)
-    return h.hexdigest()

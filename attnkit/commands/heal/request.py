@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnkit.commands.rewrite import WriteRequest
 from attnkit.errors import UsageError
 
 TRAIN_CHOICES = ("rewritten", "all")
@@ -16,11 +17,9 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|min|h)?\s*$", re.IGNORECASE)
 
 
 @dataclass(kw_only=True)
-class HealRequest:
-    """Student, teacher and output; data; budget; what trains and how; checkpoints; devices and safe-write options."""
+class HealRequest(WriteRequest):
+    """The student (`model`), teacher and output; data; budget; what trains and how; checkpoints."""
 
-    student: str
-    out: Path
     teacher: str
     data: list[str] = field(default_factory=list)
     tokens: int | None = None
@@ -50,11 +49,6 @@ class HealRequest:
     sample_cache: Path | None = None
     gradient_checkpointing: bool = False
     seed: int = 0
-    device: str = "auto"
-    overwrite: bool = False
-    dry_run: bool = False
-    max_shard_bytes: int = 2**30
-    command: str = ""  # the command line, recorded in attnkit.json
 
     @property
     def budget_tokens(self) -> int | None:

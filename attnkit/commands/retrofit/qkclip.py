@@ -16,37 +16,41 @@ import sys
 import time
 from dataclasses import dataclass
 
-from attnkit.commands.retrofit.common import (RetrofitOptions, check_options, load, open_source, raw_config,
-                                              stream_weights, windows, write_output)
+from attnkit.commands.analyse.probe import probe
+from attnkit.commands.retrofit.common import check_source, load, scorer, stream_weights
+from attnkit.commands.rewrite import RewriteRequest, calib_windows
+from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
 
 
-@dataclass
-class QKClipRequest:
-    opts: RetrofitOptions
+@dataclass(kw_only=True)
+class QKClipRequest(RewriteRequest):
+    """retrofit qkclip: the largest attention logit a head may reach on the --calib text."""
+
     tau: float = 100.0
 
 
 def check_request(req: QKClipRequest):
     if not req.tau > 0 or req.tau == float("inf"):
         raise UsageError(f"--tau must be a positive finite number, got {req.tau}")
-    if not req.opts.calib:
+    if not req.calib:
         raise UsageError("qkclip measures max logits on text: pass --calib FILE")
-    check_options(req.opts)
-    src = open_source(req.opts.model)
-    mt = src.spec.model_type
-    if src.spec.mla is not None:
-        raise AttnkitError(f"{mt}: MLA attention is not supported by retrofit qkclip")
-    if src.spec.qk_norm == "per_head":
-        raise AttnkitError(f"{mt}: its QK-norm cancels any scale of W_q, and the norm weight that survives it is "
-                           "shared by all heads of a layer, so one head cannot be clipped alone")
-    if src.spec.qk_norm != "none":
-        raise AttnkitError(f"{mt}: QK-norm over the full projection is not supported by retrofit qkclip")
-    if src.arch.qkv_layout != "separate" or not src.tensor("q", 0):
-        raise AttnkitError(f"{mt}: retrofit qkclip needs separate q_proj weights ({src.arch.qkv_layout} layout)")
-    if "sinks" in src.arch.tensors:
-        raise AttnkitError(f"{mt}: attention sinks are not supported by retrofit qkclip")
-    return src
+
+    def check(arch, spec, _config) -> None:
+        mt = spec.model_type
+        if spec.mla is not None:
+            raise AttnkitError(f"{mt}: MLA attention is not supported by retrofit qkclip")
+        if spec.qk_norm == "per_head":
+            raise AttnkitError(f"{mt}: its QK-norm cancels any scale of W_q, and the norm weight that survives it "
+                               "is shared by all heads of a layer, so one head cannot be clipped alone")
+        if spec.qk_norm != "none":
+            raise AttnkitError(f"{mt}: QK-norm over the full projection is not supported by retrofit qkclip")
+        if arch.qkv_layout != "separate" or "q" not in arch.tensors:
+            raise AttnkitError(f"{mt}: retrofit qkclip needs separate q_proj weights ({arch.qkv_layout} layout)")
+        if "sinks" in arch.tensors:
+            raise AttnkitError(f"{mt}: attention sinks are not supported by retrofit qkclip")
+
+    return check_source(req, check)
 
 
 def _head_max(module, hidden, position_embeddings, window):
@@ -76,9 +80,9 @@ def _clip(req: QKClipRequest, src) -> tuple[list, dict]:
     from attnkit.runtime.calibrate import attention_module_name
 
     spec = src.spec
-    loaded = load(src.ckpt.root, req.opts.device)
+    loaded = load(src.root, req.device)
     model = loaded.model
-    wins = windows(loaded, req.opts.calib, req.opts.calib_seq_len, req.opts.calib_tokens)
+    wins = calib_windows(loaded.tokenizer, req)
     factors: list = [None] * spec.num_layers
     seen: list = [None] * spec.num_layers
 
@@ -107,7 +111,7 @@ def _clip(req: QKClipRequest, src) -> tuple[list, dict]:
             h.remove()
     if any(f is None for f in factors):
         raise AttnkitError("calibration did not reach every attention layer")
-    info = {"files": list(req.opts.calib), "tokens": int(wins.numel()), "seq_len": int(wins.shape[1])}
+    info = {"files": list(req.calib), "tokens": int(wins.numel()), "seq_len": int(wins.shape[1])}
     return [(f, s) for f, s in zip(factors, seen)], info
 
 
@@ -134,32 +138,23 @@ def _rewriter(src, factors):
     return rewrite
 
 
-def _after(req, folder, src) -> list:
-    """Per-head max logits of the written model on the calibration text (attnkit's probe)."""
-    from attnkit.commands.analyse.probe import probe
-
-    loaded = load(folder, req.opts.device)
-    wins = windows(loaded, req.opts.calib, req.opts.calib_seq_len, req.opts.calib_tokens)
-    return probe(loaded, wins, name="result").heads
+def _max_logits(ref, req, name: str) -> list:
+    """Per-head rows of attnkit's probe of a model on the calibration text (max_logit_precap among them)."""
+    loaded = load(ref, req.device)
+    return probe(loaded, calib_windows(loaded.tokenizer, req), name=name).heads
 
 
 def retrofit_qkclip(req: QKClipRequest) -> dict:
     """Run (or with dry_run, plan) QK-Clip; returns the report (see docs/retrofit.md)."""
-    from attnkit.commands.analyse.probe import probe
-
     started = time.perf_counter()
     src = check_request(req)
-    report = {"retrofit": "qkclip", "source": req.opts.model, "output": str(req.opts.out),
-              "dry_run": req.opts.dry_run, "model_type": src.spec.model_type, "tau": req.tau,
+    report = {"retrofit": "qkclip", "source": req.model, "output": str(req.out),
+              "dry_run": req.dry_run, "model_type": src.spec.model_type, "tau": req.tau,
               "clipped_heads": None, "calibration": None, "heads": [], "warnings": [], "eval": None, "probe": None}
-    if req.opts.dry_run:
+    if req.dry_run:
         report["seconds"] = time.perf_counter() - started
         return report
-    source = load(src.ckpt.root, req.opts.device)
-    before = {(r["layer"], r["head"]): r for r in
-              probe(source, windows(source, req.opts.calib, req.opts.calib_seq_len, req.opts.calib_tokens),
-                    name="source").heads}
-    del source
+    before = {(r["layer"], r["head"]): r for r in _max_logits(src.root, req, "source")}
     factors, report["calibration"] = _clip(req, src)
     rows = []
     for layer, (f, smax) in enumerate(factors):
@@ -174,22 +169,21 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
         report["output"] = None
         report["warnings"].append(f"no head's max logit on the calibration text exceeds --tau {req.tau:g} (highest: "
                                   f"{top['max_logit_seen']:.4g}, layer {top['layer']} head {top['head']}): nothing "
-                                  f"to clip, {req.opts.out} not written")
+                                  f"to clip, {req.out} not written")
         report["seconds"] = time.perf_counter() - started
         return report
 
     def check(folder):
-        after = {(r["layer"], r["head"]): r["max_logit_precap"] for r in _after(req, folder, src)}
+        after = {(r["layer"], r["head"]): r["max_logit_precap"] for r in _max_logits(folder, req, "result")}
         for r in rows:
             r["max_logit_after"] = after[(r["layer"], r["head"])]
 
-    manifest = {"retrofit": "qkclip",
-                "changes": {"weights": f"q_proj rows (and q bias) of the {report['clipped_heads']} clipped head(s) "
-                                       "scaled by tau / max logit; every other tensor copied unchanged"},
-                "why": "QK-Clip (Kimi K2): bound each head's max attention logit by tau",
-                "parameters": {"tau": req.tau}, "calibration": report["calibration"], "heads": rows}
-    write_output(src, req.opts, raw_config(src),
-                 lambda folder: stream_weights(src, folder, req.opts.max_shard_bytes, _rewriter(src, factors)),
-                 manifest, report, check=check)
+    body = {"changes": {"weights": f"q_proj rows (and q bias) of the {report['clipped_heads']} clipped head(s) "
+                                   "scaled by tau / max logit; every other tensor copied unchanged"},
+            "why": "QK-Clip (Kimi K2): bound each head's max attention logit by tau",
+            "parameters": {"tau": req.tau}, "calibration": report["calibration"], "heads": rows}
+    write_checkpoint(req, src, "retrofit qkclip", config=src.raw_config(),
+                     weights=lambda writer: stream_weights(src, writer, _rewriter(src, factors)), body=lambda: body,
+                     check=check, score=scorer(req, src, report))
     report["seconds"] = time.perf_counter() - started
     return report

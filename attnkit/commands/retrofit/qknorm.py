@@ -22,8 +22,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from attnkit.commands.retrofit.common import (RetrofitOptions, check_options, load, open_source, raw_config,
-                                              stream_weights, windows, write_output)
+from attnkit.commands.retrofit.common import check_source, load, scorer, stream_weights
+from attnkit.commands.rewrite import RewriteRequest, calib_windows
+from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.ops.qknorm import METHODS
 
@@ -36,9 +37,10 @@ DROP_KEYS = ("pretraining_tp", "mlp_bias", "architectures", "model_type", "auto_
              "transformers_version", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
 
 
-@dataclass
-class QKNormRequest:
-    opts: RetrofitOptions
+@dataclass(kw_only=True)
+class QKNormRequest(RewriteRequest):
+    """retrofit qknorm: how the norm is made (attnkit.ops.qknorm.METHODS) and the anchor method's head size."""
+
     method: str = "anchor"
     steps: int = 150
     head_dim: int | None = None  # anchor: the new head size (default: default_head_dim)
@@ -60,31 +62,30 @@ def default_head_dim(dim: int) -> int:
 def check_request(req: QKNormRequest):
     if req.method not in METHODS:
         raise UsageError(f"unknown --method {req.method!r}; choose from {', '.join(METHODS)}")
-    if req.method in ("anchor", "kl", "lsq", "scalar") and not req.opts.calib:
+    if req.method in ("anchor", "kl", "lsq", "scalar") and not req.calib:
         raise UsageError(f"--method {req.method} fits the norm weights on activations: pass --calib FILE")
-    check_options(req.opts)
-    src = open_source(req.opts.model)
-    mt, spec = src.spec.model_type, src.spec
-    if spec.mla is not None:
-        raise AttnkitError(f"{mt}: MLA attention has no per-head q/k to normalise; retrofit qknorm does not apply")
-    if spec.qk_norm != "none":
-        raise AttnkitError(f"{mt} already has QK-norm ({spec.qk_norm}); nothing to retrofit")
-    if src.arch.family not in SOURCES:
-        raise AttnkitError(f"retrofit qknorm supports {', '.join(SOURCES)} checkpoints, not {mt}")
-    config = src.ckpt.config
-    if config.get("mlp_bias"):
-        raise AttnkitError(f"{mt}: MLP biases (mlp_bias) have no Qwen3 equivalent")
-    if spec.partial_rotary_factor != 1.0:
-        raise AttnkitError(f"{mt}: partial RoPE ({spec.partial_rotary_factor}) has no Qwen3 equivalent")
-    if spec.head_dim % 2:
-        raise AttnkitError(f"{mt}: odd head_dim {spec.head_dim}")
-    if req.head_dim is not None:
-        if req.method != "anchor":
-            raise UsageError("--head-dim applies to --method anchor")
-        if req.head_dim % 2 or not spec.head_dim <= req.head_dim <= 4 * spec.head_dim:
+    if req.head_dim is not None and req.method != "anchor":
+        raise UsageError("--head-dim applies to --method anchor")
+
+    def check(arch, spec, config) -> None:
+        mt = spec.model_type
+        if spec.mla is not None:
+            raise AttnkitError(f"{mt}: MLA attention has no per-head q/k to normalise; retrofit qknorm does not apply")
+        if spec.qk_norm != "none":
+            raise AttnkitError(f"{mt} already has QK-norm ({spec.qk_norm}); nothing to retrofit")
+        if arch.family not in SOURCES:
+            raise AttnkitError(f"retrofit qknorm supports {', '.join(SOURCES)} checkpoints, not {mt}")
+        if config.get("mlp_bias"):
+            raise AttnkitError(f"{mt}: MLP biases (mlp_bias) have no Qwen3 equivalent")
+        if spec.partial_rotary_factor != 1.0:
+            raise AttnkitError(f"{mt}: partial RoPE ({spec.partial_rotary_factor}) has no Qwen3 equivalent")
+        if spec.head_dim % 2:
+            raise AttnkitError(f"{mt}: odd head_dim {spec.head_dim}")
+        if req.head_dim is not None and (req.head_dim % 2 or not spec.head_dim <= req.head_dim <= 4 * spec.head_dim):
             raise UsageError(f"--head-dim must be even and between the source's {spec.head_dim} and "
                              f"{4 * spec.head_dim}, got {req.head_dim}")
-    return src
+
+    return check_source(req, check)
 
 
 def new_head_dim(req: QKNormRequest, dim: int) -> int:
@@ -98,7 +99,7 @@ def new_head_dim(req: QKNormRequest, dim: int) -> int:
 def _qwen3_config(src, method: str, bias: bool, dim: int) -> dict:
     """The Qwen3 config.json: source keys plus head_dim `dim`, attention_bias, sliding layers and a RoPE base
     that keeps the source's frequencies at the new head size."""
-    spec, raw = src.spec, raw_config(src)
+    spec, raw = src.spec, src.raw_config()
     config = {k: v for k, v in raw.items() if k not in DROP_KEYS}
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     rope.setdefault("rope_type", spec.rope_type or "default")
@@ -135,7 +136,7 @@ def _rope_frequencies(config: dict):
 
 def check_rope(src, config: dict) -> None:
     """Refuse a pad conversion whose RoPE (type, scaling) would not keep the source frequencies."""
-    source_inv, source_scale = _rope_frequencies(raw_config(src))
+    source_inv, source_scale = _rope_frequencies(src.raw_config())
     new_inv, new_scale = _rope_frequencies(config)
     half = source_inv.shape[0]
     rel = float(((new_inv[:half] - source_inv) / source_inv).abs().max())
@@ -175,9 +176,9 @@ def _calibrate(req: QKNormRequest, src) -> tuple[list, dict]:
     from attnkit.ops.qknorm import fit_layer
 
     spec = src.spec
-    loaded = load(src.ckpt.root, req.opts.device)
+    loaded = load(src.root, req.device)
     model = loaded.model
-    wins = windows(loaded, req.opts.calib, req.opts.calib_seq_len, req.opts.calib_tokens)
+    wins = calib_windows(loaded.tokenizer, req)
     cap = _Capture(model, "model.", spec.num_layers)
     try:
         with torch.no_grad():
@@ -197,7 +198,7 @@ def _calibrate(req: QKNormRequest, src) -> tuple[list, dict]:
         cap.q[i], cap.k[i] = None, None
         fits.append(fit_layer(q, k, cos, sin, spec.head_dim ** -0.5, eps, req.method,
                               window=spec.layer_windows[i], steps=req.steps))
-    info = {"files": list(req.opts.calib), "tokens": int(wins.numel()), "seq_len": t}
+    info = {"files": list(req.calib), "tokens": int(wins.numel()), "seq_len": t}
     return fits, info
 
 
@@ -209,7 +210,7 @@ def _pad_biases(src, reader_get) -> list[tuple[float, float, float]]:
     import torch
 
     spec = src.spec
-    dtype_name = str(src.ckpt.config.get("torch_dtype") or src.ckpt.config.get("dtype") or "float32")
+    dtype_name = str(src.config.get("torch_dtype") or src.config.get("dtype") or "float32")
     out = []
     for i in range(spec.num_layers):
         gamma = reader_get(f"{src.prefix}layers.{i}.input_layernorm.weight").double()
@@ -250,8 +251,8 @@ def _anchor_fits(req: QKNormRequest, src, new_dim: int) -> tuple[list[AnchorFit]
     from attnkit.runtime.streaming import load_for_calibration
 
     spec = src.spec
-    loaded = load_for_calibration(str(src.ckpt.root), req.opts.device)
-    wins = windows(loaded, req.opts.calib, req.opts.calib_seq_len, req.opts.calib_tokens)
+    loaded = load_for_calibration(str(src.root), req.device)
+    wins = calib_windows(loaded.tokenizer, req)
     modules = [attention_module_name(src.arch.tensors["k"], src.prefix, i) for i in range(spec.num_layers)]
     fits: list = [None] * spec.num_layers
     with LazyReader(src.ckpt.weight_files) as reader:
@@ -266,7 +267,7 @@ def _anchor_fits(req: QKNormRequest, src, new_dim: int) -> tuple[list[AnchorFit]
             fits[layer] = AnchorFit(a, gain, err, pair)
 
         calibrate(loaded.model, wins, modules, on_layer)
-    return fits, {"files": list(req.opts.calib), "tokens": int(wins.numel()), "seq_len": int(wins.shape[1])}
+    return fits, {"files": list(req.calib), "tokens": int(wins.numel()), "seq_len": int(wins.shape[1])}
 
 
 def _unbiased_rows(src, layer: int, role: str, t, biases: dict, anchor):
@@ -283,7 +284,7 @@ def _unbiased_rows(src, layer: int, role: str, t, biases: dict, anchor):
         delta, residual = fold_o_bias(biases[(layer, "o_weight")], biases[(layer, "o")], spec.num_heads,
                                       spec.num_kv_heads, spec.head_dim)
         if residual > 1e-4:
-            raise AttnkitError(f"{src.ckpt.ref}: o_proj's bias is not in the range of o_proj; use --method pad")
+            raise AttnkitError(f"{src.ref}: o_proj's bias is not in the range of o_proj; use --method pad")
         bias = delta if bias is None else bias.to(torch.float64) + delta
     if bias is None:
         return w
@@ -364,7 +365,7 @@ def _rewriter(src, method: str, fits: list | None, pads: list | None, bias: bool
 
     spec = src.spec
     h, hkv, dim, hidden = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
-    eps = float(src.ckpt.config.get("rms_norm_eps", 1e-6))
+    eps = float(src.config.get("rms_norm_eps", 1e-6))
     roles = _attention_roles(src)
 
     def rewrite(name, t):
@@ -443,8 +444,8 @@ def retrofit_qknorm(req: QKNormRequest) -> dict:
     config = _qwen3_config(src, req.method, bias, dim)
     if dim != spec.head_dim:
         check_rope(src, config)
-    report = {"retrofit": "qknorm", "source": req.opts.model, "output": str(req.opts.out),
-              "dry_run": req.opts.dry_run, "model_type": spec.model_type, "method": req.method,
+    report = {"retrofit": "qknorm", "source": req.model, "output": str(req.out),
+              "dry_run": req.dry_run, "model_type": spec.model_type, "method": req.method,
               "head_dim_before": spec.head_dim, "head_dim_after": dim, "attention_bias": bias,
               "calibration": None, "layers": [], "warnings": [], "eval": None, "probe": None}
     if dim > spec.head_dim:
@@ -454,7 +455,7 @@ def retrofit_qknorm(req: QKNormRequest) -> dict:
         report["warnings"].append("--method pad writes q/k/v/o bias tensors (zero where the source has none) and "
                                   f"head_dim {dim}: llama.cpp has no o_proj bias slot and vLLM's CPU attention "
                                   "no such head size; --method anchor runs in both")
-    if req.opts.dry_run:
+    if req.dry_run:
         report["seconds"] = time.perf_counter() - started
         return report
     fits = pads = None
@@ -473,7 +474,7 @@ def retrofit_qknorm(req: QKNormRequest) -> dict:
                              "dropped_pair": a.dropped_pair} for i, ((bq, bk, _), a) in enumerate(zip(pads, anchors))]
         rewrite = _anchor_rewriter(src, anchors, pads, biases, dim)
     else:
-        if req.method == "unit" and not req.opts.calib:
+        if req.method == "unit" and not req.calib:
             from attnkit.ops.qknorm import unit_fit
 
             fits = [unit_fit(spec.num_heads, spec.num_kv_heads, spec.head_dim)] * spec.num_layers
@@ -485,15 +486,14 @@ def retrofit_qknorm(req: QKNormRequest) -> dict:
     added = "q_norm/k_norm weights per layer"
     if bias and not src.tensor("o_bias", 0):
         added += ", zero o_proj bias"
-    manifest = {"retrofit": "qknorm",
-                "changes": {"model_type": f"{spec.model_type} -> qwen3", "head_dim": [spec.head_dim, dim],
-                            "attention_bias": bias, "added": added},
-                "why": "per-head RMSNorm on q and k (Qwen3 QK-norm) bounds attention logits",
-                "parameters": {"method": req.method, "steps": req.steps if req.method == "kl" else None,
-                               "head_dim": dim},
-                "calibration": report["calibration"], "layers": report["layers"], "warnings": report["warnings"]}
-    write_output(src, req.opts, config,
-                 lambda folder: stream_weights(src, folder, req.opts.max_shard_bytes, rewrite),
-                 manifest, report, check=_check_loads)
+    body = {"changes": {"model_type": f"{spec.model_type} -> qwen3", "head_dim": [spec.head_dim, dim],
+                        "attention_bias": bias, "added": added},
+            "why": "per-head RMSNorm on q and k (Qwen3 QK-norm) bounds attention logits",
+            "parameters": {"method": req.method, "steps": req.steps if req.method == "kl" else None,
+                           "head_dim": dim},
+            "calibration": report["calibration"], "layers": report["layers"], "warnings": report["warnings"]}
+    write_checkpoint(req, src, "retrofit qknorm", config=config,
+                     weights=lambda writer: stream_weights(src, writer, rewrite), body=lambda: body,
+                     check=_check_loads, score=scorer(req, src, report))
     report["seconds"] = time.perf_counter() - started
     return report

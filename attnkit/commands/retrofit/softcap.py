@@ -14,17 +14,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnkit.commands.retrofit.common import (RetrofitOptions, check_options, load, open_source, raw_config,
-                                              windows, write_output)
+from attnkit.commands.retrofit.common import check_source, load, scorer
+from attnkit.commands.rewrite import RewriteRequest, calib_windows
+from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
 
 AUTO = "auto"
 
 
-@dataclass
-class SoftcapRequest:
-    opts: RetrofitOptions
-    attn_cap: float | str | None = None   # number, "auto" or None (leave unset)
+@dataclass(kw_only=True)
+class SoftcapRequest(RewriteRequest):
+    """retrofit softcap: the caps to write (a number, "auto" to pick one from --calib text, or None to leave it)."""
+
+    attn_cap: float | str | None = None
     final_cap: float | str | None = None
     affect_fraction: float = 1e-4
     affect_rel: float = 0.01
@@ -42,21 +44,24 @@ def check_request(req: SoftcapRequest):
     _check_cap("--final-cap", req.final_cap)
     if req.attn_cap is None and req.final_cap is None:
         raise UsageError("nothing to do: give --attn-cap C, --auto, or --final-cap F")
-    if not 0.0 < req.affect_fraction < 1.0:
-        raise UsageError(f"--affect-fraction must be in (0, 1), got {req.affect_fraction}")
-    if AUTO in (req.attn_cap, req.final_cap) and not req.opts.calib:
+    for flag, value in (("--affect-fraction", req.affect_fraction), ("--affect-rel", req.affect_rel)):
+        if not 0.0 < value < 1.0:
+            raise UsageError(f"{flag} must be in (0, 1), got {value}")
+    if AUTO in (req.attn_cap, req.final_cap) and not req.calib:
         raise UsageError("an automatic cap needs calibration text: pass --calib FILE")
-    check_options(req.opts)
-    src = open_source(req.opts.model)
-    if "sinks" in src.arch.tensors:
-        raise AttnkitError(f"{src.spec.model_type}: attention sinks are not supported by attnkit's soft-capped attention")
-    asked = [(key, want, have) for key, want, have in (("attn_logit_softcapping", req.attn_cap, src.spec.attn_softcap),
-                                                       ("final_logit_softcapping", req.final_cap, src.spec.final_softcap))
-             if want is not None]
-    if all(want == have for _, want, have in asked):
-        raise UsageError("nothing to change: the model already has " +
-                         " and ".join(f"{key} = {have:g}" for key, _, have in asked))
-    return src
+
+    def check(arch, spec, _config) -> None:
+        if "sinks" in arch.tensors:
+            raise AttnkitError(f"{spec.model_type}: attention sinks are not supported by attnkit's soft-capped "
+                               "attention")
+        asked = [(key, want, have) for key, want, have in (("attn_logit_softcapping", req.attn_cap, spec.attn_softcap),
+                                                           ("final_logit_softcapping", req.final_cap,
+                                                            spec.final_softcap)) if want is not None]
+        if all(want == have for _, want, have in asked):
+            raise UsageError("nothing to change: the model already has " +
+                             " and ".join(f"{key} = {have:g}" for key, _, have in asked))
+
+    return check_source(req, check)
 
 
 def _attention_histogram(model, wins):
@@ -119,9 +124,9 @@ def _auto_caps(req: SoftcapRequest, src) -> dict:
     """Pick the `auto` caps from the calibration text; returns {"attn": {...}, "final": {...}} for those chosen."""
     from attnkit.ops.softcap import cap_for_fraction
 
-    loaded = load(src.ckpt.root, req.opts.device)
+    loaded = load(src.root, req.device)
     model = loaded.model  # as the source runs (any caps it already has applied); logits are counted before a cap
-    wins = windows(loaded, req.opts.calib, req.opts.calib_seq_len, req.opts.calib_tokens)
+    wins = calib_windows(loaded.tokenizer, req)
     chosen = {}
     for which, wanted, histogram in (("attn", req.attn_cap, _attention_histogram),
                                      ("final", req.final_cap, _final_histogram)):
@@ -131,25 +136,26 @@ def _auto_caps(req: SoftcapRequest, src) -> dict:
         cap, fraction = cap_for_fraction(hist, req.affect_fraction, req.affect_rel)
         chosen[which] = {"cap": cap, "affected_fraction": fraction, "target_fraction": req.affect_fraction,
                          "logits": int(hist.total), "max_abs_logit": hist.max}
-    chosen["calibration"] = {"files": list(req.opts.calib), "tokens": int(wins.numel()),
-                             "seq_len": req.opts.calib_seq_len}
+    chosen["calibration"] = {"files": list(req.calib), "tokens": int(wins.numel()), "seq_len": req.calib_seq_len}
     return chosen
 
 
-def _copy_weights(src, folder: Path) -> dict | None:
-    """Copy the source's safetensors files (and index) unchanged."""
+def _copy_weights(src, writer) -> dict:
+    """Copy the source's safetensors files (and index) unchanged into the writer's folder; name -> shape."""
     from attnkit.io.checkpoint import INDEX_NAME
+    from attnkit.io.safetensors_header import read_headers
 
+    folder = writer.folder
     for f in src.ckpt.weight_files:
         shutil.copyfile(f, folder / Path(f).name)
     index = Path(src.ckpt.weight_files[0]).parent / INDEX_NAME
     if index.is_file() and len(src.ckpt.weight_files) > 1:
         shutil.copyfile(index, folder / INDEX_NAME)
-    return None
+    return {name: tuple(info.shape) for name, info in read_headers(src.ckpt.weight_files).items()}
 
 
 def _patched_config(src, attn_cap, final_cap) -> dict:
-    config = raw_config(src)
+    config = src.raw_config()
     target = config["text_config"] if isinstance(config.get("text_config"), dict) else config
     if attn_cap is not None:
         target["attn_logit_softcapping"] = attn_cap
@@ -180,12 +186,12 @@ def retrofit_softcap(req: SoftcapRequest) -> dict:
     """Run (or with dry_run, plan) the soft-cap retrofit; returns the report (see docs/retrofit.md)."""
     started = time.perf_counter()
     src = check_request(req)
-    report = {"retrofit": "softcap", "source": req.opts.model, "output": str(req.opts.out),
-              "dry_run": req.opts.dry_run, "model_type": src.spec.model_type,
+    report = {"retrofit": "softcap", "source": req.model, "output": str(req.out),
+              "dry_run": req.dry_run, "model_type": src.spec.model_type,
               "before": {"attn_cap": src.spec.attn_softcap, "final_cap": src.spec.final_softcap},
               "attn_cap": req.attn_cap, "final_cap": req.final_cap, "auto": None, "warnings": [],
               "eval": None, "probe": None}
-    if req.opts.dry_run:
+    if req.dry_run:
         report["warnings"] = warnings_for(src.spec.model_type, req.attn_cap, req.final_cap)
         report["seconds"] = time.perf_counter() - started
         return report
@@ -196,14 +202,14 @@ def retrofit_softcap(req: SoftcapRequest) -> dict:
         report["final_cap"] = auto["final"]["cap"] if req.final_cap == AUTO else req.final_cap
     attn_cap, final_cap = report["attn_cap"], report["final_cap"]
     report["warnings"] = warnings_for(src.spec.model_type, attn_cap, final_cap)
-    manifest = {"retrofit": "softcap",
-                "changes": {"config": {"attn_logit_softcapping": attn_cap, "final_logit_softcapping": final_cap},
-                            "weights": "unchanged (copied byte for byte)"},
-                "why": "soft-capping bounds attention / output logits by cap * tanh(z / cap)",
-                "parameters": {"attn_cap": req.attn_cap, "final_cap": req.final_cap,
-                               "affect_fraction": req.affect_fraction, "affect_rel": req.affect_rel},
-                "auto": report["auto"], "warnings": report["warnings"]}
-    write_output(src, req.opts, _patched_config(src, attn_cap, final_cap), lambda folder: _copy_weights(src, folder),
-                 manifest, report)
+    body = {"changes": {"config": {"attn_logit_softcapping": attn_cap, "final_logit_softcapping": final_cap},
+                        "weights": "unchanged (copied byte for byte)"},
+            "why": "soft-capping bounds attention / output logits by cap * tanh(z / cap)",
+            "parameters": {"attn_cap": req.attn_cap, "final_cap": req.final_cap,
+                           "affect_fraction": req.affect_fraction, "affect_rel": req.affect_rel},
+            "auto": report["auto"], "warnings": report["warnings"]}
+    write_checkpoint(req, src, "retrofit softcap", config=_patched_config(src, attn_cap, final_cap),
+                     weights=lambda writer: _copy_weights(src, writer), body=lambda: body,
+                     score=scorer(req, src, report))
     report["seconds"] = time.perf_counter() - started
     return report
