@@ -170,7 +170,7 @@ def cli_cases(work: Path) -> tuple[list[tuple[str, list[str]]], list[Path]]:
     """(label, argv) cases and the input folders whose contents must never change."""
     from safetensors.torch import load_file, save_file
 
-    from tests.test_runtime import PROSE, char_tokenizer
+    from tests.helpers import PROSE, char_tokenizer
     from tests.tiny import make_checkpoint
 
     inputs = work / "inputs"

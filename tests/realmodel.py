@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+
 def _cache() -> Path:
     """The test cache: $ATTNKIT_TEST_CACHE, else a tests/ folder in attnkit's cache (outside the checkout, shared
     by every checkout of this user; the dequantized SmolLM2 is about 520 MB per installed GGUF file)."""

@@ -14,12 +14,7 @@ from attnkit.archs.schema import validate_arch
 from attnkit.archs.spec import attention_spec
 from attnkit.archs.tensors import check_tensors, expected_names, find_prefix, role_shape
 from attnkit.errors import AttnkitError
-from tests.tiny import build_model
-
-SMALL = dict(hidden_size=64, num_attention_heads=8, num_hidden_layers=2, intermediate_size=128, vocab_size=256,
-             max_position_embeddings=512)
-MLA = dict(kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,
-           num_experts_per_tok=2, moe_intermediate_size=32)
+from tests.tiny import build_model, extra_model
 
 
 def _llama_doc() -> dict:
@@ -77,38 +72,13 @@ def test_unknown_model_type_lists_supported_ones():
 
 # ---------------------------------------------------------------- templates vs real state dicts
 
-def _extra_model(name: str):
-    import torch
-    import transformers as tf
-
-    configs = {
-        "llama_bias": lambda: tf.LlamaConfig(**SMALL, num_key_value_heads=4, head_dim=8, attention_bias=True),
-        "mixtral": lambda: tf.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=4, sliding_window=16),
-        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**SMALL, num_key_value_heads=2, head_dim=8, num_experts=4,
-                                               num_experts_per_tok=2, moe_intermediate_size=32),
-        "gpt_oss": lambda: tf.GptOssConfig(**SMALL, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-                                           num_experts_per_tok=2, sliding_window=16),
-        "deepseek_v2": lambda: tf.DeepseekV2Config(**SMALL, **MLA, q_lora_rank=None, first_k_dense_replace=1),
-        "deepseek_v3": lambda: tf.DeepseekV3Config(**SMALL, **MLA, q_lora_rank=24, n_group=1, topk_group=1,
-                                                   first_k_dense_replace=1),
-        "deepseek_v3_bias": lambda: tf.DeepseekV3Config(**SMALL, **MLA, q_lora_rank=24, n_group=1, topk_group=1,
-                                                        first_k_dense_replace=2, attention_bias=True),
-    }
-    config = configs[name]()
-    torch.manual_seed(0)
-    return getattr(tf, _CLASSES[config.model_type])(config)
-
-
-_CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-            "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
-
 
 @lru_cache(maxsize=None)
 def _tiny(name: str) -> tuple[dict, dict[str, tuple[int, ...]]]:
     """(config.json as saved, {tensor name: shape}) of a tiny random model."""
     import tests.tiny
 
-    model = build_model(name) if name in tests.tiny.FAMILIES else _extra_model(name)
+    model = build_model(name) if name in tests.tiny.FAMILIES else extra_model(name)
     config = json.loads(model.config.to_json_string())
     return config, {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
@@ -170,7 +140,7 @@ def test_required_tensors_are_what_save_pretrained_writes(name, tmp_path):
     from attnkit.io.checkpoint import safetensors_files
     from attnkit.io.safetensors_header import read_headers
 
-    model = build_model(name) if name in tests.tiny.FAMILIES else _extra_model(name)
+    model = build_model(name) if name in tests.tiny.FAMILIES else extra_model(name)
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     shapes = {n: i.shape for n, i in read_headers(safetensors_files(tmp_path)).items()}

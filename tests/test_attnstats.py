@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attnkit.ops.attnstats as A
-from attnkit.ops.softcap import softcap
+from attnkit.ops.logit_cap import softcap
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

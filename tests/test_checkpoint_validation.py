@@ -12,7 +12,8 @@ from attnkit.archs.spec import attention_spec
 from attnkit.cli import app
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import INDEX_NAME
-from tests.test_runtime import char_tokenizer
+from tests.helpers import char_tokenizer
+from tests.tiny import extra_model
 
 #: (command line after the model and output folder) for every command that reads a checkpoint's weights;
 #: "OUT" is replaced by a fresh output folder.
@@ -143,10 +144,9 @@ def test_weights_the_header_check_leaves_to_transformers_are_refused_when_loadin
     """Qwen3-MoE routers are not in the architecture's required list; transformers' loading report is the
     second line of defence, so no weight is ever initialised at random."""
     from attnkit.runtime import load_model
-    from tests.test_archs import _extra_model
 
     folder = tmp_path / "moe"
-    _extra_model("qwen3_moe").save_pretrained(folder)
+    extra_model("qwen3_moe").save_pretrained(folder)
     _drop_tensors(folder, "model.layers.1.mlp.gate.weight")
     with pytest.raises(AttnkitError, match="1 weight\\(s\\) the model needs are missing, e.g. 'model.layers.1.mlp.gate.weight'"):
         load_model(str(folder), device="cpu")

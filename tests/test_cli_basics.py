@@ -10,6 +10,7 @@ import pytest
 
 from attnkit import __version__
 from attnkit.cli import app
+from tests.helpers import modules_after
 
 
 def test_version(runner):
@@ -24,37 +25,23 @@ def test_python_dash_m():
 
 
 def test_help_lists_commands(runner):
+    from attnkit.cli import COMMANDS
+
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
-    for command in ("inspect", "kvmem"):
-        assert command in result.output
-
-
-def _modules_after(args: list[str]) -> set[str]:
-    """Run the CLI in a fresh interpreter and return which heavy modules it imported."""
-    code = (
-        "import sys\n"
-        "from attnkit.cli import app\n"
-        "try:\n"
-        f"    app({args!r})\n"
-        "except SystemExit:\n"
-        "    pass\n"
-        "heavy = [m for m in ('torch', 'transformers', 'pandas', 'pydantic') if m in sys.modules]\n"
-        "sys.stderr.write('HEAVY=' + ','.join(heavy))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    line = [l for l in out.stderr.splitlines() if l.startswith("HEAVY=")][-1]
-    return {m for m in line[len("HEAVY="):].split(",") if m}
+    rows = [line for line in result.output.splitlines() if line.startswith("│ ") and line[2] != " "]
+    listed = {row.split()[1] for row in rows if row.split()[1] not in ("--version", "--help")}
+    assert listed == set(COMMANDS), result.output
 
 
 @pytest.mark.parametrize("args", [["--help"], ["kvmem", "llama-3.1-8b", "--format", "json"]])
 def test_fast_paths_import_no_torch(args):
-    assert _modules_after(args) == set()
+    assert modules_after(args) == set()
 
 
 def test_inspect_imports_no_torch(tiny):
     folder = tiny("llama_gqa")
-    assert _modules_after(["inspect", str(folder), "--format", "json"]) == set()
+    assert modules_after(["inspect", str(folder), "--format", "json"]) == set()
 
 
 def test_missing_file_is_one_line_error(runner, tmp_path):

@@ -7,8 +7,7 @@ import pytest
 
 from attnkit.cli import app
 from tests import hostile
-from tests.test_convert_gqa_cli import _one_line_error
-from tests.test_runtime import PROSE, char_tokenizer
+from tests.helpers import PROSE, char_tokenizer, one_line_error
 
 
 @pytest.fixture
@@ -29,7 +28,7 @@ def texts(tmp_path):
 WORDS = {"binary.txt": (1, "a binary file (it holds NUL bytes), not text"),
          "latin1.txt": (1, "not a UTF-8 text file (byte 3)"),
          "latin1.jsonl": (1, "not a UTF-8 text file (byte 13)"),
-         "folder.txt": (2, "is a folder, not a text file")}
+         "folder.txt": (1, "is a folder, not a text file")}
 
 
 @pytest.mark.parametrize("name", sorted(WORDS))
@@ -39,7 +38,7 @@ def test_text_inputs_that_are_not_text(runner, src, tmp_path, texts, command, na
     args = {"eval": ["eval", str(src), texts[name]], "probe": ["probe", str(src), texts[name]],
             "convert --calib": ["convert", "mqa", str(src), str(tmp_path / "out"), "--method", "merge",
                                 "--calib", texts[name]]}[command]
-    _one_line_error(runner.invoke(app, args), code, f"{texts[name]}: {words}")
+    one_line_error(runner.invoke(app, args), code, f"{texts[name]}: {words}")
 
 
 def test_markup_in_a_message_is_printed_as_is(runner, src):
@@ -47,13 +46,13 @@ def test_markup_in_a_message_is_printed_as_is(runner, src):
     header["a"]["dtype"] = "[/bold][red]"  # rich would read this as a closing tag and fail
     (src / "model.safetensors").write_bytes(hostile.safetensors_bytes(header))
     result = runner.invoke(app, ["inspect", str(src)])
-    _one_line_error(result, 1, "tensor 'a' has unknown dtype '[/bold][red]'")
+    one_line_error(result, 1, "tensor 'a' has unknown dtype '[/bold][red]'")
 
 
 def test_device_is_checked_before_any_model_is_loaded(runner, src, tmp_path):
     result = runner.invoke(app, ["convert", "mqa", str(src), str(tmp_path / "out"), "--method", "merge",
                                  "--calib", _text(tmp_path), "--device", "tpu9"])
-    _one_line_error(result, 2, "unknown --device 'tpu9'")
+    one_line_error(result, 2, "unknown --device 'tpu9'")
 
 
 def _text(tmp_path, copies: int = 8) -> str:
@@ -65,7 +64,7 @@ def _text(tmp_path, copies: int = 8) -> str:
 def test_calibration_window_errors_name_the_calibration_options(runner, src, tmp_path):
     base = ["convert", "mqa", str(src), str(tmp_path / "out"), "--method", "merge", "--calib"]
     result = runner.invoke(app, [*base, _text(tmp_path), "--calib-tokens", "100", "--calib-seq-len", "512"])
-    _one_line_error(result, 2, "--calib-tokens 100 is shorter than one window (--calib-seq-len 512)")
+    one_line_error(result, 2, "--calib-tokens 100 is shorter than one window (--calib-seq-len 512)")
     result = runner.invoke(app, [*base, _text(tmp_path, copies=1), "--calib-tokens", "4096",
                                  "--calib-seq-len", "2048"])
     assert result.exit_code == 1 and "give more text or a smaller --calib-seq-len" in result.stderr, result.output
@@ -79,19 +78,19 @@ def test_calibration_window_errors_name_the_calibration_options(runner, src, tmp
     (["--gpu-mem", "1e400GiB"], "not a memory size"),
 ])
 def test_kvmem_bounds_its_numbers(runner, args, words):
-    _one_line_error(runner.invoke(app, ["kvmem", "llama-3.1-8b", *args]), 2, words)
+    one_line_error(runner.invoke(app, ["kvmem", "llama-3.1-8b", *args]), 2, words)
 
 
 def test_probe_output_names_are_checked_before_loading(runner, src, tmp_path):
     result = runner.invoke(app, ["probe", str(src), _text(tmp_path), "--out", str(tmp_path / "stats.txt")])
-    _one_line_error(result, 2, "use a .parquet or .csv file name")
+    one_line_error(result, 2, "use a .parquet or .csv file name")
 
 
 def test_gguf_head_counts_through_inspect(runner, tmp_path):
     fields = [(k, t, 0 if k.endswith("head_count_kv") else v) for k, t, v in hostile.gguf_fields()]
     path = tmp_path / "model.gguf"
     path.write_bytes(hostile.gguf_bytes(fields, hostile.gguf_tensors()))
-    _one_line_error(runner.invoke(app, ["inspect", str(path)]), 1, "num_key_value_heads = 0 must be at least 1")
+    one_line_error(runner.invoke(app, ["inspect", str(path)]), 1, "num_key_value_heads = 0 must be at least 1")
 
 
 def test_hub_server_errors_are_not_called_unreachable(monkeypatch):

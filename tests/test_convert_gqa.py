@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnkit.cli import app
-from tests.test_runtime import PROSE, char_tokenizer
+from tests.helpers import PROSE, char_tokenizer
 from tests.tiny import build_model, save_model
 
 #: Logits of a lossless conversion match the source to this (fp32 weights, fp32 forward).

@@ -3,30 +3,12 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
-from pathlib import Path
 
 import pytest
 
 from attnkit.cli import app
-from tests.test_runtime import char_tokenizer
-
-
-def _digest(folder: Path) -> dict:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
-
-
-def _one_line_error(result, code: int, needle: str, progress_lines: int = 0) -> None:
-    """Exit code, no traceback, and the error as the one last line (after `progress_lines` phase logs)."""
-    assert result.exit_code == code, result.output
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 + progress_lines and "Traceback" not in result.output, result.output
-    assert lines[-1].startswith("error: ") and needle in lines[-1], result.output
-
-
-def _leftovers(parent: Path) -> list[str]:
-    return [p.name for p in parent.iterdir() if "attnkit-tmp" in p.name or p.name == "out"]
+from tests.helpers import char_tokenizer, digest, leftovers, one_line_error
 
 
 @pytest.fixture
@@ -41,19 +23,19 @@ def src(tiny):
     (["gqa", "--kv-heads", "0"], 2, "--kv-heads must be at least 1"),
     (["mqa", "--method", "merge"], 2, "--method merge needs calibration text"),
     (["mqa", "--method", "median"], 2, "unknown --method 'median'"),
-    (["mqa", "--method", "merge", "--calib", "/nonexistent/calib.txt"], 2, "/nonexistent/calib.txt: file not found"),
+    (["mqa", "--method", "merge", "--calib", "/nonexistent/calib.txt"], 1, "/nonexistent/calib.txt: file not found"),
 ])
 def test_bad_arguments_are_one_line_usage_errors(runner, src, tmp_path, args, code, needle):
     cmd, *rest = args
     result = runner.invoke(app, ["convert", cmd, str(src), str(tmp_path / "out"), *rest])
-    _one_line_error(result, code, needle)
+    one_line_error(result, code, needle)
     assert not (tmp_path / "out").exists()
 
 
 def test_kv_heads_not_dividing(runner, tiny, tmp_path):
     src = char_tokenizer(tiny("qwen2"))  # 4 KV heads
     result = runner.invoke(app, ["convert", "gqa", str(src), str(tmp_path / "out"), "--kv-heads", "3"])
-    _one_line_error(result, 2, "--kv-heads 3 does not divide the model's 4 KV heads; valid: 1, 2")
+    one_line_error(result, 2, "--kv-heads 3 does not divide the model's 4 KV heads; valid: 1, 2")
 
 
 @pytest.mark.parametrize("family,needle", [
@@ -63,7 +45,7 @@ def test_kv_heads_not_dividing(runner, tiny, tmp_path):
 ])
 def test_unsupported_families_are_refused(runner, tiny, tmp_path, family, needle):
     result = runner.invoke(app, ["convert", "mqa", str(tiny(family)), str(tmp_path / "out")])
-    _one_line_error(result, 1, needle)
+    one_line_error(result, 1, needle)
     assert family == "bert" or "num_key_value_heads" in result.output
 
 
@@ -72,7 +54,7 @@ def test_non_empty_output_needs_overwrite(runner, src, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("precious")
     result = runner.invoke(app, ["convert", "mqa", str(src), str(out)])
-    _one_line_error(result, 1, "folder is not empty (pass --overwrite to replace it)")
+    one_line_error(result, 1, "folder is not empty (pass --overwrite to replace it)")
     assert (out / "keep.txt").read_text() == "precious"
     result = runner.invoke(app, ["convert", "mqa", str(src), str(out), "--overwrite"])
     assert result.exit_code == 0, result.output
@@ -80,14 +62,14 @@ def test_non_empty_output_needs_overwrite(runner, src, tmp_path):
 
 
 def test_output_replacing_input_is_refused(runner, src):
-    before = _digest(src)
+    before = digest(src)
     result = runner.invoke(app, ["convert", "mqa", str(src), str(src), "--overwrite"])
-    _one_line_error(result, 1, "output would replace the input")
-    assert _digest(src) == before
+    one_line_error(result, 1, "output would replace the input")
+    assert digest(src) == before
 
 
 def test_dry_run_writes_nothing_and_reports_the_plan(runner, src, tmp_path):
-    before = _digest(src)
+    before = digest(src)
     result = runner.invoke(app, ["convert", "mqa", str(src), str(tmp_path / "out"), "--dry-run", "--format", "json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -96,7 +78,7 @@ def test_dry_run_writes_nothing_and_reports_the_plan(runner, src, tmp_path):
     assert list(report) == ["source", "output", "dry_run", "model_type", "method", "num_heads", "kv_heads_before",
                             "kv_heads_after", "num_layers", "kv_bytes_per_token", "parameters", "error_basis",
                             "calibration", "layers", "eval", "seconds"]
-    assert not (tmp_path / "out").exists() and _digest(src) == before
+    assert not (tmp_path / "out").exists() and digest(src) == before
 
 
 @pytest.mark.parametrize("failure,code,needle", [
@@ -116,12 +98,12 @@ def test_interrupted_write_leaves_no_output(runner, src, tmp_path, monkeypatch, 
         return real(path, tensors, metadata)
 
     monkeypatch.setattr(writer, "write_safetensors", failing)
-    before = _digest(src)
+    before = digest(src)
     out = tmp_path / "out"
     result = runner.invoke(app, ["convert", "mqa", str(src), str(out), "--max-shard-size", "20KiB"])
-    _one_line_error(result, code, needle, progress_lines=1)
+    one_line_error(result, code, needle, progress_lines=1)
     assert calls["n"] == 2
-    assert _leftovers(tmp_path) == [] and _digest(src) == before
+    assert leftovers(tmp_path, "out") == [] and digest(src) == before
 
 
 def test_table_and_markdown_output(runner, src, tmp_path):
@@ -147,4 +129,4 @@ def test_merge_knobs_reach_the_report_and_manifest(runner, src, tmp_path):
     assert (params["o_refit"], params["key_weight"], params["value_weight"]) == (None, "uniform", "none")
     bad = runner.invoke(app, ["convert", "mqa", str(src), str(tmp_path / "x"), "--method", "merge", "--calib",
                               str(calib), "--key-weight", "loud"])
-    _one_line_error(bad, 2, "--key-weight must be query, uniform or attention")
+    one_line_error(bad, 2, "--key-weight must be query, uniform or attention")

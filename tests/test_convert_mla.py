@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -10,35 +9,8 @@ import pytest
 import torch
 
 from attnkit.cli import app
-from tests.test_runtime import char_tokenizer
+from tests.helpers import FAST_CALIB, HELDOUT, digest, tiny_source
 from tests.tiny import build_model, save_model
-
-CALIB = str(Path(__file__).parent / "data" / "prose" / "calib.txt")
-HELDOUT = str(Path(__file__).parent / "data" / "prose" / "heldout.txt")
-FAST = ["--calib", CALIB, "--calib-tokens", "512", "--calib-seq-len", "128"]
-
-
-def _source(tmp_path: Path, family: str, biases: bool = False, offset: float = 0.0, **overrides) -> Path:
-    """A tiny checkpoint with a character tokenizer; biases: random nonzero q/k/v/o biases; offset: every token
-    embedding gets offset x the same unit vector, the near-constant direction real LLM hidden states have (and
-    random tiny models lack), which the engine route's anchor a.x ~ 1 is fitted to."""
-    model = build_model(family, **overrides)
-    g = torch.Generator().manual_seed(3)
-    if biases:
-        for name, p in model.named_parameters():
-            if name.endswith("_proj.bias"):
-                p.data.copy_(0.5 * torch.randn(p.shape, generator=g))
-    if offset:
-        emb = model.get_input_embeddings().weight
-        direction = torch.randn(emb.shape[1], generator=g)
-        emb.data += offset * emb.norm(dim=1).mean() * direction / direction.norm()
-    folder = tmp_path / f"src-{family}"
-    save_model(model, folder)
-    return char_tokenizer(folder)
-
-
-def _digest(folder: Path) -> dict:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
 def _logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -50,7 +22,7 @@ def _logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _convert(runner, src: Path, out: Path, *args: str):
-    return runner.invoke(app, ["convert", "mla", str(src), str(out), *FAST, *args, "--format", "json"])
+    return runner.invoke(app, ["convert", "mla", str(src), str(out), *FAST_CALIB, *args, "--format", "json"])
 
 
 @pytest.mark.parametrize("family,args", [
@@ -62,7 +34,7 @@ def test_lossless_engine_route_matches_source_logits(runner, tmp_path, family, a
     """MQA source, P >= head_dim, latent rank >= hidden: the span latent is an isometry of the attention input,
     whose norm input_layernorm fixes up to its eps; logits agree to 1e-3 in fp32 (the tolerance: a relative
     eps / (2 ms) with ms ~ 3e-4 the mean square of these tiny random residual streams; measured 1.5e-4)."""
-    src = _source(tmp_path, family, num_key_value_heads=1, head_dim=8)
+    src = tiny_source(tmp_path, family, num_key_value_heads=1, head_dim=8)
     out = tmp_path / "out"
     shape = [] if "vllm" in args else ["--kv-lora-rank", "64", "--rope-dim", "8"]
     result = _convert(runner, src, out, *shape, *args, "--kv-lora-rank" if "vllm" in args else "--device",
@@ -75,8 +47,8 @@ def test_lossless_engine_route_matches_source_logits(runner, tmp_path, family, a
     assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["attention_bias"] is False
     assert config["n_routed_experts"] == 0 and config["tie_word_embeddings"] is False
     assert (config["q_lora_rank"] is not None) == (args == [])
-    from attnkit.io.reader import LazyReader
     from attnkit.io.checkpoint import safetensors_files
+    from attnkit.io.reader import LazyReader
 
     with LazyReader(safetensors_files(out)) as reader:
         names = list(reader.names())
@@ -90,7 +62,7 @@ def test_lossless_engine_route_matches_source_logits(runner, tmp_path, family, a
 @pytest.mark.parametrize("family,biases", [("llama", False), ("qwen2", True)])
 def test_lossless_bias_route_matches_source_logits(runner, tmp_path, family, biases):
     """--latent-norm bias (transformers only): the constant channel makes both latent norms exact; 1e-4 in fp32."""
-    src = _source(tmp_path, family, biases, num_key_value_heads=1, head_dim=8)
+    src = tiny_source(tmp_path, family, biases, num_key_value_heads=1, head_dim=8)
     out = tmp_path / "out"
     result = _convert(runner, src, out, "--kv-lora-rank", "17", "--rope-dim", "8", "--device", "cpu",
                       "--latent-norm", "bias")
@@ -106,12 +78,12 @@ def test_lossless_bias_route_matches_source_logits(runner, tmp_path, family, bia
 def test_engine_route_carries_biases_without_bias_tensors(runner, tmp_path):
     """Qwen2 (q/k/v biases): the latent's constants come out of the norm exactly, q and RoPE-key biases ride on
     the anchor; the output has no bias tensor and stays close to the source."""
-    src = _source(tmp_path, "qwen2", True, offset=3.0, num_key_value_heads=1, head_dim=8)
+    src = tiny_source(tmp_path, "qwen2", True, offset=3.0, num_key_value_heads=1, head_dim=8)
     out = tmp_path / "out"
     result = _convert(runner, src, out, "--kv-lora-rank", "64", "--rope-dim", "8", "--device", "cpu")
     assert result.exit_code == 0, result.output
-    from attnkit.io.reader import LazyReader
     from attnkit.io.checkpoint import safetensors_files
+    from attnkit.io.reader import LazyReader
 
     with LazyReader(safetensors_files(out)) as reader:
         assert not any(n.endswith(".bias") for n in reader.names())
@@ -122,7 +94,7 @@ def test_engine_route_carries_biases_without_bias_tensors(runner, tmp_path):
 
 
 def test_engine_vllm_snaps_the_budget_or_refuses_before_work(runner, tmp_path):
-    src = _source(tmp_path, "llama_gqa")  # 32 cached values per token: no vLLM MLA shape fits any budget
+    src = tiny_source(tmp_path, "llama_gqa")  # 32 cached values per token: no vLLM MLA shape fits any budget
     out = tmp_path / "out"
     result = _convert(runner, src, out, "--kv-budget", "0.5", "--engine", "vllm")
     assert result.exit_code == 2 and "512+64" in result.output and "--kv-budget" in result.output
@@ -141,8 +113,8 @@ def test_gqa_converts_loads_in_stock_deepseek_and_caches_the_latent(runner, tmp_
 
     from attnkit.runtime.generate import cache_check
 
-    src = _source(tmp_path, "llama_gqa")  # 8 heads, 2 KV heads, D = 8: 32 cached values per token and layer
-    before = _digest(src)
+    src = tiny_source(tmp_path, "llama_gqa")  # 8 heads, 2 KV heads, D = 8: 32 cached values per token and layer
+    before = digest(src)
     out = tmp_path / "out"
     result = _convert(runner, src, out, "--kv-budget", "0.5", "--device", "cpu", "--eval", HELDOUT,
                       "--eval-tokens", "256", "--eval-seq-len", "128")
@@ -154,7 +126,7 @@ def test_gqa_converts_loads_in_stock_deepseek_and_caches_the_latent(runner, tmp_
     assert all(0 < r["position_free"] < 1 for r in report["layers"])  # P = 4 < D = 8: slow pairs lose RoPE
     assert report["eval"]["cache"]["values_per_token_layer"] == 16
     assert report["eval"]["kl_mean"] > 0 and report["eval"]["perplexity"] > 1
-    assert _digest(src) == before  # input untouched
+    assert digest(src) == before  # input untouched
     assert json.loads((out / "attnkit.json").read_text())["operation"] == "convert mla"
     model = AutoModelForCausalLM.from_pretrained(out)
     assert type(model) is DeepseekV3ForCausalLM
@@ -165,7 +137,7 @@ def test_gqa_converts_loads_in_stock_deepseek_and_caches_the_latent(runner, tmp_
 
 
 def test_dry_run_writes_nothing(runner, tmp_path):
-    src = _source(tmp_path, "llama_gqa")
+    src = tiny_source(tmp_path, "llama_gqa")
     out = tmp_path / "out"
     result = runner.invoke(app, ["convert", "mla", str(src), str(out), "--kv-budget", "0.25", "--dry-run",
                                  "--format", "json"])
@@ -175,7 +147,7 @@ def test_dry_run_writes_nothing(runner, tmp_path):
 
 
 def test_rank_flags_are_R_and_P_and_r_is_not_one(runner, tmp_path):
-    src = _source(tmp_path, "llama_gqa")
+    src = tiny_source(tmp_path, "llama_gqa")
     plans = {}
     for flags in (["-R", "12", "-P", "4"], ["--kv-lora-rank", "12", "--rope-dim", "4"]):
         result = runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "out"), *flags, "--dry-run",
@@ -201,8 +173,8 @@ def test_rank_flags_are_R_and_P_and_r_is_not_one(runner, tmp_path):
     (["--kv-budget", "0.5", "--rope-dim", "4"], "not both"),
 ])
 def test_rank_errors_are_one_line_usage_errors(runner, tmp_path, args, needle):
-    src = _source(tmp_path, "llama_gqa")
-    result = runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "out"), *FAST, *args])
+    src = tiny_source(tmp_path, "llama_gqa")
+    result = runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "out"), *FAST_CALIB, *args])
     assert result.exit_code == 2, result.output
     assert needle in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1
@@ -214,12 +186,12 @@ def test_rank_errors_are_one_line_usage_errors(runner, tmp_path, args, needle):
 def test_unsupported_families_are_refused_in_one_line(runner, tmp_path, family, needle):
     folder = tmp_path / family
     save_model(build_model(family), folder)
-    result = runner.invoke(app, ["convert", "mla", str(folder), str(tmp_path / "out"), *FAST, "--kv-budget", "0.5"])
+    result = runner.invoke(app, ["convert", "mla", str(folder), str(tmp_path / "out"), *FAST_CALIB, "--kv-budget", "0.5"])
     assert result.exit_code == 1, result.output
     assert needle in result.output and len(result.output.strip().splitlines()) == 1
 
 
 def test_needs_calibration_text(runner, tmp_path):
-    src = _source(tmp_path, "llama_gqa")
+    src = tiny_source(tmp_path, "llama_gqa")
     result = runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "out"), "--kv-budget", "0.5"])
     assert result.exit_code == 2 and "--calib" in result.output

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from attnkit.commands.convert.mla import MLARequest, convert_mla
-from attnkit.runtime.generate import cache_check
 from attnkit.ops.mla import MLAOptions
+from attnkit.runtime.generate import cache_check
 from tests.realmodel import smollm2_folder
 
 PROSE = Path(__file__).parent / "data" / "prose"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from attnkit.cli import app
-from tests.test_runtime import char_tokenizer
+from tests.helpers import char_tokenizer
 
 PROSE = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun. " * 20
 
@@ -50,7 +50,6 @@ def test_diff_of_a_model_with_itself_is_empty(runner, pair):
 
 
 def test_diff_finds_changed_values_and_skips_them_on_request(runner, tiny, tmp_path):
-    import torch
     from safetensors.torch import load_file, save_file
 
     a = tiny("llama_gqa")
@@ -83,7 +82,7 @@ def test_diff_checks_both_models_and_the_text_before_reading_tensors(runner, pai
     src, _ = pair
     monkeypatch.setattr(diff, "tensor_changes", lambda *a: pytest.fail("tensors read before the checks"))
     result = runner.invoke(app, ["diff", str(src), str(tmp_path / "missing"), str(tmp_path / "t.txt")])
-    assert result.exit_code == 2 and "t.txt: file not found" in result.stderr
+    assert result.exit_code == 1 and "t.txt: file not found" in result.stderr
     (tmp_path / "t.txt").write_text(PROSE)
     result = runner.invoke(app, ["diff", str(src), str(tmp_path / "missing"), str(tmp_path / "t.txt")])
     assert result.exit_code == 1 and "missing" in result.stderr

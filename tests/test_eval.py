@@ -10,7 +10,7 @@ import torch
 
 from attnkit.cli import app
 from attnkit.commands.analyse.evaluate import evaluate
-from tests.test_runtime import PROSE, char_tokenizer
+from tests.helpers import PROSE, char_tokenizer
 from tests.tiny import build_model
 
 
@@ -43,7 +43,9 @@ def test_evaluate_matches_brute_force(family):
 def test_evaluate_against_itself_is_zero_kl():
     model = build_model("qwen3")
     res = evaluate(model, torch.randint(3, 256, (2, 16)), reference=model)
-    assert res.kl_mean == 0.0 and res.kl_max == 0.0 and res.top1_agreement == 1.0
+    # the same float32 computation twice: KL within the rounding of a log-softmax sum over the vocabulary
+    tolerance = 256 * torch.finfo(torch.float32).eps
+    assert abs(res.kl_mean) < tolerance and abs(res.kl_max) < tolerance and res.top1_agreement == 1.0
     assert set(res.to_dict()) == {"tokens", "predicted", "nll_mean", "perplexity", "kl_mean", "kl_max", "top1_agreement",
                                   "reference_nll_mean", "reference_perplexity"}
 

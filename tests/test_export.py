@@ -8,8 +8,7 @@ import json
 import pytest
 
 from attnkit.cli import app
-from tests.test_io_resolve import _write_gguf
-from tests.test_runtime import char_tokenizer
+from tests.helpers import char_tokenizer, write_gguf
 
 
 @pytest.fixture
@@ -18,7 +17,7 @@ def gguf_and_cache(tiny, tmp_path, monkeypatch):
     from attnkit.io import gguf_load
     from attnkit.io.resolve import resolve
 
-    gguf = _write_gguf(tmp_path / "m.gguf", "llama", layers=2, hidden=64, heads=8, kv_heads=2)
+    gguf = write_gguf(tmp_path / "m.gguf", "llama", layers=2, hidden=64, heads=8, kv_heads=2)
     cached = char_tokenizer(tiny("llama_gqa"))
 
     def fake(ckpt):

@@ -17,6 +17,7 @@ from attnkit.io.checkpoint import INDEX_NAME, safetensors_files
 from attnkit.io.gguf_meta import read_gguf
 from attnkit.io.safetensors_header import read_header
 from tests import hostile
+from tests.helpers import library_accepts
 
 CASES = 500
 
@@ -31,16 +32,6 @@ def _outcome(fn) -> str:
         frame = traceback.extract_tb(exc.__traceback__)[-1]
         return f"crash: {type(exc).__name__} in {frame.name} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
     return "ok"
-
-
-def _library_accepts(path) -> bool:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="np"):
-            return True
-    except Exception:  # noqa: BLE001 - the library's verdict, whatever it raises
-        return False
 
 
 def _assert_clean(outcomes: Counter) -> None:
@@ -58,7 +49,7 @@ def test_safetensors_headers_never_crash_nor_pass_what_the_library_refuses(tmp_p
         path.write_bytes(hostile.mutate_safetensors(rng))
         outcome = _outcome(lambda: read_header(path))
         outcomes[outcome] += 1
-        if outcome == "ok" and not _library_accepts(path):
+        if outcome == "ok" and not library_accepts(path):
             lax.append(path.read_bytes()[:200])
     _assert_clean(outcomes)
     assert lax == []
@@ -92,7 +83,7 @@ def test_the_unmutated_inputs_are_valid(tmp_path, make):
         path = tmp_path / "m.safetensors"
         path.write_bytes(make(hostile.safetensors_header()))
         infos, metadata = read_header(path)
-        assert set(infos) == {"a", "b", "c"} and metadata == {"format": "pt"} and _library_accepts(path)
+        assert set(infos) == {"a", "b", "c"} and metadata == {"format": "pt"} and library_accepts(path)
     else:
         path = tmp_path / "m.gguf"
         path.write_bytes(make(hostile.gguf_fields(), hostile.gguf_tensors()))

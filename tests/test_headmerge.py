@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from attnkit.ops.headmerge import (
-    expand_heads, fold_coef_into_q, fold_mix_into_o, fold_mix_into_q, head_gram, merge_keys, merge_rows, pool_heads,
+    expand_heads,
+    fold_coef_into_q,
+    fold_mix_into_o,
+    fold_mix_into_q,
+    head_gram,
+    merge_keys,
+    merge_rows,
+    pool_heads,
 )
 from attnkit.ops.whiten import regularize, relative_error
 

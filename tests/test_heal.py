@@ -17,8 +17,7 @@ from attnkit.commands.heal.heal import heal
 from attnkit.commands.heal.loop import Interrupted, LoopConfig, batch_indices, lr_at
 from attnkit.commands.heal.request import HealRequest
 from attnkit.io.safetensors_header import read_headers
-from tests.test_cli_basics import _modules_after
-from tests.test_runtime import PROSE, char_tokenizer
+from tests.helpers import PROSE, char_tokenizer, modules_after
 from tests.tiny import build_model, save_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,7 +203,7 @@ def test_schedule_and_batch_order():
 
 
 def test_heal_help_imports_no_torch():
-    assert _modules_after(["heal", "--help"]) == set()
+    assert modules_after(["heal", "--help"]) == set()
 
 
 def test_two_processes_give_the_one_process_loss_curve(pair, tmp_path):
@@ -250,7 +249,6 @@ def test_max_time_stops_on_the_clock(pair, tmp_path):
     (["--max-time", "1m"], "give one budget"),
     (["--train", "some"], "--train must be one of rewritten, all"),
     (["--resume"], "holds no heal checkpoint"),
-    (["--eval", "missing.txt"], "missing.txt: file not found"),
     (["--max-time", "soon", "--tokens", "1"], "not a duration"),
 ])
 def test_bad_options_are_usage_errors(runner, pair, tmp_path, args, match):
@@ -258,6 +256,12 @@ def test_bad_options_are_usage_errors(runner, pair, tmp_path, args, match):
     result = _heal(runner, pair, out, *args)
     assert result.exit_code == 2 and match in result.output, result.output
     assert not out.exists()
+
+
+def test_a_missing_input_file_is_an_input_error(runner, pair, tmp_path):
+    result = _heal(runner, pair, tmp_path / "out", "--eval", "missing.txt")
+    assert result.exit_code == 1 and "missing.txt: file not found" in result.output, result.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_size_and_text_options_are_checked_before_loading(runner, pair, tmp_path):
@@ -291,7 +295,7 @@ def test_latent_rows_behind_a_large_norm_train_at_a_scaled_rate():
     import transformers
 
     from attnkit.commands.heal.loop import param_groups
-    from attnkit.commands.heal.params import lr_scales
+    from attnkit.commands.heal.trainable import lr_scales
 
     config = transformers.DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=8,

@@ -15,7 +15,7 @@ from attnkit.io.checkpoint import INDEX_NAME, safetensors_files
 from attnkit.io.gguf_meta import read_gguf
 from attnkit.io.safetensors_header import read_header
 from tests import hostile
-from tests.test_fuzz_readers import _library_accepts
+from tests.helpers import library_accepts
 
 
 def _with(edit) -> dict:
@@ -43,7 +43,7 @@ def _with(edit) -> dict:
 def test_headers_the_library_refuses_are_refused_naming_the_problem(tmp_path, header, words):
     path = tmp_path / "model.safetensors"
     path.write_bytes(hostile.safetensors_bytes(header))
-    assert not _library_accepts(path)
+    assert not library_accepts(path)
     with pytest.raises(AttnkitError) as err:
         read_header(path)
     assert str(path) in str(err.value) and words in str(err.value)
@@ -66,7 +66,7 @@ def test_json_that_python_would_half_accept_is_refused(tmp_path, raw, words):
 def test_trailing_bytes_after_the_last_tensor_are_refused(tmp_path):
     path = tmp_path / "model.safetensors"
     path.write_bytes(hostile.safetensors_bytes(hostile.safetensors_header(), data_len=100))
-    assert not _library_accepts(path)
+    assert not library_accepts(path)
     with pytest.raises(AttnkitError, match="the tensors end at byte 96 of a 100-byte data section"):
         read_header(path)
 

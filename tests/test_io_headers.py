@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from attnkit.errors import AttnkitError
-from attnkit.io.safetensors_header import read_header, read_headers
 from attnkit.io.checkpoint import safetensors_files
+from attnkit.io.safetensors_header import read_header, read_headers
 
 
 def test_headers_match_torch_on_sharded_checkpoint(tiny):

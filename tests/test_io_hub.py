@@ -12,8 +12,8 @@ import huggingface_hub
 import pytest
 import torch
 
-from attnkit.errors import AttnkitError
 from attnkit.commands.source import open_source
+from attnkit.errors import AttnkitError
 from attnkit.io.reader import LazyReader
 from attnkit.io.resolve import resolve
 from tests.tiny import build_model, save_model

@@ -11,10 +11,7 @@ import torch
 from attnkit.errors import AttnkitError
 from attnkit.io import writer as writer_mod
 from attnkit.io.writer import OutputDir, ShardedWriter, verify_output
-
-
-def _leftovers(parent):
-    return sorted(p.name for p in parent.iterdir() if ".attnkit-" in p.name)
+from tests.helpers import leftovers
 
 
 def _old_target(tmp_path):
@@ -28,7 +25,7 @@ def test_refuses_non_empty_target_before_any_work(tmp_path):
     target = _old_target(tmp_path)
     with pytest.raises(AttnkitError, match=f"{target}: folder is not empty \\(pass --overwrite"):
         OutputDir(target)
-    assert _leftovers(tmp_path) == [] and (target / "old.txt").read_text() == "old"
+    assert leftovers(tmp_path) == [] and (target / "old.txt").read_text() == "old"
 
 
 def test_refuses_to_replace_its_input(tmp_path):
@@ -55,7 +52,7 @@ def test_commit_creates_target_next_to_temp(tmp_path):
         (out.path / "a.txt").write_text("new")
         assert out.commit() == target
     assert (target / "a.txt").read_text() == "new"
-    assert _leftovers(target.parent) == []
+    assert leftovers(target.parent) == []
 
 
 def test_empty_existing_target_is_accepted(tmp_path):
@@ -74,7 +71,7 @@ def test_exception_removes_temp_and_keeps_target(tmp_path, exc):
         with OutputDir(target, overwrite=True) as out:
             (out.path / "a.txt").write_text("new")
             raise exc
-    assert _leftovers(tmp_path) == []
+    assert leftovers(tmp_path) == []
     assert [p.name for p in target.iterdir()] == ["old.txt"]
 
 
@@ -82,7 +79,7 @@ def test_leaving_without_commit_discards(tmp_path):
     target = tmp_path / "out"
     with OutputDir(target) as out:
         (out.path / "a.txt").write_text("new")
-    assert not target.exists() and _leftovers(tmp_path) == []
+    assert not target.exists() and leftovers(tmp_path) == []
 
 
 def test_overwrite_replaces_only_at_commit(tmp_path):
@@ -92,7 +89,7 @@ def test_overwrite_replaces_only_at_commit(tmp_path):
         assert (target / "old.txt").read_text() == "old"  # untouched while working
         out.commit()
     assert [p.name for p in target.iterdir()] == ["a.txt"]
-    assert _leftovers(tmp_path) == []
+    assert leftovers(tmp_path) == []
 
 
 def test_failing_verifier_keeps_target(tmp_path):
@@ -103,7 +100,7 @@ def test_failing_verifier_keeps_target(tmp_path):
             writer.add("w", torch.tensor([1.0, 2.0]))
             writer.finish()
             out.commit(verifier=lambda folder: verify_output(folder, {"w": (3,)}))
-    assert [p.name for p in target.iterdir()] == ["old.txt"] and _leftovers(tmp_path) == []
+    assert [p.name for p in target.iterdir()] == ["old.txt"] and leftovers(tmp_path) == []
 
 
 def test_target_filled_meanwhile_is_not_clobbered(tmp_path):
@@ -114,7 +111,7 @@ def test_target_filled_meanwhile_is_not_clobbered(tmp_path):
             target.mkdir()
             (target / "other.txt").write_text("someone else")
             out.commit()
-    assert [p.name for p in target.iterdir()] == ["other.txt"] and _leftovers(tmp_path) == []
+    assert [p.name for p in target.iterdir()] == ["other.txt"] and leftovers(tmp_path) == []
 
 
 def test_commit_twice_is_an_error(tmp_path):
@@ -159,7 +156,7 @@ def test_disk_full_leaves_no_partial_output(tmp_path, monkeypatch):
             writer.finish()
             out.commit()
     assert budget["shards"] < 0  # the first shard was written, the second hit the full disk
-    assert [p.name for p in target.iterdir()] == ["old.txt"] and _leftovers(tmp_path) == []
+    assert [p.name for p in target.iterdir()] == ["old.txt"] and leftovers(tmp_path) == []
 
 
 def test_commit_fsyncs_every_file_before_the_rename(tmp_path, monkeypatch):

@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnkit.errors import AttnkitError
 from attnkit.commands.source import open_source
-from attnkit.io.reader import LazyReader
+from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import safetensors_files
-from attnkit.io.resolve import resolve
+from attnkit.io.reader import LazyReader
 from tests.tiny import build_model, save_model
 
 

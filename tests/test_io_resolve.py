@@ -6,31 +6,13 @@ import json
 import shutil
 import struct
 
-import numpy as np
 import pytest
 
 from attnkit.errors import AttnkitError
-from attnkit.io.gguf_meta import read_gguf
 from attnkit.io.checkpoint import INDEX_NAME
+from attnkit.io.gguf_meta import read_gguf
 from attnkit.io.resolve import resolve
-
-
-def _write_gguf(path, arch, **fields):
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(fields.get("layers", 2))
-    writer.add_embedding_length(fields.get("hidden", 64))
-    writer.add_head_count(fields.get("heads", 8))
-    writer.add_head_count_kv(fields.get("kv_heads", 2))
-    writer.add_tensor("token_embd.weight", np.zeros((16, fields.get("hidden", 64)), dtype=np.float32))
-    for i in range(fields.get("layers", 2)):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(fields.get("hidden", 64), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+from tests.helpers import write_gguf
 
 
 def test_folder_sharded_file_and_config(tiny):
@@ -120,20 +102,20 @@ def test_not_a_gguf(tmp_path, content, words):
 
 
 def test_gguf_with_truncated_tensor_data(tmp_path):
-    path = _write_gguf(tmp_path / "m.gguf", "llama")
+    path = write_gguf(tmp_path / "m.gguf", "llama")
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(AttnkitError, match=f"{path}: tensor 'blk.1.attn_norm.weight' runs past the end of the file"):
         read_gguf(path)
 
 
 def test_unsupported_gguf_architecture(tmp_path):
-    path = _write_gguf(tmp_path / "m.gguf", "mamba9")
+    path = write_gguf(tmp_path / "m.gguf", "mamba9")
     with pytest.raises(AttnkitError, match=f"{path}: unsupported GGUF architecture 'mamba9'; supported: .*llama"):
         resolve(str(path))
 
 
 def test_synthetic_gguf_config_and_folder_with_one_gguf(tmp_path):
-    path = _write_gguf(tmp_path / "m.gguf", "llama", layers=3, hidden=96, heads=6, kv_heads=2)
+    path = write_gguf(tmp_path / "m.gguf", "llama", layers=3, hidden=96, heads=6, kv_heads=2)
     config, tensors = read_gguf(path)
     assert (config["model_type"], config["num_hidden_layers"], config["num_attention_heads"],
             config["num_key_value_heads"], config["head_dim"]) == ("llama", 3, 6, 2, 16)

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from attnkit.errors import AttnkitError
 from attnkit.io import finite as finite_mod
-from attnkit.io.reader import LazyReader
 from attnkit.io.checkpoint import safetensors_files
+from attnkit.io.reader import LazyReader
 from attnkit.io.safetensors_header import read_header
 from attnkit.io.writer import ShardedWriter, copy_side_files, verify_output
 from tests.tiny import build_model

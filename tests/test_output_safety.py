@@ -4,7 +4,6 @@ and make temp folders only when there is something to write."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import socket
@@ -19,18 +18,7 @@ from attnkit.errors import AttnkitError
 from attnkit.io import tempdirs
 from attnkit.io.tempdirs import MARKER, atomic_file, clean_stale
 from attnkit.io.writer import OutputDir
-from tests.test_convert_mla import FAST
-from tests.test_runtime import char_tokenizer
-
-
-def _tree(folder: Path) -> dict:
-    """Relative path -> sha256 of every file under `folder`, and every folder (so new subfolders show)."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(folder.rglob("*"))}
-
-
-def _leftovers(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if ".attnkit-" in p.name)
+from tests.helpers import FAST_CALIB, char_tokenizer, leftovers, tree
 
 
 def _dead_pid() -> int:
@@ -58,10 +46,10 @@ def _temp_folder(parent: Path, name: str, owner: dict | None) -> Path:
 ])
 def test_output_inside_or_around_the_input_is_refused_and_the_input_is_untouched(runner, tiny, args, words):
     src = char_tokenizer(tiny("llama_gqa"))
-    before = _tree(src.parent)
+    before = tree(src.parent)
     result = runner.invoke(app, [a.format(src=src) for a in args])
     assert result.exit_code == 1 and words in result.stderr, result.output
-    assert _tree(src.parent) == before
+    assert tree(src.parent) == before
 
 
 # ------------------------------------------------------------------ stale temp folders
@@ -89,8 +77,8 @@ def test_a_sigkilled_run_leaves_a_folder_that_the_next_run_removes(tmp_path):
             "(out.path / 'w.bin').write_bytes(b'0' * 4096)\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n")
     assert subprocess.run([sys.executable, "-c", code]).returncode == -9
-    assert len(_leftovers(tmp_path)) == 1
-    assert clean_stale(tmp_path) and _leftovers(tmp_path) == []
+    assert len(leftovers(tmp_path)) == 1
+    assert clean_stale(tmp_path) and leftovers(tmp_path) == []
 
 
 def test_the_gguf_cache_is_cleaned_and_follows_the_umask(tmp_path, monkeypatch):
@@ -111,7 +99,7 @@ def test_the_gguf_cache_is_cleaned_and_follows_the_umask(tmp_path, monkeypatch):
         folder = gguf_load.materialize_gguf(tmp_path / "m.gguf", cache / "m-float32-abc")
     finally:
         os.umask(old)
-    assert not stale.exists() and _leftovers(cache) == []
+    assert not stale.exists() and leftovers(cache) == []
     assert oct(folder.stat().st_mode & 0o777) == "0o755"
     assert oct((folder / "config.json").stat().st_mode & 0o777) == "0o644"
     assert not (folder / MARKER).exists()
@@ -139,10 +127,10 @@ def test_a_failed_write_leaves_the_old_file_whole(tmp_path):
         with atomic_file(path) as tmp:
             tmp.write_text("new,half")
             raise OSError(errno.ENOSPC, "No space left on device")
-    assert path.read_text() == "old,complete\n" and _leftovers(tmp_path) == []
+    assert path.read_text() == "old,complete\n" and leftovers(tmp_path) == []
     with atomic_file(path) as tmp:
         tmp.write_text("new,complete\n")
-    assert path.read_text() == "new,complete\n" and _leftovers(tmp_path) == []
+    assert path.read_text() == "new,complete\n" and leftovers(tmp_path) == []
 
 
 def test_probe_table_on_a_full_disk_keeps_the_previous_table(tmp_path, monkeypatch):
@@ -162,30 +150,30 @@ def test_probe_table_on_a_full_disk_keeps_the_previous_table(tmp_path, monkeypat
     result = ProbeResult("m", 1, 1, 1, 0.0, 0.0, heads=[{"layer": 0, "head": 0}])
     with pytest.raises(AttnkitError, match="disk full"):
         write_table([result], str(path))
-    assert path.read_text() == "previous\n" and _leftovers(tmp_path) == []
+    assert path.read_text() == "previous\n" and leftovers(tmp_path) == []
 
 
 def test_output_dir_makes_its_temp_folder_on_first_use(tmp_path):
     with OutputDir(tmp_path / "out"):
-        assert _leftovers(tmp_path) == []
+        assert leftovers(tmp_path) == []
     with OutputDir(tmp_path / "out") as out:
         out.path.joinpath("x").write_text("x")
-        assert len(_leftovers(tmp_path)) == 1
-    assert _leftovers(tmp_path) == [] and not (tmp_path / "out").exists()
+        assert len(leftovers(tmp_path)) == 1
+    assert leftovers(tmp_path) == [] and not (tmp_path / "out").exists()
 
 
 def test_convert_mla_has_no_temp_folder_while_it_calibrates(runner, tiny, tmp_path, monkeypatch):
-    from attnkit.runtime import calibrate as calibrate_mod
+    from attnkit.commands.convert import mla
 
     seen = []
-    original = calibrate_mod.calibrate
+    original = mla.calibrate
 
     def spy(*args, **kwargs):
-        seen.append(_leftovers(tmp_path))
+        seen.append(leftovers(tmp_path))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(calibrate_mod, "calibrate", spy)
+    monkeypatch.setattr(mla, "calibrate", spy)
     src = char_tokenizer(tiny("llama_gqa"))
-    result = runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "out"), *FAST, "--kv-budget", "0.5"])
+    result = runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "out"), *FAST_CALIB, "--kv-budget", "0.5"])
     assert result.exit_code == 0, result.output
-    assert seen == [[]] and (tmp_path / "out" / "config.json").is_file() and _leftovers(tmp_path) == []
+    assert seen == [[]] and (tmp_path / "out" / "config.json").is_file() and leftovers(tmp_path) == []

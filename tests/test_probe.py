@@ -14,7 +14,7 @@ from attnkit.commands.analyse.probe import probe
 from attnkit.commands.analyse.probe_rules import parse_rule
 from attnkit.errors import UsageError
 from attnkit.runtime.hook import attention_hook
-from tests.test_runtime import PROSE, char_tokenizer
+from tests.helpers import PROSE, char_tokenizer
 from tests.tiny import build_model
 
 
@@ -184,8 +184,8 @@ def test_plot_uses_one_colour_scale_and_marks_the_fail_if_bound(tmp_path, monkey
     import matplotlib.figure
 
     from attnkit.commands.analyse.probe import ProbeResult
-    from attnkit.commands.analyse.probe_rules import max_logit_limit, parse_rule
     from attnkit.commands.analyse.probe_report import plot
+    from attnkit.commands.analyse.probe_rules import max_logit_limit, parse_rule
 
     def result(name, scale):
         heads = [{"layer": l, "head": h, "max_logit": scale * (h + l), "logz_mean": 1.0, "logz_max": 2.0}

@@ -10,24 +10,8 @@ import torch
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.runtime import batches, load_model, make_windows, read_texts
 from attnkit.runtime.lm import final_hidden, logit_chunks
+from tests.helpers import PROSE, char_tokenizer
 from tests.tiny import build_model
-
-PROSE = ("Rain fell on the old harbour town all night, and by morning the fishing boats "
-         "sat low in the water while the gulls argued over scraps on the pier. ")
-
-
-def char_tokenizer(folder):
-    """Save a character-level tokenizer (ids < 100, EOS = 2) into `folder` so tiny models can read text."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    vocab.update({chr(c): 4 + i for i, c in enumerate(range(32, 127))})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            unk_token="<unk>").save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.test_output_safety import _leftovers, _tree
+from tests.helpers import leftovers, tree
 
 #: Runs `attnkit convert mqa SRC OUT` with a shard writer that signals READY after the first shard, then waits.
 CHILD = """
@@ -24,6 +24,7 @@ def slow(path, tensors, metadata):
 writer.write_safetensors = slow
 sys.argv = ["attnkit", "convert", "mqa", sys.argv[1], sys.argv[2]]
 from attnkit.cli import main
+from tests.helpers import leftovers, tree
 main()
 """
 
@@ -34,7 +35,7 @@ main()
 ])
 def test_a_signal_mid_write_removes_the_temp_folder(tiny, tmp_path, signum, code, message):
     src = tiny("llama_gqa")
-    before = _tree(src)
+    before = tree(src)
     out, ready = tmp_path / "out", tmp_path / "ready"
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(src), str(out), str(ready)],
                              stderr=subprocess.PIPE, text=True, env={**os.environ, "ATTNKIT_DEBUG": ""})
@@ -42,13 +43,13 @@ def test_a_signal_mid_write_removes_the_temp_folder(tiny, tmp_path, signum, code
     while not ready.exists() and child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert ready.exists(), child.communicate()[1]
-    assert len(_leftovers(tmp_path)) == 1  # the temp folder, with a shard in it
+    assert len(leftovers(tmp_path)) == 1  # the temp folder, with a shard in it
     child.send_signal(signum)
     _, err = child.communicate(timeout=60)
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert child.returncode == code and errors == [message] and "Traceback" not in err, err
-    assert _leftovers(tmp_path) == [] and not out.exists()
-    assert _tree(src) == before
+    assert leftovers(tmp_path) == [] and not out.exists()
+    assert tree(src) == before
 
 
 def test_a_signal_a_library_swallows_still_stops_the_next_read_and_the_commit(tiny, tmp_path, monkeypatch):
@@ -72,4 +73,4 @@ def test_a_signal_a_library_swallows_still_stops_the_next_read_and_the_commit(ti
         with OutputDir(out) as target:
             (target.path / "a.txt").write_text("x")
             target.commit()
-    assert not out.exists() and _leftovers(tmp_path) == []
+    assert not out.exists() and leftovers(tmp_path) == []

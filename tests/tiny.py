@@ -54,3 +54,37 @@ def save_model(model, folder: Path, *, max_shard_size: str | None = None) -> Pat
 def make_checkpoint(folder: Path, family: str, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
     """Build and save a tiny checkpoint; returns its folder."""
     return save_model(build_model(family, seed=seed, **overrides), folder, max_shard_size=max_shard_size)
+
+
+SMALL = dict(hidden_size=64, num_attention_heads=8, num_hidden_layers=2, intermediate_size=128, vocab_size=256,
+             max_position_embeddings=512)
+
+
+MLA = dict(kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+           num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+_CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+            "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
+def extra_model(name: str):
+    import torch
+    import transformers as tf
+
+    configs = {
+        "llama_bias": lambda: tf.LlamaConfig(**SMALL, num_key_value_heads=4, head_dim=8, attention_bias=True),
+        "mixtral": lambda: tf.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=4, sliding_window=16),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**SMALL, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                               num_experts_per_tok=2, moe_intermediate_size=32),
+        "gpt_oss": lambda: tf.GptOssConfig(**SMALL, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                           num_experts_per_tok=2, sliding_window=16),
+        "deepseek_v2": lambda: tf.DeepseekV2Config(**SMALL, **MLA, q_lora_rank=None, first_k_dense_replace=1),
+        "deepseek_v3": lambda: tf.DeepseekV3Config(**SMALL, **MLA, q_lora_rank=24, n_group=1, topk_group=1,
+                                                   first_k_dense_replace=1),
+        "deepseek_v3_bias": lambda: tf.DeepseekV3Config(**SMALL, **MLA, q_lora_rank=24, n_group=1, topk_group=1,
+                                                        first_k_dense_replace=2, attention_bias=True),
+    }
+    config = configs[name]()
+    torch.manual_seed(0)
+    return getattr(tf, _CLASSES[config.model_type])(config)

@@ -10,7 +10,7 @@ from attnkit.errors import AttnkitError
 #: (dotted keys reach into nested dicts, e.g. "rope_parameters.rope_theta").
 CONFIG_ROLES = {
     "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size",
-    "intermediate_size", "max_positions", "rope_theta", "rope_type", "partial_rotary_factor",
+    "intermediate_size", "max_positions", "rope_theta", "rope_local_theta", "rope_type", "partial_rotary_factor",
     "sliding_window", "layer_types", "sliding_window_pattern", "max_window_layers",
     "use_sliding_window", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
     "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",

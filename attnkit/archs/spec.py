@@ -40,6 +40,7 @@ class AttentionSpec:
     qk_norm: str
     causal: bool
     mla: MLADims | None = None
+    rope_local_theta: float | None = None  # the RoPE base of sliding-window layers where it differs (Gemma 3)
 
     @property
     def variant(self) -> str:
@@ -135,10 +136,11 @@ def attention_spec(config: dict) -> AttentionSpec:
         num_kv_heads, head_dim, v_head_dim = num_heads, nope + rope, mla.v_head_dim
     if num_heads % num_kv_heads:
         raise AttnkitError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")
-    rope_type = theta = None
+    rope_type = theta = local_theta = None
     if arch.position == "rope":
         rope_type = arch.config_value(config, "rope_type", "default")
         theta = arch.config_value(config, "rope_theta")
+        local_theta = arch.config_value(config, "rope_local_theta")
     softcap = arch.config_value(config, "attn_softcap")
     final_cap = arch.config_value(config, "final_softcap")
     return AttentionSpec(
@@ -160,4 +162,5 @@ def attention_spec(config: dict) -> AttentionSpec:
         qk_norm=arch.qk_norm,
         causal=arch.causal,
         mla=mla,
+        rope_local_theta=float(local_theta) if local_theta is not None else None,
     )

@@ -30,7 +30,7 @@ RULES: dict[str, tuple[str, float | None, float | None]] = {
     "v_head_dim": ("int", 1, MAX_HEAD_DIM),
     "num_experts": ("int", 0, MAX_EXPERTS), "moe_intermediate_size": ("int", 1, MAX_WIDTH),
     "num_shared_experts": ("int", 0, MAX_EXPERTS), "first_dense_layers": ("int", 0, MAX_LAYERS),
-    "rope_theta": ("number", 0, None), "partial_rotary_factor": ("number", 0, 1),
+    "rope_theta": ("number", 0, None), "rope_local_theta": ("number", 0, None), "partial_rotary_factor": ("number", 0, 1),
     "attn_softcap": ("number", 0, None), "final_softcap": ("number", 0, None),
     "query_pre_attn_scalar": ("number", 0, None),
     "rope_type": ("str", None, None), "layer_types": ("str_list", None, None),

@@ -6,8 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from attnkit.cli.common import (DEVICE_OPTION, DTYPE_OPTION, FORMAT_OPTION, OutputFormat, examples, handle_errors,
-                                stderr)
+from attnkit.cli.common import DEVICE_OPTION, DTYPE_OPTION, FORMAT_OPTION, OutputFormat, examples, handle_errors, stderr
 from attnkit.cli.output import Column, render
 
 TEXT_SUFFIXES = (".txt", ".jsonl")

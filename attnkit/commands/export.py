@@ -18,7 +18,9 @@ from attnkit.commands.source import open_source
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.gguf_load import gguf_cache_folder
+from attnkit.io.reader import LazyReader
 from attnkit.io.resolve import resolve
+from attnkit.progress import phase
 from attnkit.runtime.loader import dtype_name
 
 
@@ -47,8 +49,6 @@ def _write(src, req: ExportRequest, writer) -> dict:
     """Every tensor of the cached folder in req.dtype (floating-point ones only)."""
     import torch
 
-    from attnkit.io.reader import LazyReader
-    from attnkit.progress import phase
 
     dtype = getattr(torch, req.dtype)
     expected = {}

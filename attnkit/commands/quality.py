@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from typing import Callable
 
+from attnkit.commands.analyse.evaluate import evaluate
+from attnkit.commands.analyse.probe import probe as run_probe
+from attnkit.commands.analyse.probe import probe_summary
 from attnkit.commands.rewrite import eval_windows
+from attnkit.runtime import load_model
+from attnkit.runtime.generate import greedy
 
 
 def samples(source, result, prompts, new_tokens: int) -> list[dict]:
     """Per prompt the greedy continuation of source and result (empty without a tokenizer)."""
-    from attnkit.runtime.generate import greedy
 
     if source.tokenizer is None:
         return []
@@ -22,7 +26,6 @@ def samples(source, result, prompts, new_tokens: int) -> list[dict]:
 def quality(source, result, req, windows) -> dict:
     """The "eval" section of a report (see docs/convert-gqa.md): both loaded models scored on `windows` of the
     request's --eval text, and their greedy continuations of its sample prompts."""
-    from attnkit.commands.analyse.evaluate import evaluate
 
     res = evaluate(result, windows, reference=source)
     return {"files": list(req.eval), "tokens": res.tokens, "predicted": res.predicted,
@@ -37,7 +40,6 @@ def score_rewrite(req, source_root, result_root, *, probe: bool = False,
     """Load source and result (fp32, on --device) and score the result: {"eval": quality(...)}, plus with
     `probe` both models' attention statistics side by side under "probe" (analyse.probe.probe_summary).
     `extra(result)` may check the loaded result (raising on what is wrong) and returns more "eval" entries."""
-    from attnkit.runtime import load_model
 
     source = load_model(str(source_root), device=req.device, dtype="float32")
     result = load_model(str(result_root), device=req.device, dtype="float32")
@@ -45,7 +47,6 @@ def score_rewrite(req, source_root, result_root, *, probe: bool = False,
     windows = eval_windows(source.tokenizer, req)
     scores = {"eval": {**quality(source, result, req, windows), **more}}
     if probe:
-        from attnkit.commands.analyse.probe import probe as run_probe, probe_summary
 
         scores["probe"] = probe_summary(run_probe(source, windows, name="source"),
                                         run_probe(result, windows, name="result"))

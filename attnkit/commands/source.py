@@ -18,10 +18,10 @@ from typing import Callable
 from attnkit.archs import Arch, get_arch
 from attnkit.archs.spec import AttentionSpec, attention_spec
 from attnkit.errors import AttnkitError
+from attnkit.io import gguf_load
 from attnkit.io.checkpoint import Checkpoint, checkpoint_digest
 from attnkit.io.complete import checked_weights
 from attnkit.io.finite import check_finite_files
-from attnkit.io import gguf_load
 from attnkit.io.resolve import resolve_weights
 
 

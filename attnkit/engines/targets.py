@@ -13,7 +13,7 @@ from __future__ import annotations
 
 #: --engine values. "any": the loaders of llama.cpp, vLLM and SGLang take the output, at any shape (vLLM's MLA
 #: kernels run only its shapes; name the engine to snap to them).
-ENGINES = ("any", "llama.cpp", "vllm", "sglang", "transformers")
+TARGETS = ("any", "llama.cpp", "vllm", "sglang", "transformers")
 #: (kv_lora_rank, qk_rope_head_dim) the engine's MLA kernels take; None: any (even RoPE dims).
 MLA_SHAPES: dict[str, tuple[tuple[int, int], ...] | None] = {
     "llama.cpp": None, "vllm": ((512, 64),), "sglang": None, "transformers": None,
@@ -24,7 +24,7 @@ LLAMA_CPP_LITE_LAYERS = (26, 27)
 
 def engines_of(target: str) -> tuple[str, ...]:
     """The engines whose loaders a --engine value asks an output to satisfy ("any": llama.cpp, vLLM, SGLang)."""
-    if target not in ENGINES:
+    if target not in TARGETS:
         raise ValueError(target)
     return ("llama.cpp", "vllm", "sglang") if target == "any" else (target,)
 

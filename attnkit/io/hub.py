@@ -7,7 +7,15 @@ import os
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
-from attnkit.io.checkpoint import INDEX_NAME, SIDE_FILES, Checkpoint, inside, read_index, safetensors_files, split_revision
+from attnkit.io.checkpoint import (
+    INDEX_NAME,
+    SIDE_FILES,
+    Checkpoint,
+    inside,
+    read_index,
+    safetensors_files,
+    split_revision,
+)
 from attnkit.io.config import read_config
 
 

@@ -6,7 +6,6 @@ from pathlib import Path
 
 from attnkit import interrupts
 from attnkit.errors import AttnkitError
-from attnkit.io.checkpoint import Checkpoint
 from attnkit.io.safetensors_header import TensorInfo, read_headers
 
 

@@ -1,4 +1,5 @@
-"""Capture attention-input statistics E[x x^T] layer by layer, optionally converting each layer as it is reached.
+"""Capture activations: attention inputs layer by layer (`calibrate`, optionally converting each layer as it is
+reached), and what chosen modules return (`OutputCapture`, e.g. q/k projections or attention outputs).
 
 One forward pass over the calibration windows with a pre-hook on every attention module. When the
 pass reaches layer l, the hook hands l's input activations to a callback; in sequential mode the
@@ -13,6 +14,37 @@ from __future__ import annotations
 from typing import Callable
 
 from attnkit.errors import AttnkitError
+
+
+class OutputCapture:
+    """Forward hooks that keep what some modules return (a tuple's first element), by key, until `take()`.
+
+    `keep(tensor)` turns an output into what is kept (default: the tensor itself, gradients and all; e.g.
+    `lambda t: t.detach().float().cpu()` to collect over many windows). Use as a context manager: leaving the
+    block removes the hooks."""
+
+    def __init__(self, modules: dict, keep: Callable | None = None):
+        self.outputs: dict[str, list] = {key: [] for key in modules}
+        self._keep = keep or (lambda t: t)
+        self._handles = [m.register_forward_hook(self._keeper(key)) for key, m in modules.items()]
+
+    def _keeper(self, key: str):
+        def hook(_module, _args, output):
+            self.outputs[key].append(self._keep(output[0] if isinstance(output, tuple) else output))
+
+        return hook
+
+    def take(self) -> dict[str, list]:
+        """Everything kept since the last take(), by key (a list of outputs, one per call)."""
+        out, self.outputs = self.outputs, {key: [] for key in self.outputs}
+        return out
+
+    def __enter__(self) -> OutputCapture:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 def attention_module_name(k_template: str, prefix: str, layer: int) -> str:

@@ -11,7 +11,7 @@ from attnkit.errors import AttnkitError
 
 PROBE = "attnkit_probe"              # wraps sdpa, gets sdpa's boolean masks
 PROBE_EAGER = "attnkit_probe_eager"  # wraps the model's own eager function, gets additive float masks
-PROBE_SOFTCAP = "attnkit_probe_softcap"  # wraps attnkit_softcap (runtime/softcap.py), additive float masks
+PROBE_SOFTCAP = "attnkit_probe_softcap"  # wraps attnkit_softcap (runtime/capped_attention.py), additive float masks
 _BASES = {PROBE: "sdpa", PROBE_EAGER: "eager", PROBE_SOFTCAP: "attnkit_softcap"}
 
 #: callback(module, query, key, attention_mask, kwargs) of the model being probed.

@@ -129,7 +129,7 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_ma
     from attnkit.io.finite import is_finite
     from attnkit.io.gguf_load import dequantized
     from attnkit.io.resolve import resolve_weights
-    from attnkit.runtime.softcap import apply_softcaps
+    from attnkit.runtime.capped_attention import apply_softcaps
 
     hf_logging.disable_progress_bar()
     ckpt = resolve_weights(ref, "run")

@@ -28,8 +28,8 @@ def load_streaming(ref: str, device: str = "auto"):
 
     from attnkit.io.reader import LazyReader
     from attnkit.io.resolve import resolve
+    from attnkit.runtime.capped_attention import apply_softcaps
     from attnkit.runtime.loader import LoadedModel, check_causal, load_tokenizer, resolve_device
-    from attnkit.runtime.softcap import apply_softcaps
 
     ckpt = resolve(ref)
     if not ckpt.weight_files:
@@ -127,7 +127,7 @@ def _dropper(layer, args, kwargs, output):
 
 
 def _trim_heap() -> None:
-    """Return freed heap memory to the OS (glibc keeps it otherwise: measured +17 MiB per SmolLM2 layer)."""
+    """Return freed heap memory to the OS (glibc keeps freed arenas otherwise, so RSS would grow layer by layer)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -25,12 +25,13 @@ PIECE_CHARS = 1 << 20
 
 
 def _text_file(p: str) -> Path:
-    """The path of a text input that exists and is a file (UsageError otherwise)."""
+    """The path of a text input that exists and is a file (an AttnkitError naming it otherwise, exit 1 like every
+    problem with an input)."""
     path = Path(p)
     if path.is_dir():
-        raise UsageError(f"{p}: is a folder, not a text file")
+        raise AttnkitError(f"{p}: is a folder, not a text file")
     if not path.is_file():
-        raise UsageError(f"{p}: file not found")
+        raise AttnkitError(f"{p}: file not found")
     return path
 
 

@@ -8,13 +8,19 @@ run both models on the same windows, tokenized with A's tokenizer (the vocabular
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from attnkit.commands.analyse.probe import probe
 from attnkit.commands.source import open_source
 from attnkit.errors import AttnkitError
+from attnkit.io.reader import LazyReader
+from attnkit.io.safetensors_header import read_headers
+from attnkit.kvcache import bytes_per_token, cache_dtype
+from attnkit.progress import phase
+from attnkit.runtime import load_model, make_windows, read_texts
+from attnkit.runtime.loader import dtype_name, resolve_device
+from attnkit.runtime.texts import check_text_files
 
 #: Per-head probe fields compared; a row holds each for A and B and their difference B - A.
 PROBE_FIELDS = ("max_logit", "logz_mean", "entropy_mean")
@@ -58,7 +64,6 @@ _MISSING = object()
 def tensor_changes(src_a, src_b, values: bool) -> tuple[list[dict], int]:
     """Rows for tensors added, removed, reshaped, recast or (with values) changed, and how many tensors are the
     same on both sides (name, shape and dtype; with values, also every value)."""
-    from attnkit.io.safetensors_header import read_headers
 
     ha, hb = read_headers(src_a.ckpt.weight_files), read_headers(src_b.ckpt.weight_files)
     rows = []
@@ -79,8 +84,6 @@ def _compare_values(src_a, src_b, rows: list[dict]) -> None:
     """Fill rel_change (and change = "values" where they differ) for tensors of one shape on both sides."""
     import torch
 
-    from attnkit.io.reader import LazyReader
-    from attnkit.progress import phase
 
     with LazyReader(src_a.ckpt.weight_files) as ra, LazyReader(src_b.ckpt.weight_files) as rb, \
             phase("comparing tensors", len(rows), "tensors") as advance:
@@ -102,7 +105,6 @@ def _compare_values(src_a, src_b, rows: list[dict]) -> None:
 
 def layout(src) -> dict:
     """Attention layout and KV bytes per token (bf16, the same basis for both sides)."""
-    from attnkit.kvcache import bytes_per_token, cache_dtype
 
     spec = src.spec
     return {"model_type": spec.model_type, "variant": spec.variant, "layers": spec.num_layers,
@@ -112,8 +114,6 @@ def layout(src) -> dict:
 
 def probe_deltas(req: DiffRequest) -> dict:
     """Both models' per-head probe statistics on the same windows, joined on (layer, head)."""
-    from attnkit.commands.analyse.probe import probe
-    from attnkit.runtime import load_model, make_windows, read_texts
 
     docs = read_texts(req.texts)
     a = load_model(req.a, device=req.device, dtype=req.dtype)
@@ -144,8 +144,6 @@ def probe_deltas(req: DiffRequest) -> dict:
 
 def check_request(req: DiffRequest):
     """Texts, device, dtype and both models checked before any tensor is read."""
-    from attnkit.runtime.loader import dtype_name, resolve_device
-    from attnkit.runtime.texts import check_text_files
 
     if req.texts:
         check_text_files(req.texts)

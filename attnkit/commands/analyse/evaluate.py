@@ -7,8 +7,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from attnkit.errors import AttnkitError
-from attnkit.runtime.loader import unwrap
+from attnkit.errors import AttnkitError, UsageError
+from attnkit.progress import phase
+from attnkit.runtime import load_model, make_windows
+from attnkit.runtime.lm import final_hidden, logit_chunks
+from attnkit.runtime.loader import check_models, unwrap
+from attnkit.runtime.texts import batches, check_text_files, read_texts
 
 
 @dataclass
@@ -32,7 +36,6 @@ class EvalResult:
 
 def _log_probs(model, ids):
     """Yield (start, fp32 log-probs [B, c, V]) for the positions 0..T-2 that predict a next token."""
-    from attnkit.runtime.lm import final_hidden, logit_chunks
 
     hidden = final_hidden(model, ids)[:, :-1]  # [B, T-1, d]
     for start, logits in logit_chunks(model, hidden):
@@ -49,8 +52,6 @@ def evaluate(model, windows, *, reference=None, batch_size: int = 1,
 
     import torch
 
-    from attnkit.progress import phase
-    from attnkit.runtime.texts import batches
 
     model, reference = unwrap(model), unwrap(reference) if reference is not None else None
     nll_sum = ref_nll_sum = kl_sum = 0.0
@@ -106,9 +107,6 @@ class EvalRequest:
 
 def check_request(req: EvalRequest):
     """Options, text files and both models, before the first model loads; the text inputs (attnkit.runtime.texts)."""
-    from attnkit.errors import UsageError
-    from attnkit.runtime.loader import check_models
-    from attnkit.runtime.texts import check_text_files, read_texts
 
     if req.seq_len < 2:
         raise UsageError(f"--seq-len must be at least 2, got {req.seq_len}")
@@ -124,7 +122,6 @@ def check_request(req: EvalRequest):
 
 def run_eval(req: EvalRequest, log: Callable[[str], None] = lambda message: None) -> dict:
     """The report of `attnkit eval` (docs/eval.md)."""
-    from attnkit.runtime import load_model, make_windows
 
     texts = check_request(req)
     loaded = load_model(req.model, device=req.device, dtype=req.dtype)

@@ -17,6 +17,9 @@ def inspect_model(ref: str) -> dict:
         rope = f"{spec.rope_type} theta={spec.rope_theta:g}" if spec.rope_theta else str(spec.rope_type)
         if spec.partial_rotary_factor != 1.0:
             rope += f" partial={spec.partial_rotary_factor:g}"
+        local = spec.rope_local_theta
+        if local is not None and local != spec.rope_theta and any(w is not None for w in spec.layer_windows):
+            rope += f", sliding layers theta={local:g}"
     else:
         rope = spec.position
     summary = {

@@ -115,6 +115,6 @@ def _weights(ckpt: Checkpoint, spec: AttentionSpec) -> tuple[int, float | None, 
         infos, _ = checked_weights(dataclasses.replace(ckpt, weight_files=files), get_arch(spec.model_type), spec)
         return (sum(i.numel for i in infos.values()), float(sum(i.nbytes for i in infos.values())),
                 "headers", tuple(infos))
-    from attnkit.params import estimate_parameters
+    from attnkit.param_count import estimate_parameters
 
     return estimate_parameters(ckpt.config, spec), None, "estimate", ()

@@ -8,7 +8,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from attnkit.runtime.loader import unwrap
+from attnkit.commands.analyse.probe_report import PLOT_SUFFIXES, TABLE_SUFFIXES, check_output_path, plot, write_table
+from attnkit.commands.analyse.probe_rules import max_logit_limit, parse_rule
+from attnkit.errors import UsageError
+from attnkit.ops.attnstats import LayerStats, Moments, accumulate_attention
+from attnkit.progress import phase
+from attnkit.runtime import load_model, make_windows
+from attnkit.runtime.hook import attention_hook, layer_index
+from attnkit.runtime.lm import final_hidden, logit_chunks
+from attnkit.runtime.loader import check_models, unwrap
+from attnkit.runtime.texts import batches, check_text_files, read_texts
 
 
 @dataclass
@@ -61,11 +70,6 @@ def probe(model, windows, *, threshold: float = 100.0, z_lambda: float = 1e-4, b
     """Run `model` (LoadedModel or nn.Module) over windows [N, T] and collect per-head attention statistics."""
     import torch
 
-    from attnkit.ops.attnstats import LayerStats, Moments, accumulate_attention
-    from attnkit.progress import phase
-    from attnkit.runtime.hook import attention_hook, layer_index
-    from attnkit.runtime.lm import final_hidden, logit_chunks
-    from attnkit.runtime.texts import batches
 
     model = unwrap(model)
     layers: dict[int, LayerStats] = {}
@@ -157,11 +161,6 @@ class ProbeRequest:
 def check_request(req: ProbeRequest):
     """Options, rules, output paths, text files and every model, before the first model loads; returns
     (rules, text inputs)."""
-    from attnkit.commands.analyse.probe_report import PLOT_SUFFIXES, TABLE_SUFFIXES, check_output_path
-    from attnkit.commands.analyse.probe_rules import parse_rule
-    from attnkit.errors import UsageError
-    from attnkit.runtime.loader import check_models
-    from attnkit.runtime.texts import check_text_files, read_texts
 
     if not req.models:
         raise UsageError("give at least one model")
@@ -187,8 +186,6 @@ def check_request(req: ProbeRequest):
 def run_probe(req: ProbeRequest, log: Callable[[str], None] = lambda message: None) -> tuple[list[ProbeResult], list]:
     """Probe every model on the same text (one loaded at a time), write --out and --plot; returns the results and
     the --fail-if rules, which the caller checks once the results are shown (check_rules)."""
-    from attnkit.commands.analyse.probe_rules import max_logit_limit
-    from attnkit.runtime import load_model, make_windows
 
     rules, texts = check_request(req)
     results = []
@@ -200,11 +197,9 @@ def run_probe(req: ProbeRequest, log: Callable[[str], None] = lambda message: No
                              batch_size=req.batch_size, name=ref))
         del loaded
     if req.out:
-        from attnkit.commands.analyse.probe_report import write_table
 
         write_table(results, req.out)
     if req.plot:
-        from attnkit.commands.analyse.probe_report import plot
 
         plot(results, req.plot, limit=max_logit_limit(rules))
     return results, rules

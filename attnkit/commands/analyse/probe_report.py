@@ -7,7 +7,6 @@ from pathlib import Path
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.tempdirs import atomic_file
 
-
 TABLE_SUFFIXES = (".parquet", ".csv")
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 

@@ -21,9 +21,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnkit.engines import llamacpp
+from attnkit.engines.llamacpp import find_llama_cpp
+from attnkit.engines.targets import LLAMA_CPP_LITE_LAYERS, MLA_SHAPES
 from attnkit.errors import AttnkitError, UsageError
+from attnkit.io.resolve import resolve
+from attnkit.progress import phase
+from attnkit.runtime import load_model, read_texts
+from attnkit.runtime.loader import check_checkpoint
+from attnkit.runtime.texts import check_text_files, make_windows
+from attnkit.runtime.texts import prompt_ids as start_ids
 
-ENGINES = ("llama.cpp", "vllm")
+VERIFY_ENGINES = ("llama.cpp", "vllm")
 SAMPLE_TEXT = Path(__file__).resolve().parent.parent.parent / "engines" / "data" / "sample.txt"
 
 
@@ -62,15 +71,13 @@ class Reference:
 
 def check_request(req: VerifyRequest) -> list[str]:
     """Validate options and paths before any model loads; the engines asked for."""
-    from attnkit.io.resolve import resolve
 
     for name in req.engines or []:
-        if name not in ENGINES:
-            raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {name!r}")
+        if name not in VERIFY_ENGINES:
+            raise UsageError(f"--engine must be one of {', '.join(VERIFY_ENGINES)}, got {name!r}")
     for path in req.texts:
         if not Path(path).is_file():
-            raise UsageError(f"{path}: file not found")
-    from attnkit.runtime.texts import check_text_files
+            raise AttnkitError(f"{path}: file not found")
 
     check_text_files(req.texts)
     for flag, value, low in (("--prompts", req.prompts, 1), ("--new-tokens", req.new_tokens, 1),
@@ -84,10 +91,9 @@ def check_request(req: VerifyRequest) -> list[str]:
     ckpt = resolve(req.model)
     if ckpt.kind not in ("folder", "hub") or not ckpt.weight_files:
         raise UsageError(f"{req.model}: verify takes a Hugging Face folder (what attnkit writes), not {ckpt.kind}")
-    from attnkit.runtime.loader import check_checkpoint
 
     check_checkpoint(ckpt)  # complete and consistent before any engine runs
-    return list(req.engines or ENGINES)
+    return list(req.engines or VERIFY_ENGINES)
 
 
 def _sentences(text: str, count: int, words: int = 12) -> list[str]:
@@ -105,7 +111,6 @@ def reference(loaded, text: str, req: VerifyRequest) -> Reference:
     window's first token is its BOS, the token llama-perplexity puts first in every chunk."""
     import torch
 
-    from attnkit.runtime.texts import make_windows, prompt_ids as start_ids
 
     tok, model = loaded.tokenizer, loaded.model
     prompts = _sentences(text, req.prompts)
@@ -182,9 +187,7 @@ def _judge(row: dict, verdicts: list[str], ppl_ref: float, ppl_engine: float, to
 
 
 def run_llama_cpp(req: VerifyRequest, ref: Reference, loaded, tools, workdir: Path) -> dict:
-    from attnkit.engines import llamacpp
 
-    from attnkit.engines.targets import LLAMA_CPP_LITE_LAYERS
 
     row = _row("llama.cpp")
     config = loaded.model.config
@@ -230,7 +233,6 @@ def _half_logits(model, windows: list[list[int]], ctx: int):
 
 
 def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: Path) -> dict:
-    from attnkit.engines.targets import MLA_SHAPES
 
     row = _row("vllm")
     config = loaded.model.config
@@ -293,9 +295,6 @@ def find_vllm(req: VerifyRequest) -> str | None:
 
 def verify(req: VerifyRequest, log=lambda message: None) -> dict:
     """Run the checks; the report (docs/verify.md). Engines that are not installed get a row saying so."""
-    from attnkit.engines.llamacpp import find_llama_cpp
-    from attnkit.progress import phase
-    from attnkit.runtime import load_model, read_texts
 
     started = time.perf_counter()
     wanted = check_request(req)

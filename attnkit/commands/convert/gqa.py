@@ -14,12 +14,30 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from attnkit.archs.tensors import role_shape
+from attnkit.commands.convert.gqa_layer import attention_key_covariance, reference_attention_ok, refit_output
 from attnkit.commands.quality import score_rewrite
 from attnkit.commands.rewrite import RewriteRequest, calib_windows, check_rewrite
 from attnkit.commands.source import Source, open_source
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
-from attnkit.ops.gqa import KEY_WEIGHTS, KV_ROLES, METHODS, VALUE_WEIGHTS, LayerShape, MergeOptions
+from attnkit.io.reader import LazyReader
+from attnkit.kvcache import bytes_per_token, cache_dtype
+from attnkit.ops.gqa import (
+    KEY_WEIGHTS,
+    KV_ROLES,
+    METHODS,
+    VALUE_WEIGHTS,
+    LayerShape,
+    MergeOptions,
+    apply_plan,
+    expand_layer,
+    is_biased,
+    plan_layer,
+)
+from attnkit.progress import phase
+from attnkit.runtime.calibrate import attention_module_name, calibrate, input_covariance
+from attnkit.runtime.streaming import load_for_calibration
 
 ROLE_ORDER = ("q", "q_bias", "k", "k_bias", "v", "v_bias", "qkv", "qkv_bias", "o", "k_norm")
 
@@ -100,23 +118,24 @@ def _check_family(arch) -> None:
 def _check_heads(spec, groups: int) -> None:
     if spec.mla is not None:
         raise AttnkitError("MLA checkpoints have no KV heads to merge")
-    valid = [g for g in range(1, spec.num_kv_heads) if spec.num_kv_heads % g == 0]
+    valid = ", ".join(str(g) for g in range(1, spec.num_kv_heads) if spec.num_kv_heads % g == 0)
+    valid = valid or "none: it has one KV head (MQA) already"
+    plural = "s" if spec.num_kv_heads > 1 else ""
     if groups == spec.num_kv_heads:
-        raise UsageError(f"the model already has {groups} KV head{'s' if groups > 1 else ''}: --kv-heads {groups} would "
-                         f"write an unchanged copy; valid: {', '.join(map(str, valid)) or 'none (it is MQA)'}")
+        raise UsageError(f"the model already has {groups} KV head{plural}: --kv-heads {groups} would write an "
+                         f"unchanged copy; valid: {valid}")
     if groups > spec.num_kv_heads:
-        raise UsageError(f"--kv-heads {groups} is more than the model's {spec.num_kv_heads} KV heads; "
-                         f"converting can only merge heads (valid: {', '.join(map(str, valid))})")
+        raise UsageError(f"--kv-heads {groups} is more than the model's {spec.num_kv_heads} KV head{plural}; "
+                         f"converting can only merge heads (valid: {valid})")
     if spec.num_kv_heads % groups:
         raise UsageError(f"--kv-heads {groups} does not divide the model's {spec.num_kv_heads} KV heads; "
-                         f"valid: {', '.join(map(str, valid))}")
+                         f"valid: {valid}")
 
 
 def kv_bytes(spec, config: dict, groups: int) -> dict:
     """KV-cache bytes per token over all layers, in the checkpoint's dtype, before and after."""
     import dataclasses
 
-    from attnkit.kvcache import bytes_per_token, cache_dtype
 
     dtype = cache_dtype(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"))
     after = dataclasses.replace(spec, num_kv_heads=groups)
@@ -129,11 +148,6 @@ def _read_layer(reader, roles: dict) -> dict:
 
 def _calibrate(req: ConvertRequest, src: GQASource) -> tuple[list, dict]:
     """Per-layer plans from calibration (sequential: each layer sees the converted layers before it)."""
-    from attnkit.commands.convert.gqa_layer import attention_key_covariance, reference_attention_ok, refit_output
-    from attnkit.runtime.calibrate import attention_module_name, calibrate, input_covariance
-    from attnkit.io.reader import LazyReader
-    from attnkit.ops.gqa import apply_plan, expand_layer, is_biased, plan_layer
-    from attnkit.runtime.streaming import load_for_calibration
 
     loaded = load_for_calibration(str(src.root), req.device)  # decoder layers streamed when possible
     windows = calib_windows(loaded.tokenizer, req)
@@ -172,9 +186,6 @@ def _stream(reader, src: GQASource, req: ConvertRequest, plans: list, writer) ->
     Holds one layer's attention tensors (plus the writer's shard buffer) at a time; layers without
     a plan (streaming mean/first) are planned from their weights alone. Returns name -> expected shape.
     """
-    from attnkit.archs.tensors import role_shape
-    from attnkit.ops.gqa import apply_plan, plan_layer
-    from attnkit.progress import phase
 
     owner = {name: layer for layer, roles in enumerate(src.layer_names) for name in roles.values()}
     new_spec = dataclasses.replace(src.spec, num_kv_heads=req.kv_heads)
@@ -243,7 +254,6 @@ def _parameters(req: ConvertRequest, src: GQASource) -> dict:
 def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -> dict:
     """Run (or with dry_run, plan) the conversion; returns the report (see docs/convert-gqa.md).
     `log` receives one line per phase, after the request has been checked."""
-    from attnkit.io.reader import LazyReader
 
     started = time.perf_counter()
     src = check_request(req)

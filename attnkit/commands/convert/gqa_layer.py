@@ -3,6 +3,9 @@ metric and the o_proj refit against the source attention output (attnkit.ops.att
 
 from __future__ import annotations
 
+from attnkit.ops.attnweight import causal_attention, key_token_weights, weighted_group_covariance
+from attnkit.ops.gqa import apply_plan, expand_layer, unfused
+from attnkit.ops.orefit import refit_o
 from attnkit.runtime.calibrate import token_rows
 
 
@@ -31,8 +34,6 @@ def attention_key_covariance(weights: dict, hidden, rope, scaling: float, shape,
     """Per-group key metric, tokens weighted by the layer's own attention (attnkit.ops.attnweight).  -> [G, n', n']"""
     import torch
 
-    from attnkit.ops.attnweight import key_token_weights, weighted_group_covariance
-    from attnkit.ops.gqa import unfused
 
     flat = unfused(weights, shape)
     x = hidden.detach().to(device="cpu", dtype=torch.float32)  # [B, T, n]
@@ -46,9 +47,6 @@ def refit_output(weights: dict, plan, hidden, rope, scaling: float, shape, ridge
     """o_proj refit so the converted layer's attention output matches the source's on these tokens.  -> [hidden, H*D]"""
     import torch
 
-    from attnkit.ops.attnweight import causal_attention
-    from attnkit.ops.gqa import apply_plan, expand_layer, unfused
-    from attnkit.ops.orefit import refit_o
 
     x = hidden.detach().to(device="cpu", dtype=torch.float32)  # [B, T, n]
     cos, sin = (r.detach().to(device="cpu", dtype=torch.float32) for r in rope)

@@ -19,12 +19,20 @@ import time
 from dataclasses import dataclass, field
 
 from attnkit.commands.convert.mla_layer import convert_one, refit_o_proj, without_o_bias
+from attnkit.commands.convert.mla_target import expected_shapes, target_config
 from attnkit.commands.quality import score_rewrite
 from attnkit.commands.rewrite import RewriteRequest, calib_windows, check_rewrite
 from attnkit.commands.source import Source, open_source
 from attnkit.commands.write import write_checkpoint
+from attnkit.engines.targets import TARGETS, engine_safe, mla_shapes, needs_q_lora
 from attnkit.errors import AttnkitError, UsageError
+from attnkit.io.reader import LazyReader
+from attnkit.kvcache import apply_variant, bytes_per_token, cache_dtype
 from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, VALUE_WEIGHTS, MLAOptions, MLAShape
+from attnkit.runtime.attention import replace_output_once
+from attnkit.runtime.calibrate import attention_module_name, calibrate
+from attnkit.runtime.generate import cache_check
+from attnkit.runtime.streaming import load_for_calibration
 
 #: Families whose attention maps onto DeepseekV3 (the rest are refused with the reason in REFUSED).
 SUPPORTED = ("llama", "mistral", "qwen2", "gemma")
@@ -94,7 +102,6 @@ def max_rank(spec, augmented: bool) -> int:
 
 def _ranks(req: MLARequest, spec, augmented: bool) -> tuple[int, int]:
     """(R, P) from --kv-budget (snapped to a shape the --engine kernels take) or --kv-lora-rank/--rope-dim."""
-    from attnkit.engines.targets import mla_shapes
 
     d = spec.head_dim
     source = 2 * spec.num_kv_heads * d
@@ -205,10 +212,9 @@ def check_request(req: MLARequest) -> MLASource:
 
 
 def _check_route(req: MLARequest) -> None:
-    from attnkit.engines.targets import ENGINES
 
-    if req.engine not in ENGINES:
-        raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {req.engine!r}")
+    if req.engine not in TARGETS:
+        raise UsageError(f"--engine must be one of {', '.join(TARGETS)}, got {req.engine!r}")
     if req.latent_norm not in LATENT_NORMS:
         raise UsageError(f"--latent-norm must be one of {', '.join(LATENT_NORMS)}, got {req.latent_norm!r}")
     if req.latent_norm == "bias" and req.engine not in ("any", "transformers"):
@@ -218,7 +224,6 @@ def _check_route(req: MLARequest) -> None:
 
 def _check_engine(req: MLARequest, src: MLASource) -> None:
     """What the --engine target needs of the source (one-line refusals), its q_lora choice and its warnings."""
-    from attnkit.engines.targets import engine_safe, needs_q_lora
 
     spec = src.spec
     if req.latent_norm == "bias":
@@ -281,10 +286,6 @@ def _calibrate_and_convert(req: MLARequest, src: MLASource, config, writer, expe
     """One pass over the calibration windows; each layer is converted (and written) when reached."""
     import torch
 
-    from attnkit.io.reader import LazyReader
-    from attnkit.runtime.calibrate import attention_module_name, calibrate
-    from attnkit.runtime.attention import replace_output_once
-    from attnkit.runtime.streaming import load_for_calibration
 
     loaded = load_for_calibration(str(src.root), req.device)  # decoder layers streamed when possible
     windows = calib_windows(loaded.tokenizer, req)
@@ -353,7 +354,6 @@ def _copy_rest(reader, src: MLASource, writer, expected: dict, fold_input_norm: 
 
 
 def _kv_bytes(src: MLASource, rank: int) -> dict:
-    from attnkit.kvcache import apply_variant, bytes_per_token, cache_dtype
 
     dtype = cache_dtype(str(src.config.get("torch_dtype") or src.config.get("dtype") or "bfloat16"))
     after = apply_variant(src.spec, f"mla:{rank}+{src.shape.rope_dim}")
@@ -377,9 +377,6 @@ def _parameters(req: MLARequest, src: MLASource) -> dict:
 def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
     """Run (or with dry_run, plan) the conversion; returns the report (see docs/convert-mla.md).
     `log(message)` hears progress once the request has been checked."""
-    from attnkit.commands.convert.mla_target import expected_shapes, target_config
-    from attnkit.io.reader import LazyReader
-    from attnkit.runtime.generate import cache_check
 
     started = time.perf_counter()
     src = check_request(req)

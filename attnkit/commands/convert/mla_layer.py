@@ -8,7 +8,14 @@ import math
 from typing import TYPE_CHECKING
 
 from attnkit.errors import AttnkitError
-from attnkit.ops.mla import MLAOptions, MLAShape
+from attnkit.ops.anchor import anchor_row, fold_o_bias, substitute_constant
+from attnkit.ops.gqa import augmented_rows, is_biased
+from attnkit.ops.latent_norm import anchor_plan, fold_gamma, span_plan
+from attnkit.ops.mla import MLAOptions, MLAShape, convert_layer
+from attnkit.ops.mla_deepseek import attention_tensors, engine_tensors, q_lora_readout
+from attnkit.ops.orefit import refit_o
+from attnkit.runtime.attention import deepseek_attention, run_attention, source_attention_inputs
+from attnkit.runtime.calibrate import input_covariance
 
 if TYPE_CHECKING:
     from attnkit.commands.convert.mla import MLASource
@@ -18,15 +25,11 @@ def convert_one(src: MLASource, weights: dict, hidden, gamma, freqs, options: ML
                 latent_norm: str, norm_eps: float) -> tuple[dict, dict]:
     """(DeepseekV3 attention tensors of one layer in `dtype`, report row) from its source tensors and the
     calibration inputs hidden [B, T, n] of its attention (gamma: input_layernorm's scale, for the engine route)."""
-    from attnkit.ops.gqa import augmented_rows, is_biased
-    from attnkit.ops.mla import convert_layer
-    from attnkit.runtime.calibrate import input_covariance
 
     s, augmented = src.shape, is_biased(weights)
     cov = input_covariance(hidden, augmented)  # [n(+1), n(+1)]
     q_scale = math.sqrt((s.head_dim + s.rope_dim) / s.head_dim)  # softmax-scale fold: D^-1/2 -> (D + P)^-1/2
     if latent_norm == "bias":
-        from attnkit.ops.mla_deepseek import attention_tensors
 
         q, k, v = (augmented_rows(weights, r, augmented) for r in ("q", "k", "v"))
         layer = convert_layer(q, k, v, weights["o"], cov, s, freqs, options)
@@ -50,11 +53,6 @@ def _engine_layer(src: MLASource, weights: dict, hidden, cov, gamma, freqs, opti
 
     import torch
 
-    from attnkit.ops.gqa import augmented_rows, is_biased
-    from attnkit.ops.anchor import anchor_row, substitute_constant
-    from attnkit.ops.latent_norm import anchor_plan, fold_gamma, span_plan
-    from attnkit.ops.mla import convert_layer
-    from attnkit.ops.mla_deepseek import engine_tensors, q_lora_readout
 
     s, augmented, rank = src.shape, is_biased(weights), src.rank
     shape = dataclasses.replace(s, rope_dim=min(s.rope_dim, s.head_dim))  # wider RoPE keys are padded below
@@ -88,7 +86,6 @@ def without_o_bias(src: MLASource, weights: dict) -> dict:
     bias reaches the output as o_proj of it): same outputs, no o_proj bias for the engine route."""
     import torch
 
-    from attnkit.ops.anchor import fold_o_bias
 
     if "o_bias" not in weights:
         return weights
@@ -119,8 +116,6 @@ def refit_o_proj(config, layer: int, tensors: dict, weights: dict, hidden, rope,
              device, input_scale=None):
     """o_proj refit (attnkit.ops.orefit) so the converted layer's output matches the source's on these tokens
     (the converted layer runs on hidden * input_scale when given)."""
-    from attnkit.ops.orefit import refit_o
-    from attnkit.runtime.attention import deepseek_attention, run_attention, source_attention_inputs
 
     attn, rotary = deepseek_attention(config, layer, tensors, device)
     x = hidden.detach().to(device).float()

@@ -6,6 +6,8 @@ import contextlib
 import time
 from typing import Callable, Iterator
 
+from attnkit.progress import phase
+
 
 @contextlib.contextmanager
 def training_bar(total: float, unit: str, done: float = 0.0, tokens: int = 0,
@@ -15,7 +17,6 @@ def training_bar(total: float, unit: str, done: float = 0.0, tokens: int = 0,
     if not enabled:
         yield None
         return
-    from attnkit.progress import phase
 
     began = time.perf_counter()
     with phase("training", total, unit, completed=done) as update:

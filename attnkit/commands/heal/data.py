@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from attnkit.errors import AttnkitError
+from attnkit.runtime.texts import Texts
 
 #: Bytes read at a time when hashing data files.
 HASH_CHUNK = 1 << 20
@@ -23,7 +24,6 @@ class DataFiles:
     paths: tuple[str, ...]
 
     def pieces(self) -> Iterator[tuple[str, bool]]:
-        from attnkit.runtime.texts import Texts
 
         for p in self.paths:
             path = Path(p)

@@ -14,18 +14,30 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from attnkit.commands.heal.request import HealRequest
+from attnkit.commands.analyse.evaluate import evaluate
+from attnkit.commands.heal import resume, trainable
+from attnkit.commands.heal.bar import training_bar
+from attnkit.commands.heal.data import DataFiles, files_digest, split_windows
+from attnkit.commands.heal.loop import LoopConfig, LoopState, Trainer
+from attnkit.commands.heal.output import check_names, healed_tensors, stored_layout
+from attnkit.commands.heal.pair import check_pair, rewrite_summary
+from attnkit.commands.heal.request import HealRequest, check_options
+from attnkit.commands.heal.resume import check_fingerprint
+from attnkit.commands.heal.samples import cache_folder, teacher_documents
+from attnkit.commands.heal.trainable import default_lr
 from attnkit.commands.rewrite import check_write
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
+from attnkit.io.gguf_load import cache_root
+from attnkit.progress import phase
+from attnkit.runtime import load_model, make_windows, read_texts
+from attnkit.runtime.loader import load_tokenizer, resolve_device
+from attnkit.runtime.texts import text_prefix, token_windows
 
 
 def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) -> dict | None:
     """Run (or with dry_run, plan) a healing run; returns the report (see docs/heal.md), or None in the
     processes other than the main one of a multi-process run."""
-    from attnkit.commands.heal.pair import check_pair, rewrite_summary
-    from attnkit.commands.heal.params import default_lr
-    from attnkit.commands.heal.request import check_options
 
     started = time.perf_counter()
     check_options(req)
@@ -39,7 +51,6 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
     fingerprint = _fingerprint(req, pair.student.digest, pair.teacher.digest, plan["digest"])
     run = None
     if req.resume:
-        from attnkit.commands.heal.checkpoint import check_fingerprint
 
         run = check_fingerprint(req.checkpoint_folder, fingerprint)
     report = {"student": req.model, "teacher": req.teacher, "output": str(req.out), "dry_run": req.dry_run,
@@ -56,7 +67,6 @@ def _check_device(device: str) -> None:
     """--device takes what every command takes; cuda:N picks the GPU of a single process only."""
     import os
 
-    from attnkit.runtime.loader import resolve_device
 
     dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -77,10 +87,6 @@ def _check_checkpoint_folder(req: HealRequest) -> None:
 
 def _plan_data(req: HealRequest, pair) -> dict:
     """Tokenized --data split into training and validation windows, or the plan for teacher-written text."""
-    from attnkit.commands.heal.data import DataFiles, files_digest, split_windows
-    from attnkit.commands.heal.samples import cache_folder
-    from attnkit.runtime import make_windows, read_texts
-    from attnkit.runtime.loader import load_tokenizer
 
     tokenizer = load_tokenizer(pair.teacher.root)
     plan = {"tokenizer": tokenizer, "eval": None}
@@ -95,7 +101,6 @@ def _plan_data(req: HealRequest, pair) -> dict:
         plan["info"] = {"source": "files", "files": list(req.data), "sha256": plan["digest"],
                         "train_tokens": int(plan["train"].numel()), "validation_tokens": int(plan["val"].numel())}
         return plan
-    from attnkit.io.gguf_load import cache_root
 
     root = Path(req.sample_cache).expanduser() if req.sample_cache else cache_root()
     plan["samples"] = cache_folder(root, pair.teacher.digest, req.seed, req.seq_len)
@@ -131,7 +136,6 @@ def accelerator_for(device: str):
     import torch
     from accelerate import Accelerator
 
-    from attnkit.runtime.loader import resolve_device
 
     dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is not None:
@@ -150,14 +154,12 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
     trainer = _trainer(req, acc, student, teacher, plan, run, report, before, log)
 
     def save() -> None:
-        from attnkit.commands.heal import checkpoint
 
         if acc.is_main_process:
-            checkpoint.save(req.checkpoint_folder, {"fingerprint": fingerprint, "state": trainer.state.to_dict()},
+            resume.save(req.checkpoint_folder, {"fingerprint": fingerprint, "state": trainer.state.to_dict()},
                             trainer.state_dict())
         acc.wait_for_everyone()
 
-    from attnkit.commands.heal.bar import training_bar
 
     unit = "tokens" if req.budget_tokens else "seconds"
     done = trainer.state.tokens if unit == "tokens" else trainer.state.seconds
@@ -175,8 +177,6 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
 
 def _load_models(acc, pair, log) -> tuple:
     """(teacher, student) in fp32 on the process's device; the teacher frozen, the student's names checked."""
-    from attnkit.commands.heal.output import check_names, stored_layout
-    from attnkit.runtime import load_model
 
     log(f"loading teacher and student on {acc.device} ({acc.num_processes} process(es))")
     teacher = load_model(str(pair.teacher.root), device=str(acc.device), dtype="float32").model
@@ -189,27 +189,25 @@ def _load_models(acc, pair, log) -> tuple:
 
 def _trainer(req, acc, student, teacher, plan, run, report, before, log):
     """The Trainer: what trains (report["trainable"]), LoRA and gradient checkpointing, a resumed state, logs."""
-    from attnkit.commands.heal import checkpoint, params
-    from attnkit.commands.heal.loop import LoopConfig, LoopState, Trainer
 
-    names = params.select(student, teacher, req.train)
-    pairs = params.attention_pairs(student, teacher, names)
+    names = trainable.select(student, teacher, req.train)
+    pairs = trainable.attention_pairs(student, teacher, names)
     report["trainable"] = {"mode": req.train, "lora_rank": req.lora_rank or None, "tensors": len(names),
                            "parameters": sum(student.get_parameter(n).numel() for n in names), "names": names}
     log(f"training {len(names)} tensors ({report['trainable']['parameters']:,} parameters)"
         + (f" through LoRA rank {req.lora_rank}" if req.lora_rank else ""))
     if req.gradient_checkpointing:
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = params.add_lora(student, names, req.lora_rank) if req.lora_rank else student
+    model = trainable.add_lora(student, names, req.lora_rank) if req.lora_rank else student
     cfg = LoopConfig(lr=req.lr, warmup_steps=req.warmup_steps, min_lr_ratio=req.min_lr_ratio,
                      weight_decay=req.weight_decay, max_grad_norm=req.max_grad_norm, batch_size=req.batch_size,
                      micro_batch_size=req.micro_batch_size, attn_loss=req.attn_loss, budget_tokens=req.budget_tokens,
                      max_time=req.max_time, eval_every=req.eval_every, patience=req.patience,
                      checkpoint_every=req.checkpoint_every, seed=req.seed)
     trainer = Trainer(acc, model, teacher, plan["train"], plan["val"], cfg, pairs,
-                      LoopState(**run["state"]) if run else None, lr_scales=params.lr_scales(student))
+                      LoopState(**run["state"]) if run else None, lr_scales=trainable.lr_scales(student))
     if run:
-        trainer.load_state_dict(checkpoint.load_state(req.checkpoint_folder))
+        trainer.load_state_dict(resume.load_state(req.checkpoint_folder))
         log(f"resumed at step {trainer.state.step} ({trainer.state.tokens:,} tokens)")
     if req.eval_curve:  # step 0 is the student as loaded: its scores are `before`
         trainer.monitor = lambda m: {f"eval_{k}": v for k, v in
@@ -222,16 +220,13 @@ def _trainer(req, acc, student, teacher, plan, run, report, before, log):
 
 def _trained_model(trainer, req: HealRequest):
     """The student with its trained tensors (LoRA adapters merged in), outside DDP."""
-    from attnkit.commands.heal import params
 
     model = trainer.acc.unwrap_model(trainer.model)
-    return params.merge_lora(model) if req.lora_rank else model
+    return trainable.merge_lora(model) if req.lora_rank else model
 
 
 def _write(req, pair, acc, model, teacher, eval_windows, before, report) -> None:
     """Write OUT; the --eval "after" scores come from loading the written folder, before it is renamed."""
-    from attnkit.commands.heal.output import healed_tensors
-    from attnkit.runtime import load_model
 
     report["eval"] = None
 
@@ -253,10 +248,6 @@ def _write(req, pair, acc, model, teacher, eval_windows, before, report) -> None
 
 def _teacher_windows(req, plan, teacher, acc, log) -> None:
     """Training and validation windows from teacher-written text (cached; generated where missing)."""
-    from attnkit.commands.heal.data import split_windows
-    from attnkit.commands.heal.samples import teacher_documents
-    from attnkit.progress import phase
-    from attnkit.runtime.texts import text_prefix, token_windows
 
     need = req.samples_needed + req.val_tokens
     log(f"teacher-written training text: {need:,} tokens, cached in {plan['samples']}")
@@ -273,7 +264,6 @@ def _teacher_windows(req, plan, teacher, acc, log) -> None:
 
 def _score(student, teacher, windows) -> dict:
     """Perplexity, KL(teacher || student) and top-1 agreement of the student on evaluation windows."""
-    from attnkit.commands.analyse.evaluate import evaluate
 
     was_training = student.training
     student.eval()

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from attnkit.commands.analyse.evaluate import evaluate
+from attnkit.commands.heal.loss import attention_capture, distill_loss
 from attnkit.errors import AttnkitError, UsageError
 
 
@@ -203,7 +205,6 @@ class Trainer:
         """One optimizer step on global batch st.step; returns its entry (loss averaged over all processes)."""
         import torch
 
-        from attnkit.commands.heal.loss import attention_capture, distill_loss
 
         st, cfg, acc = self.state, self.cfg, self.acc
         share = cfg.batch_size // acc.num_processes
@@ -275,7 +276,6 @@ def evaluate_shard(model, teacher, windows, device):
     """float64 tensor [NLL sum, KL sum, tokens] of `model` on windows [n, T] (may be empty), KL against teacher."""
     import torch
 
-    from attnkit.commands.analyse.evaluate import evaluate
 
     if windows.shape[0] == 0:
         return torch.zeros(3, dtype=torch.float64, device=device)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+from attnkit.runtime.calibrate import OutputCapture
+
 
 def kl_to_teacher(student_logits, teacher_logits):
     """Mean over positions of KL(p_teacher || p_student), in fp32. logits [B, T, V] -> scalar."""
@@ -16,48 +18,24 @@ def kl_to_teacher(student_logits, teacher_logits):
     return F.kl_div(s, t, log_target=True, reduction="sum") / (s.shape[0] * s.shape[1])
 
 
-class AttentionOutputs:
-    """Forward hooks that keep the output [B, T, d] of some attention modules, by key."""
-
-    def __init__(self, modules: dict):
-        self.outputs: dict[str, object] = {}
-        self._handles = [m.register_forward_hook(self._keeper(key)) for key, m in modules.items()]
-
-    def _keeper(self, key: str):
-        def hook(_module, _args, output):
-            self.outputs[key] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    def pop(self) -> dict:
-        out, self.outputs = self.outputs, {}
-        return out
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
 def attention_mismatch(student: dict, teacher: dict):
-    """Mean over layers of ||a_s - a_t||^2 / ||a_t||^2 for the attention outputs [B, T, d] kept by the hooks."""
-    terms = [(student[k].float() - teacher[k].float()).pow(2).sum() / teacher[k].float().pow(2).sum().clamp_min(1e-12)
-             for k in teacher]
+    """Mean over layers of ||a_s - a_t||^2 / ||a_t||^2 for the attention outputs [B, T, d] of one forward pass
+    (OutputCapture.take(): one output per layer)."""
+    terms = [(student[k][-1].float() - teacher[k][-1].float()).pow(2).sum()
+             / teacher[k][-1].float().pow(2).sum().clamp_min(1e-12) for k in teacher]
     return sum(terms) / len(terms)
 
 
 @contextlib.contextmanager
 def attention_capture(pairs: dict) -> Iterator[tuple | None]:
-    """(student hooks, teacher hooks) on {name: (student module, teacher module)}; None when pairs is empty."""
+    """(student capture, teacher capture) of the attention outputs of {name: (student module, teacher module)};
+    None when pairs is empty."""
     if not pairs:
         yield None
         return
-    hooks = (AttentionOutputs({k: s for k, (s, _t) in pairs.items()}),
-             AttentionOutputs({k: t for k, (_s, t) in pairs.items()}))
-    try:
-        yield hooks
-    finally:
-        for h in hooks:
-            h.remove()
+    with OutputCapture({k: s for k, (s, _t) in pairs.items()}) as student, \
+            OutputCapture({k: t for k, (_s, t) in pairs.items()}) as teacher:
+        yield student, teacher
 
 
 def distill_loss(student, teacher, ids, attn_weight: float = 0.0, capture=None) -> tuple:
@@ -71,5 +49,5 @@ def distill_loss(student, teacher, ids, attn_weight: float = 0.0, capture=None) 
     if capture is None:
         return kl, kl, None
     s_hooks, t_hooks = capture
-    attn = attention_mismatch(s_hooks.pop(), t_hooks.pop())
+    attn = attention_mismatch(s_hooks.take(), t_hooks.take())
     return kl + attn_weight * attn, kl, attn

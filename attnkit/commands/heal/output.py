@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from attnkit.errors import AttnkitError
+from attnkit.io.safetensors_header import read_headers
 
 #: safetensors dtype code -> torch dtype name.
 DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -10,7 +11,6 @@ DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat1
 
 def stored_layout(student_ckpt) -> dict[str, tuple[tuple[int, ...], str]]:
     """{name: (shape, safetensors dtype)} of every tensor in the student's checkpoint."""
-    from attnkit.io.safetensors_header import read_headers
 
     return {name: (tuple(info.shape), info.dtype) for name, info in read_headers(student_ckpt.weight_files).items()}
 

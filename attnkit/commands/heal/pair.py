@@ -13,7 +13,9 @@ from pathlib import Path
 
 from attnkit.commands.source import Source, open_source
 from attnkit.errors import AttnkitError
+from attnkit.io.reader import LazyReader
 from attnkit.io.resolve import resolve_weights
+from attnkit.runtime.loader import load_tokenizer
 
 #: Config keys a rewrite keeps; a student that differs in one is not a rewrite of the teacher.
 SAME_CONFIG = (("vocab_size", "vocabulary size"), ("num_hidden_layers", "layer count"), ("hidden_size", "hidden size"))
@@ -55,7 +57,6 @@ def _identity(ckpt) -> Path:
 
 def _check_tokenizers(student, teacher) -> None:
     """The teacher has a tokenizer; the student's, if it has one, has the same vocabulary."""
-    from attnkit.runtime.loader import load_tokenizer
 
     t = load_tokenizer(teacher.root)
     if t is None:
@@ -69,7 +70,6 @@ def _check_shared_weights(student, teacher) -> None:
     """Among tensors outside attention with the same name and shape in both, at least one is bit-equal."""
     import torch
 
-    from attnkit.io.reader import LazyReader
 
     with LazyReader(student.ckpt.weight_files) as s, LazyReader(teacher.ckpt.weight_files) as t:
         shared = [n for n in s.names() if n in t and "attn" not in n and tuple(s.info(n).shape) == tuple(t.info(n).shape)]

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnkit.commands.rewrite import WriteRequest
-from attnkit.errors import UsageError
+from attnkit.errors import AttnkitError, UsageError
+from attnkit.runtime.texts import check_text_files
 
 TRAIN_CHOICES = ("rewritten", "all")
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -30,7 +31,7 @@ class HealRequest(WriteRequest):
     eval_curve: bool = False  # also score --eval at every validation (reported only)
     train: str = "rewritten"
     lora_rank: int = 0
-    lr: float | None = None  # None: params.default_lr of the student
+    lr: float | None = None  # None: trainable.default_lr of the student
     warmup_steps: int = 5
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
@@ -115,8 +116,7 @@ def check_options(req: HealRequest) -> None:
         raise UsageError("--eval-curve needs --eval text")
     for path in req.eval:
         if not Path(path).is_file():
-            raise UsageError(f"{path}: file not found")
-    from attnkit.runtime.texts import check_text_files
+            raise AttnkitError(f"{path}: file not found")
 
     check_text_files(req.eval)
     for path in req.data:
@@ -129,11 +129,11 @@ def check_data_path(path: Path) -> None:
     """A --data path is a .txt/.jsonl/.parquet file or a folder, and is not empty."""
     if path.is_dir():
         if not any(path.iterdir()):
-            raise UsageError(f"{path}: empty data folder")
+            raise AttnkitError(f"{path}: empty data folder")
         return
     if not path.is_file():
-        raise UsageError(f"{path}: file not found")
+        raise AttnkitError(f"{path}: file not found")
     if path.suffix.lower() not in DATA_SUFFIXES:
-        raise UsageError(f"{path}: data must be {', '.join(DATA_SUFFIXES)} files or a datasets folder")
+        raise AttnkitError(f"{path}: data must be {', '.join(DATA_SUFFIXES)} files or a datasets folder")
     if path.stat().st_size == 0:
-        raise UsageError(f"{path}: empty data file")
+        raise AttnkitError(f"{path}: empty data file")

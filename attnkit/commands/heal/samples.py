@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from attnkit.runtime.texts import text_prefix
+
 #: Samples per generate() call; part of the cache key, so one cache serves every device.
 SAMPLE_BATCH = 128
 SAMPLER = {"prompt": "the tokenizer's text prefix and one uniform random non-special token", "temperature": 1.0,
@@ -33,7 +35,6 @@ def _generate(model, tokenizer, batch: int, length: int, seed: int):
     import torch
     from transformers import GenerationConfig
 
-    from attnkit.runtime.texts import text_prefix
 
     gen = torch.Generator().manual_seed(seed * 1_000_003 + batch)
     special = set(tokenizer.all_special_ids)
@@ -89,7 +90,6 @@ def teacher_documents(model, tokenizer, tokens: int, length: int, seed: int, fol
     Rounds of `world` batches: rank r writes batch round * world + r when missing, then all ranks read the round.
     Returns (documents, info for the manifest).
     """
-    from attnkit.runtime.texts import text_prefix
 
     folder.mkdir(parents=True, exist_ok=True)
     eos, prefix = tokenizer.eos_token_id, text_prefix(tokenizer)

@@ -12,6 +12,9 @@ from typing import Callable
 from attnkit.commands.quality import score_rewrite
 from attnkit.commands.rewrite import RewriteRequest, check_rewrite
 from attnkit.commands.source import Source, open_source
+from attnkit.io.reader import LazyReader
+from attnkit.progress import phase
+from attnkit.runtime import load_model
 
 
 def check_source(req: RewriteRequest, check: Callable | None = None) -> Source:
@@ -36,7 +39,6 @@ def scorer(req: RewriteRequest, src: Source, report: dict) -> Callable | None:
 
 def load(ref, device: str):
     """A model ready to run in float32 (LoadedModel), soft-caps applied (see attnkit.runtime.capped_attention)."""
-    from attnkit.runtime import load_model
 
     return load_model(str(ref), device=device, dtype="float32")
 
@@ -46,8 +48,6 @@ def stream_weights(src: Source, writer, rewrite: Callable[[str, object], dict] |
 
     Returns name -> shape of everything written (for the write path's check).
     """
-    from attnkit.io.reader import LazyReader
-    from attnkit.progress import phase
 
     expected: dict[str, tuple] = {}
     with LazyReader(src.ckpt.weight_files) as reader, phase("writing", len(reader.names()), "tensors") as advance:

@@ -21,6 +21,7 @@ from attnkit.commands.retrofit.common import check_source, load, scorer, stream_
 from attnkit.commands.rewrite import RewriteRequest, calib_windows
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
+from attnkit.runtime.calibrate import attention_module_name, calibrate
 
 
 @dataclass(kw_only=True)
@@ -73,46 +74,34 @@ def _head_max(module, hidden, position_embeddings, window):
 
 
 def _clip(req: QKClipRequest, src) -> tuple[list, dict]:
-    """Sequential clipping on the calibration text; returns per-layer factors [H] and calibration info."""
+    """Sequential clipping on the calibration text (attnkit.runtime.calibrate: layer l is measured on the outputs of
+    the clipped layers before it); returns per-layer (factors [H], max logits seen [H]) and calibration info."""
     import torch
 
-    from attnkit.progress import phase
-    from attnkit.runtime.calibrate import attention_module_name
 
     spec = src.spec
     loaded = load(src.root, req.device)
     model = loaded.model
     wins = calib_windows(loaded.tokenizer, req)
-    factors: list = [None] * spec.num_layers
-    seen: list = [None] * spec.num_layers
+    modules = [attention_module_name(src.arch.tensors["q"], src.prefix, i) for i in range(spec.num_layers)]
+    clipped: list = [None] * spec.num_layers
 
-    def make_hook(layer: int):
-        def hook(module, args, kwargs):
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [N, T, d]
-            smax = _head_max(module, hidden, kwargs["position_embeddings"], spec.layer_windows[layer])  # [H]
-            f = torch.where(smax > req.tau, req.tau / smax, torch.ones_like(smax))  # [H]
-            seen[layer], factors[layer] = smax, f
-            if bool((f < 1).any()):
-                rows = f.repeat_interleave(spec.head_dim).to(module.q_proj.weight)  # [H * D]
-                module.q_proj.weight.data.mul_(rows[:, None])
-                if module.q_proj.bias is not None:
-                    module.q_proj.bias.data.mul_(rows)
-            advance(1)
+    def on_layer(layer: int, hidden, rope, _scaling) -> dict:
+        module = model.get_submodule(modules[layer])
+        smax = _head_max(module, hidden, rope, spec.layer_windows[layer])  # [H]
+        f = torch.where(smax > req.tau, req.tau / smax, torch.ones_like(smax))  # [H]
+        clipped[layer] = (f, smax)
+        if not bool((f < 1).any()):
+            return {}
+        rows = f.repeat_interleave(spec.head_dim).to(module.q_proj.weight)  # [H * D]
+        updates = {f"{modules[layer]}.q_proj.weight": module.q_proj.weight * rows[:, None]}
+        if module.q_proj.bias is not None:
+            updates[f"{modules[layer]}.q_proj.bias"] = module.q_proj.bias * rows
+        return updates
 
-        return hook
-
-    handles = [model.get_submodule(attention_module_name(src.arch.tensors["q"], src.prefix, i))
-               .register_forward_pre_hook(make_hook(i), with_kwargs=True) for i in range(spec.num_layers)]
-    try:
-        with torch.no_grad(), phase(f"clipping on {wins.numel():,} tokens", spec.num_layers, "layers") as advance:
-            model(input_ids=wins.to(loaded.device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    if any(f is None for f in factors):
-        raise AttnkitError("calibration did not reach every attention layer")
+    calibrate(model, wins, modules, on_layer)
     info = {"files": list(req.calib), "tokens": int(wins.numel()), "seq_len": int(wins.shape[1])}
-    return [(f, s) for f, s in zip(factors, seen)], info
+    return clipped, info
 
 
 def _rewriter(src, factors):

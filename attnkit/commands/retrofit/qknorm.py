@@ -25,8 +25,26 @@ from dataclasses import dataclass
 from attnkit.commands.retrofit.common import check_source, load, scorer, stream_weights
 from attnkit.commands.rewrite import RewriteRequest, calib_windows
 from attnkit.commands.write import write_checkpoint
+from attnkit.engines.targets import vllm_cpu_head_size_ok
 from attnkit.errors import AttnkitError, UsageError
-from attnkit.ops.qknorm import METHODS
+from attnkit.io.checkpoint import safetensors_files
+from attnkit.io.reader import LazyReader
+from attnkit.ops.anchor import anchor_row, fold_o_bias, scale_error, substitute_constant
+from attnkit.ops.qknorm import (
+    METHODS,
+    anchor_norm_weight,
+    anchor_slots,
+    fit_layer,
+    pad_columns,
+    pad_norm_weight,
+    pad_rows,
+    unit_fit,
+    weakest_pair,
+    widen_columns,
+    widen_rows,
+)
+from attnkit.runtime.calibrate import OutputCapture, attention_module_name, calibrate, token_rows
+from attnkit.runtime.streaming import load_for_calibration
 
 SOURCES = ("llama", "mistral", "qwen2")
 #: Bias of the pad dims, in units of the largest possible |q| (or |k|) of a head.
@@ -49,7 +67,6 @@ class QKNormRequest(RewriteRequest):
 def default_head_dim(dim: int) -> int:
     """The anchor method's head size: D when vLLM's CPU attention kernels run it (the anchor takes the weakest
     RoPE pair's place and the KV cache keeps its size), else the smallest >= D + 2 that they run."""
-    from attnkit.engines.targets import vllm_cpu_head_size_ok
 
     if vllm_cpu_head_size_ok(dim):
         return dim
@@ -72,7 +89,7 @@ def check_request(req: QKNormRequest):
         if spec.mla is not None:
             raise AttnkitError(f"{mt}: MLA attention has no per-head q/k to normalise; retrofit qknorm does not apply")
         if spec.qk_norm != "none":
-            raise AttnkitError(f"{mt} already has QK-norm ({spec.qk_norm}); nothing to retrofit")
+            raise UsageError(f"{mt} already has QK-norm ({spec.qk_norm}); nothing to retrofit")
         if arch.family not in SOURCES:
             raise AttnkitError(f"retrofit qknorm supports {', '.join(SOURCES)} checkpoints, not {mt}")
         if config.get("mlp_bias"):
@@ -145,47 +162,22 @@ def check_rope(src, config: dict) -> None:
                            f"when head_dim grows (relative change {rel:.2g}); use --method kl or lsq")
 
 
-class _Capture:
-    """Forward hooks on q_proj/k_proj of every layer: outputs [N, T, H*D] per layer, concatenated over windows."""
-
-    def __init__(self, model, prefix_module: str, layers: int):
-        self.q: list[list] = [[] for _ in range(layers)]
-        self.k: list[list] = [[] for _ in range(layers)]
-        self.handles = []
-        for i in range(layers):
-            attn = model.get_submodule(f"{prefix_module}layers.{i}.self_attn")
-            self.handles.append(attn.q_proj.register_forward_hook(self._grab(self.q[i])))
-            self.handles.append(attn.k_proj.register_forward_hook(self._grab(self.k[i])))
-
-    @staticmethod
-    def _grab(store):
-        def hook(_module, _args, output):
-            store.append(output.detach().float().cpu())
-
-        return hook
-
-    def close(self):
-        for h in self.handles:
-            h.remove()
-
-
 def _calibrate(req: QKNormRequest, src) -> tuple[list, dict]:
     """Per-layer LayerFit from the calibration text (the source model's own activations)."""
     import torch
 
-    from attnkit.ops.qknorm import fit_layer
 
     spec = src.spec
     loaded = load(src.root, req.device)
     model = loaded.model
     wins = calib_windows(loaded.tokenizer, req)
-    cap = _Capture(model, "model.", spec.num_layers)
-    try:
-        with torch.no_grad():
-            for n in range(wins.shape[0]):
-                model(input_ids=wins[n:n + 1].to(loaded.device), use_cache=False)
-    finally:
-        cap.close()
+    attention = [model.get_submodule(attention_module_name(src.arch.tensors["q"], src.prefix, i))
+                 for i in range(spec.num_layers)]
+    projections = {f"{role}{i}": getattr(attn, f"{role}_proj") for i, attn in enumerate(attention) for role in "qk"}
+    with torch.no_grad(), OutputCapture(projections, keep=lambda t: t.detach().float().cpu()) as capture:
+        for n in range(wins.shape[0]):
+            model(input_ids=wins[n:n + 1].to(loaded.device), use_cache=False)
+        outputs = capture.take()  # "q3" -> [N x [1, T, H*D]]
     t = wins.shape[1]
     positions = torch.arange(t)[None]
     cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)  # [1, T, D]
@@ -193,9 +185,8 @@ def _calibrate(req: QKNormRequest, src) -> tuple[list, dict]:
     eps = float(getattr(model.config, "rms_norm_eps", 1e-6))
     fits = []
     for i in range(spec.num_layers):
-        q = torch.cat(cap.q[i]).view(-1, t, spec.num_heads, spec.head_dim).transpose(1, 2)    # [N, H, T, D]
-        k = torch.cat(cap.k[i]).view(-1, t, spec.num_kv_heads, spec.head_dim).transpose(1, 2)  # [N, Hkv, T, D]
-        cap.q[i], cap.k[i] = None, None
+        q = torch.cat(outputs.pop(f"q{i}")).view(-1, t, spec.num_heads, spec.head_dim).transpose(1, 2)    # [N, H, T, D]
+        k = torch.cat(outputs.pop(f"k{i}")).view(-1, t, spec.num_kv_heads, spec.head_dim).transpose(1, 2)  # [N, Hkv, T, D]
         fits.append(fit_layer(q, k, cos, sin, spec.head_dim ** -0.5, eps, req.method,
                               window=spec.layer_windows[i], steps=req.steps))
     info = {"files": list(req.calib), "tokens": int(wins.numel()), "seq_len": t}
@@ -244,11 +235,6 @@ class AnchorFit:
 
 def _anchor_fits(req: QKNormRequest, src, new_dim: int) -> tuple[list[AnchorFit], dict]:
     """Per-layer AnchorFit from one pass of the calibration text (decoder layers streamed when possible)."""
-    from attnkit.io.reader import LazyReader
-    from attnkit.ops.anchor import anchor_row, scale_error
-    from attnkit.ops.qknorm import weakest_pair
-    from attnkit.runtime.calibrate import attention_module_name, calibrate, token_rows
-    from attnkit.runtime.streaming import load_for_calibration
 
     spec = src.spec
     loaded = load_for_calibration(str(src.root), req.device)
@@ -275,7 +261,6 @@ def _unbiased_rows(src, layer: int, role: str, t, biases: dict, anchor):
     too (attention weights sum to 1), when o_proj's range holds it."""
     import torch
 
-    from attnkit.ops.anchor import fold_o_bias, substitute_constant
 
     spec = src.spec
     w = t.to(torch.float64)
@@ -312,7 +297,6 @@ def _anchor_rewriter(src, fits: list[AnchorFit], pads: list, biases: dict, new_d
     zero pad rows, v/o zero pad rows/columns, and q_norm/k_norm weights that are 0 on every pad."""
     import torch
 
-    from attnkit.ops.qknorm import anchor_norm_weight, anchor_slots, widen_columns, widen_rows
 
     spec = src.spec
     h, hkv, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -361,7 +345,6 @@ def _rewriter(src, method: str, fits: list | None, pads: list | None, bias: bool
     """rewrite(name, tensor) for stream_weights: per-layer q/k/v/o changes, new biases and norm weights."""
     import torch
 
-    from attnkit.ops.qknorm import pad_columns, pad_norm_weight, pad_rows
 
     spec = src.spec
     h, hkv, dim, hidden = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
@@ -412,8 +395,6 @@ def _check_loads(folder) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from attnkit.io.reader import LazyReader
-    from attnkit.io.checkpoint import safetensors_files
 
     config = AutoConfig.from_pretrained(str(folder))
     if config.model_type != "qwen3":
@@ -433,7 +414,6 @@ def _check_loads(folder) -> None:
 
 def retrofit_qknorm(req: QKNormRequest) -> dict:
     """Run (or with dry_run, plan) the QK-norm retrofit; returns the report (see docs/retrofit.md)."""
-    from attnkit.io.reader import LazyReader
 
     started = time.perf_counter()
     src = check_request(req)
@@ -475,7 +455,6 @@ def retrofit_qknorm(req: QKNormRequest) -> dict:
         rewrite = _anchor_rewriter(src, anchors, pads, biases, dim)
     else:
         if req.method == "unit" and not req.calib:
-            from attnkit.ops.qknorm import unit_fit
 
             fits = [unit_fit(spec.num_heads, spec.num_kv_heads, spec.head_dim)] * spec.num_layers
         else:

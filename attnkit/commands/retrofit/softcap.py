@@ -2,9 +2,9 @@
 
 Weights are copied byte for byte; only config.json changes (attn_logit_softcapping,
 final_logit_softcapping). Stock transformers honours the attention cap only for Gemma 2 and the
-final cap only for Gemma 2/3 (see attnkit.runtime.softcap); elsewhere only attnkit applies them.
+final cap only for Gemma 2/3 (see attnkit.runtime.capped_attention); elsewhere only attnkit applies them.
 `auto` picks a cap from the calibration text so that a chosen fraction of logits is affected
-(attnkit.ops.softcap defines "affected").
+(attnkit.ops.logit_cap defines "affected").
 """
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ from attnkit.commands.retrofit.common import check_source, load, scorer
 from attnkit.commands.rewrite import RewriteRequest, calib_windows
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
+from attnkit.io.checkpoint import INDEX_NAME
+from attnkit.io.safetensors_header import read_headers
+from attnkit.ops.logit_cap import AbsHistogram, cap_for_fraction
+from attnkit.progress import phase
+from attnkit.runtime.capped_attention import native_support
+from attnkit.runtime.hook import attention_hook
+from attnkit.runtime.lm import final_hidden
 
 AUTO = "auto"
 
@@ -68,9 +75,6 @@ def _attention_histogram(model, wins):
     """|attention logit| histogram (q.k * scaling before any cap, visible pairs only) over all layers and heads."""
     import torch
 
-    from attnkit.ops.softcap import AbsHistogram
-    from attnkit.progress import phase
-    from attnkit.runtime.hook import attention_hook
 
     hist = AbsHistogram()
 
@@ -106,9 +110,6 @@ def _final_histogram(model, wins):
     """|final logit| histogram before any final cap, over every position and vocabulary entry."""
     import torch
 
-    from attnkit.ops.softcap import AbsHistogram
-    from attnkit.progress import phase
-    from attnkit.runtime.lm import final_hidden
 
     hist = AbsHistogram()
     head = model.get_output_embeddings()
@@ -122,7 +123,6 @@ def _final_histogram(model, wins):
 
 def _auto_caps(req: SoftcapRequest, src) -> dict:
     """Pick the `auto` caps from the calibration text; returns {"attn": {...}, "final": {...}} for those chosen."""
-    from attnkit.ops.softcap import cap_for_fraction
 
     loaded = load(src.root, req.device)
     model = loaded.model  # as the source runs (any caps it already has applied); logits are counted before a cap
@@ -142,8 +142,6 @@ def _auto_caps(req: SoftcapRequest, src) -> dict:
 
 def _copy_weights(src, writer) -> dict:
     """Copy the source's safetensors files (and index) unchanged into the writer's folder; name -> shape."""
-    from attnkit.io.checkpoint import INDEX_NAME
-    from attnkit.io.safetensors_header import read_headers
 
     folder = writer.folder
     for f in src.ckpt.weight_files:
@@ -166,7 +164,6 @@ def _patched_config(src, attn_cap, final_cap) -> dict:
 
 def warnings_for(model_type: str, attn_cap, final_cap) -> list[str]:
     """Plain statements about who honours the written caps."""
-    from attnkit.runtime.softcap import native_support
 
     native_attn, native_final = native_support(model_type)
     out = []

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
+from attnkit.io.writer import OutputDir
 
 RUN_FILE = "run.json"
 STATE_FILE = "state.pt"
@@ -45,7 +46,6 @@ def save(folder: Path, run: dict, state: dict) -> None:
     """Write run.json and state.pt into a temp folder next to `folder`, then rename it into place."""
     import torch
 
-    from attnkit.io.writer import OutputDir
 
     with OutputDir(Path(folder), overwrite=True) as out:
         torch.save(state, out.path / STATE_FILE)

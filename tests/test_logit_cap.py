@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from attnkit.ops.softcap import AbsHistogram, affect_ratio, affect_threshold, cap_for_fraction, softcap
-from attnkit.runtime.softcap import apply_softcaps, native_support, use_attnkit_attention
+from attnkit.ops.logit_cap import AbsHistogram, affect_ratio, affect_threshold, cap_for_fraction, softcap
+from attnkit.runtime.capped_attention import apply_softcaps, native_support, use_attnkit_attention
 from tests.tiny import build_model
 
 

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
+from attnkit.commands.heal.pair import attention_modules, rewritten_parameters
 from attnkit.errors import AttnkitError
 
 
 def select(student, teacher, mode: str) -> list[str]:
     """Names of the student parameters to train; freezes every other parameter."""
-    from attnkit.commands.heal.pair import rewritten_parameters
 
     if mode == "all":
         names = [n for n, _ in student.named_parameters()]
@@ -25,16 +25,14 @@ def select(student, teacher, mode: str) -> list[str]:
 
 def attention_pairs(student, teacher, names: list[str]) -> dict:
     """{module name: (student module, teacher module)} of the attention blocks holding a trained tensor."""
-    from attnkit.commands.heal.pair import attention_modules
 
     theirs = dict(teacher.named_modules())
     return {name: (module, theirs[name]) for name, module in attention_modules(student).items()
             if name in theirs and any(n.startswith(name + ".") for n in names)}
 
 
-#: Peak learning rates when --lr is not given. MLA students train at a third of the rate: the 25% SmolLM2
-#: student's validation KL rose at 3e-4 (1.90 -> 2.42 by step 50) and fell at 1e-4 (-> 0.89 in 30 minutes);
-#: MQA merge students fell at 3e-4 and fit the teacher's samples at prose's expense at 1e-3 (docs/heal.md).
+#: Peak learning rates when --lr is not given; MLA students train at a third of the rate (why, measured:
+#: docs/heal.md, "Results and how the defaults were chosen").
 DEFAULT_LR, MLA_LR = 3e-4, 1e-4
 
 
@@ -47,8 +45,8 @@ def lr_scales(model) -> dict[str, float]:
     """{module name: lr factor} for the latent projection of each MLA attention whose kv_a_layernorm weights are
     large by construction: convert mla's anchor latent scales its information channels by 2^-8 and the norm's
     weights (~256) undo it. Adam moves every weight by about lr per step whatever its size, so those rows would
-    train ~256 times faster than everything else and push the latent out of the norm's linear regime (measured:
-    the 25% SmolLM2 student diverged within 50 steps at lr 3e-4 and at 1e-4). They train at lr / median |weight|."""
+    train ~256 times faster than everything else and push the latent out of the norm's linear regime (docs/heal.md
+    shows the divergence). They train at lr / median |weight|."""
     scales = {}
     for name, module in model.named_modules():
         norm, latent = getattr(module, "kv_a_layernorm", None), getattr(module, "kv_a_proj_with_mqa", None)
