@@ -58,10 +58,26 @@ def parse_bytes(text: str, option: str | None = None) -> int:
 
 
 def parse_list(text: str, parse) -> list:
-    items = [t for t in (s.strip() for s in text.split(",")) if t]
-    if not items:
+    """Comma-separated items, each parsed; an empty list or an empty item ('4k,,8k', '4k,') is refused."""
+    items = [s.strip() for s in text.split(",")]
+    if not any(items):
         raise UsageError(f"empty list: {_shown(text)}")
+    if not all(items):
+        raise UsageError(f"empty item in the list {_shown(text)}")
     return [parse(t) for t in items]
+
+
+def check_bounds(flag: str, value, low=None, high=None) -> None:
+    """A number option is finite and within [low, high] (either end may be None); a one-line UsageError naming
+    the flag otherwise. Every command bounds its numbers this way, so none runs for ever or overflows."""
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UsageError(f"{flag} must be a finite number, got {value!r}")
+    if low is not None and value < low:
+        raise UsageError(f"{flag} must be at least {low:,}, got {value:,}")
+    if high is not None and value > high:
+        raise UsageError(f"{flag} {value:,} is over the limit of {high:,}")
 
 
 def parse_positive_int(text: str) -> int:

@@ -1,14 +1,20 @@
 """The hostile-user battery of issue 12, rerun: bad CLI inputs, mutated metadata in-process, signals on SmolLM2.
 
-Usage: python benchmarks/hostile_battery.py [--parts readers,cli,signals,gguf-signals] [--headers N]
+Usage: python benchmarks/hostile_battery.py [--parts readers,cli,classes,signals,gguf-signals] [--headers N]
                                             [--index N] [--gguf N] [--seed S]
-  (default parts: readers, cli, signals)
+  (default parts: readers, cli, classes, signals)
   cli      about 340 bad inputs through the CLI (in-process, typer's runner) on tiny checkpoints: damaged
            configs, headers, indexes and texts, missing tensors, bad option values, outputs inside inputs.
   headers  N mutated safetensors files through io.safetensors_header.read_header (default 25,120), each
            also given to the safetensors library: "lax" counts files we accept and it refuses.
   index    N mutated model.safetensors.index.json through io.checkpoint.safetensors_files (default 3,000).
   gguf     N mutated GGUF headers through io.gguf_meta.read_gguf (default 3,000).
+  classes  the classes of bad input of issue 21, several files each, through the CLI: non-finite weights, a
+           tiny token budget over a large text (peak RSS of a subprocess against the same run on a small text),
+           a full disk (a 1 MiB tmpfs, where this machine lets root mount one) and an output place that cannot
+           work, options that must be checked before loading, config values and weights that cannot be right,
+           GGUF tensors missing, twice, misaligned or misshapen, FIFOs and symlink loops, unbounded numbers,
+           and library errors (hub ids, degenerate calibration text).
   signals  `convert mqa --method mean` on SmolLM2-135M (fp32 folder, tests/realmodel.py) in a subprocess:
            SIGTERM at four moments (during the checks and reads, while the shard is written, after the
            weights, just before the rename), SIGINT and SIGHUP, and SIGKILL at two moments, each followed
@@ -338,6 +344,237 @@ def cli(tally: Tally, work: Path) -> None:
         shutil.rmtree(work / "out", ignore_errors=True)
 
 
+# ------------------------------------------------------------------ classes (issue 21)
+
+def class_cases(work: Path) -> tuple[list[tuple[str, list[str], dict]], list[Path]]:
+    """(label, argv, environment) cases of every class, and the input folders that must never change."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers import PROSE, tiny_source
+
+    inputs = work / "class-inputs"
+    inputs.mkdir()
+    good = tiny_source(inputs, "llama_gqa")
+    text = inputs / "text.txt"
+    text.write_text(PROSE * 12)
+    txt, out = str(text), work / "out"
+
+    def variant(name: str, edit) -> Path:
+        folder = inputs / name
+        shutil.copytree(good, folder)
+        edit(folder)
+        return folder
+
+    def tensor(name, fn):
+        def edit(folder):
+            state = load_file(str(folder / "model.safetensors"))
+            state[name] = fn(state[name])
+            save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return edit
+
+    def config(**changes):
+        def edit(folder):
+            doc = json.loads((folder / "config.json").read_text())
+            doc.update(changes)
+            (folder / "config.json").write_text(json.dumps(doc))
+        return edit
+
+    def special(name, make):
+        def edit(folder):
+            (folder / name).unlink()
+            make(folder / name)
+        return edit
+
+    bad_models = [
+        variant("nan-mlp", tensor("model.layers.1.mlp.down_proj.weight", lambda t: t.index_fill(0, torch.tensor([3]),
+                                                                                                 float("nan")))),
+        variant("inf-embed", tensor("model.embed_tokens.weight", lambda t: t.index_fill(0, torch.tensor([9]),
+                                                                                          float("inf")))),
+        variant("nan-attention", tensor("model.layers.0.self_attn.q_proj.weight", lambda t: t * float("nan"))),
+        variant("rope-unknown", config(rope_parameters={"rope_type": "warp9", "rope_theta": 10000.0})),
+        variant("rope-negative", config(rope_parameters={"rope_type": "linear", "factor": -2.0,
+                                                         "rope_theta": 10000.0})),
+        variant("int-weights", tensor("model.layers.0.self_attn.q_proj.weight", lambda t: t.to(torch.int32))),
+        variant("short-embed", tensor("model.embed_tokens.weight", lambda t: t[:-3])),
+        variant("fifo-config", special("config.json", os.mkfifo)),
+        variant("fifo-weights", special("model.safetensors", os.mkfifo)),
+        variant("loop-tokenizer", special("tokenizer.json", lambda p: p.symlink_to(p.name))),
+        variant("loop-config", special("config.json", lambda p: p.symlink_to(p.name))),
+    ]
+    cases: list[tuple[str, list[str], dict]] = []
+    for m in bad_models:
+        for args in (["convert", "mqa", str(m), str(out / "mqa")],
+                     ["convert", "mla", str(m), str(out / "mla"), "--calib", txt, "--kv-budget", "0.5"],
+                     ["retrofit", "softcap", str(m), str(out / "cap"), "--attn-cap", "30"],
+                     ["retrofit", "qkclip", str(m), str(out / "clip"), "--calib", txt, "--tau", "1"],
+                     ["diff", str(good), str(m)], ["eval", str(m), txt, "--seq-len", "64"],
+                     ["probe", str(m), txt, "--seq-len", "64"], ["inspect", str(m)],
+                     ["heal", str(m), str(out / "healed"), "--teacher", str(good), "--tokens", "1k"]):
+            cases.append((f"{m.name}: {' '.join(args[:2])}", args, {}))
+    ggufs = inputs / "gguf"
+    ggufs.mkdir()
+    block = hostile.gguf_tensors()
+    gguf_variants = {
+        "missing-k": [t for t in block if t[0] != "blk.1.attn_k.weight"],
+        "twice": block + [block[1]],
+        "misshapen": [(n, (64, 24) if n == "blk.0.attn_k.weight" else d, t) for n, d, t in block],
+    }
+    for name, tensors in gguf_variants.items():
+        path = ggufs / f"{name}.gguf"
+        path.write_bytes(hostile.gguf_bytes(hostile.gguf_fields(), tensors))
+        cases += [(f"gguf {name}: {c}", [c, str(path), *([str(out / "g")] if c == "export" else [])], {})
+                  for c in ("inspect", "export")]
+    raw = bytearray(hostile.gguf_bytes(hostile.gguf_fields(), block))
+    at = raw.index(b"blk.1.attn_output.weight") + len(b"blk.1.attn_output.weight") + 4 + 16 + 4
+    raw[at:at + 8] = struct_pack_q(int.from_bytes(raw[at:at + 8], "little") + 4)
+    (ggufs / "misaligned.gguf").write_bytes(bytes(raw))
+    cases.append(("gguf misaligned: inspect", ["inspect", str(ggufs / "misaligned.gguf")], {}))
+    wide = [(k, t, 60 if k.endswith("embedding_length") else v) for k, t, v in hostile.gguf_fields()]
+    (ggufs / "width.gguf").write_bytes(hostile.gguf_bytes(wide, block))
+    cases.append(("gguf width not heads x head size", ["inspect", str(ggufs / "width.gguf")], {}))
+    blocker = inputs / "blocker"
+    blocker.write_text("a file")
+    ok_gguf = ggufs / "ok.gguf"
+    ok_gguf.write_bytes(hostile.gguf_bytes(hostile.gguf_fields(), block))
+    g = str(good)
+    cases += [
+        ("output is a file", ["convert", "mla", g, str(blocker), "--calib", txt, "--kv-budget", "0.5"], {}),
+        ("output under a file", ["convert", "mqa", g, str(blocker / "out")], {}),
+        ("cache is a file", ["export", str(ok_gguf), str(out / "e")], {"ATTNKIT_CACHE": str(blocker)}),
+        ("eval --seq-len 0", ["eval", g, txt, "--seq-len", "0"], {}),
+        ("eval --batch-size 0", ["eval", g, txt, "--batch-size", "0"], {}),
+        ("eval --max-tokens -5", ["eval", g, txt, "--max-tokens", "-5"], {}),
+        ("probe --threshold nan", ["probe", g, txt, "--threshold", "nan"], {}),
+        ("qknorm --steps 1e10", ["retrofit", "qknorm", g, str(out / "q"), "--method", "kl", "--calib", txt,
+                                 "--steps", "10000000000"], {}),
+        ("eval --batch-size 2^32+1", ["eval", g, txt, "--batch-size", str(2**32 + 1)], {}),
+        ("probe --fail-if nan", ["probe", g, txt, "--fail-if", "max_logit>nan"], {}),
+        ("probe --fail-if 1e999", ["probe", g, txt, "--fail-if", "max_logit>1e999"], {}),
+        ("probe --top -1", ["probe", g, txt, "--top", "-1"], {}),
+        ("kvmem 4k,,8k", ["kvmem", "llama-3.1-8b", "--context", "4k,,8k"], {}),
+        ("heal --batch-size 2^32+4", ["heal", g, str(out / "h"), "--teacher", g, "--batch-size", str(2**32 + 4)], {}),
+        ("mla --shrink nan", ["convert", "mla", g, str(out / "m"), "--calib", txt, "--kv-budget", "0.5",
+                              "--shrink", "nan"], {}),
+        ("hub id with --", ["inspect", "acme/ti--ny"], {"HF_HUB_OFFLINE": "1"}),
+        ("hub revision ..", ["inspect", "acme/tiny@bad..rev"], {"HF_HUB_OFFLINE": "1"}),
+    ]
+    flat = inputs / "flat.txt"
+    flat.write_text("a" * 8000)
+    jsonl = inputs / "bad.jsonl"
+    jsonl.write_text(json.dumps({"text": PROSE * 40}) + "\n" + json.dumps({"body": "x"}) + "\n")
+    cases += [("calibration with no variation", ["convert", "mla", g, str(out / "flat"), "--calib", str(flat),
+                                                  "--kv-budget", "0.5"], {}),
+              ("heal .jsonl without text", ["heal", g, str(out / "hj"), "--teacher", g, "--data", str(jsonl),
+                                            "--tokens", "1k"], {})]
+    return cases, [inputs]
+
+
+def struct_pack_q(value: int) -> bytes:
+    return value.to_bytes(8, "little")
+
+
+def classes(tally: Tally, work: Path) -> None:
+    from typer.testing import CliRunner
+
+    from attnkit.cli import app
+
+    cases, inputs = class_cases(work)
+    before = {folder: digest(folder) for folder in inputs}
+    runner = CliRunner()
+    for label, argv, env in cases:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            result = runner.invoke(app, argv)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        outcome, detail = cli_outcome(result)
+        modified = any(digest(folder) != before[folder] for folder in inputs)
+        left = leftovers(work)
+        for path in left:
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        tally.add("classes", outcome, f"{label}: {detail}", modified, len(left))
+        if outcome != "clean" or modified or left:
+            print(f"{label}: {outcome} {detail} modified {modified} leftovers {[p.name for p in left]}",
+                  file=sys.stderr)
+        shutil.rmtree(work / "out", ignore_errors=True)
+    text_memory(tally, work)
+    full_disk(tally, work)
+
+
+def text_memory(tally: Tally, work: Path) -> None:
+    """Peak RSS of `eval --max-tokens 2048` and `convert mqa --method merge --calib-tokens 2048` on a 64 MiB text
+    against a small one, each in its own process: reading only what the budget needs keeps them equal."""
+    from tests.helpers import PROSE, tiny_source
+
+    folder = work / "memory"
+    folder.mkdir()
+    model = tiny_source(folder, "llama_gqa")
+    small, big = folder / "small.txt", folder / "big.txt"
+    small.write_text(PROSE * 40)
+    with big.open("w") as fh:
+        for _ in range(64 * 1024):
+            fh.write((PROSE * 8)[:1023] + "\n")
+    for what, args in (("eval", ["eval", str(model), "{text}", "--seq-len", "64", "--max-tokens", "2048"]),
+                       ("convert --calib", ["convert", "mqa", str(model), str(folder / "out"), "--method", "merge",
+                                            "--calib", "{text}", "--calib-tokens", "2048", "--calib-seq-len", "64"])):
+        peaks = {}
+        for name, path in (("small", small), ("big", big)):
+            code = "import resource, sys, runpy; sys.argv = ['attnkit', *sys.argv[1:]]\n" \
+                   "try:\n    runpy.run_module('attnkit', run_name='__main__')\nexcept SystemExit:\n    pass\n" \
+                   "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)"
+            proc = subprocess.run([sys.executable, "-c", code, *[a.format(text=path) for a in args]],
+                                  capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            peaks[name] = int(proc.stderr.strip().splitlines()[-1]) / 1024
+            shutil.rmtree(folder / "out", ignore_errors=True)
+        grew = peaks["big"] - peaks["small"]
+        outcome = "clean" if grew < 64 else "crash"
+        detail = f"{what}: peak RSS {peaks['small']:.0f} MiB on a small text, {peaks['big']:.0f} MiB on 64 MiB"
+        tally.add("classes: text memory", outcome, detail)
+        print(detail, file=sys.stderr)
+
+
+def full_disk(tally: Tally, work: Path) -> None:
+    """convert mqa, export and probe --plot into a 1 MiB tmpfs: one line, nothing left (root and mount only)."""
+    from typer.testing import CliRunner
+
+    from attnkit.cli import app
+    from tests.helpers import PROSE, tiny_source
+
+    disk = work / "full-disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        print("full disk: cannot mount a tmpfs here; part skipped", file=sys.stderr)
+        return
+    try:
+        model = tiny_source(work, "llama_gqa")
+        text = work / "full-text.txt"
+        text.write_text(PROSE * 12)
+        with open(disk / "filler", "wb", buffering=0) as fh:  # fill the disk, then free 16 KiB: too little
+            try:
+                while True:
+                    fh.write(b"\0" * 4096)
+            except OSError:
+                pass
+        with open(disk / "filler", "r+b") as fh:
+            fh.truncate(max(0, (disk / "filler").stat().st_size - (16 << 10)))
+        runner = CliRunner()
+        for label, argv in (("convert mqa", ["convert", "mqa", str(model), str(disk / "out")]),
+                            ("probe --plot", ["probe", str(model), str(text), "--seq-len", "64", "--plot",
+                                              str(disk / "heads.png")])):
+            outcome, detail = cli_outcome(runner.invoke(app, argv))
+            left = [p for p in disk.iterdir() if p.name != "filler"]
+            tally.add("classes: full disk", outcome, f"{label}: {detail}", False, len(left))
+            print(f"full disk, {label}: {outcome} {detail} left {[p.name for p in left]}", file=sys.stderr)
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
 # ------------------------------------------------------------------ signals
 
 def run_child(args, sig=None, delay=0.0, env=None, when=None) -> tuple[int, str, float]:
@@ -450,8 +687,8 @@ def main() -> None:
     parser.add_argument("--index", type=int, default=3_000)
     parser.add_argument("--gguf", type=int, default=3_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--parts", default="readers,cli,signals",
-                        help="comma-separated: readers, cli, signals, gguf-signals")
+    parser.add_argument("--parts", default="readers,cli,classes,signals",
+                        help="comma-separated: readers, cli, classes, signals, gguf-signals")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     tally = Tally()
@@ -467,6 +704,10 @@ def main() -> None:
             started = time.perf_counter()
             cli(tally, work)
             print(f"CLI: {time.perf_counter() - started:.1f}s", file=sys.stderr)
+        if "classes" in parts:
+            started = time.perf_counter()
+            classes(tally, work)
+            print(f"classes: {time.perf_counter() - started:.1f}s", file=sys.stderr)
         del os.environ["ATTNKIT_CACHE"]  # the real-model parts read SmolLM2 from the test cache
         if "signals" in parts:
             folder_signals(tally, work)

@@ -69,9 +69,14 @@ def write_gguf(path, arch, **fields):
     writer.add_embedding_length(fields.get("hidden", 64))
     writer.add_head_count(fields.get("heads", 8))
     writer.add_head_count_kv(fields.get("kv_heads", 2))
-    writer.add_tensor("token_embd.weight", np.zeros((16, fields.get("hidden", 64)), dtype=np.float32))
-    for i in range(fields.get("layers", 2)):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(fields.get("hidden", 64), dtype=np.float32))
+    hidden, heads, kv_heads = fields.get("hidden", 64), fields.get("heads", 8), fields.get("kv_heads", 2)
+    dim = hidden // heads
+    writer.add_tensor("token_embd.weight", np.zeros((16, hidden), dtype=np.float32))
+    for i in range(fields.get("layers", 2)):  # numpy [out, in]: GGUF dims [in, out]
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        for role, rows in (("attn_q", heads * dim), ("attn_k", kv_heads * dim), ("attn_v", kv_heads * dim)):
+            writer.add_tensor(f"blk.{i}.{role}.weight", np.zeros((rows, hidden), dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", np.zeros((hidden, heads * dim), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

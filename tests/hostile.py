@@ -151,8 +151,12 @@ def gguf_fields(layers: int = 2) -> list[tuple[str, int, object]]:
 
 
 def gguf_tensors(layers: int = 2) -> list[tuple[str, tuple[int, ...], int]]:
-    """(name, dims, ggml type) of F32 tensors: the embedding and one norm per block."""
-    return [("token_embd.weight", (64, 3), 0)] + [(f"blk.{i}.attn_norm.weight", (64,), 0) for i in range(layers)]
+    """(name, dims, ggml type) of F32 tensors: the embedding, and per block a norm and the attention (GGUF dims
+    [in, out]; hidden 64, 8 heads and 2 KV heads of 8)."""
+    block = [("attn_norm", (64,)), ("attn_q", (64, 64)), ("attn_k", (64, 16)), ("attn_v", (64, 16)),
+             ("attn_output", (64, 64))]
+    return [("token_embd.weight", (64, 3), 0)] + [(f"blk.{i}.{role}.weight", dims, 0) for i in range(layers)
+                                                  for role, dims in block]
 
 
 def gguf_bytes(fields, tensors, *, n_kv: int | None = None, n_tensors: int | None = None, version: int = 3) -> bytes:

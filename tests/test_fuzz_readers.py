@@ -88,4 +88,4 @@ def test_the_unmutated_inputs_are_valid(tmp_path, make):
         path = tmp_path / "m.gguf"
         path.write_bytes(make(hostile.gguf_fields(), hostile.gguf_tensors()))
         config, tensors = read_gguf(path)
-        assert (config["num_hidden_layers"], config["num_key_value_heads"], len(tensors)) == (2, 2, 3)
+        assert (config["num_hidden_layers"], config["num_key_value_heads"], len(tensors)) == (2, 2, 11)

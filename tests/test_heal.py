@@ -148,6 +148,19 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues_the_same_run(pair, tmp_p
     assert _layout(out) == _layout(tmp_path / "whole")
 
 
+def test_sigterm_saves_a_checkpoint_and_exits_as_a_termination(pair, tmp_path):
+    """SIGTERM is not Ctrl-C: the checkpoint is saved the same way, the message says terminated, the exit is 143."""
+    def term(message: str) -> None:
+        if message.startswith("step 4:"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    out = tmp_path / "out"
+    with pytest.raises(Interrupted, match=r"terminated \(SIGTERM\) at step 5") as stopped:
+        heal(_request(pair, out), log=term)
+    assert stopped.value.exit_code == 143
+    assert not out.exists() and (tmp_path / "out.checkpoint" / "run.json").is_file()
+
+
 def test_lora_merges_back_and_attention_loss_is_reported(runner, pair, tmp_path):
     teacher, student, data = pair
     out = tmp_path / "out"

@@ -104,7 +104,7 @@ def test_not_a_gguf(tmp_path, content, words):
 def test_gguf_with_truncated_tensor_data(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", "llama")
     path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(AttnkitError, match=f"{path}: tensor 'blk.1.attn_norm.weight' runs past the end of the file"):
+    with pytest.raises(AttnkitError, match=f"{path}: tensor 'blk.1.attn_output.weight' runs past the end of the file"):
         read_gguf(path)
 
 
@@ -120,8 +120,9 @@ def test_synthetic_gguf_config_and_folder_with_one_gguf(tmp_path):
     assert (config["model_type"], config["num_hidden_layers"], config["num_attention_heads"],
             config["num_key_value_heads"], config["head_dim"]) == ("llama", 3, 6, 2, 16)
     assert config["tie_word_embeddings"] is True  # no output.weight
+    block = [("attn_norm", 96), ("attn_q", 96 * 96), ("attn_k", 32 * 96), ("attn_v", 32 * 96), ("attn_output", 96 * 96)]
     assert [(t.name, t.numel) for t in tensors] == [("token_embd.weight", 16 * 96)] + [
-        (f"blk.{i}.attn_norm.weight", 96) for i in range(3)]
+        (f"blk.{i}.{role}.weight", numel) for i in range(3) for role, numel in block]
     ckpt = resolve(str(tmp_path))  # a folder holding only one GGUF
     assert ckpt.kind == "gguf" and ckpt.gguf_file == path
 

@@ -80,6 +80,7 @@ def test_windows_start_as_the_tokenizer_starts_a_text(bos_tok):
 def test_text_files_are_read_in_pieces_and_only_as_far_as_needed(tmp_path, tok, monkeypatch):
     import attnkit.runtime.texts as texts
 
+    monkeypatch.setattr(texts, "FIRST_PIECE_CHARS", 64)
     monkeypatch.setattr(texts, "PIECE_CHARS", 64)
     line = "the quick brown fox jumps over the lazy dog\n"
     (tmp_path / "big.txt").write_text(line * 1000)

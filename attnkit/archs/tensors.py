@@ -94,11 +94,19 @@ def expected_names(arch: Arch, spec: AttentionSpec, config: dict, prefix: str) -
     return names
 
 
-def check_tensors(arch: Arch, spec: AttentionSpec, config: dict, shapes: Mapping[str, tuple], where) -> str:
+#: safetensors dtype codes of floating-point tensors (what weights are stored as).
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+def check_tensors(arch: Arch, spec: AttentionSpec, config: dict, shapes: Mapping[str, tuple], where,
+                  dtypes: Mapping[str, str] | None = None) -> str:
     """Check that `shapes` (tensor name -> shape) holds every tensor the config implies, with attention tensors
-    of the shapes it implies; returns the name prefix. AttnkitError naming `where` and the first problem."""
+    of the shapes it implies, embeddings and head of vocab_size x hidden_size rows, and (with `dtypes`,
+    name -> safetensors dtype code) floating-point weights; returns the name prefix. AttnkitError naming `where`
+    and the first problem."""
     prefix = find_prefix(arch, shapes)
-    missing = [name for name in expected_names(arch, spec, config, prefix) if name not in shapes]
+    expected = expected_names(arch, spec, config, prefix)
+    missing = [name for name in expected if name not in shapes]
     if missing:
         raise AttnkitError(f"{where}: incomplete checkpoint: {len(missing)} tensor(s) that its config implies are "
                            f"missing, e.g. {missing[0]!r} (an interrupted download, or an index that leaves out "
@@ -109,4 +117,27 @@ def check_tensors(arch: Arch, spec: AttentionSpec, config: dict, shapes: Mapping
             if name in shapes and tuple(shapes[name]) != role_shape(arch, spec, role):
                 raise AttnkitError(f"{where}: tensor {name!r} has shape {list(shapes[name])} but the config implies "
                                    f"{list(role_shape(arch, spec, role))}")
+    _check_vocabulary(arch, spec, config, shapes, prefix, where)
+    if dtypes is not None:
+        for name in expected:
+            if dtypes[name] not in FLOAT_DTYPES:
+                raise AttnkitError(f"{where}: tensor {name!r} is stored as {dtypes[name]}; weights must be floating "
+                                   f"point ({', '.join(FLOAT_DTYPES)})")
     return prefix
+
+
+def _check_vocabulary(arch: Arch, spec: AttentionSpec, config: dict, shapes: Mapping[str, tuple], prefix: str,
+                      where) -> None:
+    """The token embedding (the first of the architecture's required model tensors) and the output head have
+    one row of hidden_size values per vocabulary entry."""
+    vocab = arch.config_value(config, "vocab_size")
+    required = arch.data["required"]
+    names = [prefix + required["model"][0]] if required["model"] else []
+    if "head" in required and required["head"] in shapes:
+        names.append(required["head"])
+    for name in names:
+        shape = tuple(shapes.get(name, ()))
+        if len(shape) != 2 or (vocab is not None and shape[0] != vocab) or shape[1] != spec.hidden_size:
+            raise AttnkitError(f"{where}: tensor {name!r} has shape {list(shape)} but the config implies "
+                               f"[{vocab if vocab is not None else 'vocab_size'}, {spec.hidden_size}] "
+                               "(vocab_size x hidden_size)")

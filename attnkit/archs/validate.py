@@ -42,8 +42,46 @@ REQUIRED = ("num_layers", "num_heads", "hidden_size")
 REQUIRED_MLA = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 
 
+#: RoPE types transformers computes frequencies for ("default" plus its ROPE_INIT_FUNCTIONS, 5.x).
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
+#: RoPE parameters that are positive numbers wherever a config gives them.
+ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
+
+
+def check_rope(config: dict) -> None:
+    """RoPE parameters (rope_scaling, rope_parameters and its per-layer-type entries, in a text_config too): a
+    known type and positive finite numbers; one-line AttnkitError naming the key."""
+    for where, holder in (("", config), ("text_config.", config.get("text_config"))):
+        if not isinstance(holder, dict):
+            continue
+        for key in ("rope_scaling", "rope_parameters"):
+            block = holder.get(key)
+            if block is None:
+                continue
+            if not isinstance(block, dict):
+                raise AttnkitError(f"config value {where}{key} = {reprlib.repr(block)} must be an object")
+            nested = [(f"{where}{key}.{k}", v) for k, v in block.items() if isinstance(v, dict)]
+            for name, params in [(f"{where}{key}", block), *nested]:
+                _check_rope_block(name, params)
+
+
+def _check_rope_block(name: str, params: dict) -> None:
+    kind = params.get("rope_type", params.get("type"))
+    if kind is not None and kind not in ROPE_TYPES:
+        raise AttnkitError(f"config value {name}.rope_type = {reprlib.repr(kind)} is not a RoPE type transformers "
+                           f"knows ({', '.join(ROPE_TYPES)})")
+    for key in ROPE_NUMBERS:
+        value = params.get(key)
+        problem = None if value is None else _problem(value, "number", 0, None)
+        if problem:
+            raise AttnkitError(f"config value {name}.{key} = {reprlib.repr(value)} {problem}")
+
+
 def check_config(arch: Arch, config: dict) -> None:
-    """Every role `arch` maps must hold a value of the right type within RULES' bounds; one-line AttnkitError."""
+    """Every role `arch` maps must hold a value of the right type within RULES' bounds, and RoPE parameters must
+    make sense (check_rope); one-line AttnkitError."""
+    check_rope(config)
     required = REQUIRED + (REQUIRED_MLA if arch.qkv_layout == "mla" else ())
     for role in arch.data["config"]:
         key, value = arch.config_item(config, role)

@@ -91,9 +91,28 @@ def _describe(exc: BaseException) -> str:
 
 
 def _os_message(exc: OSError) -> str:
+    """One line for an OSError that no command turned into its own message: what failed and where."""
+    import errno
+
     filename = getattr(exc, "filename", None)
-    where = f": {os.fsdecode(filename)}" if isinstance(filename, (str, bytes)) else ""
-    return _one_line(f"{exc.strerror or _describe(exc)}{where}")
+    where = f" {os.fsdecode(filename)}" if isinstance(filename, (str, bytes)) else ""
+    if exc.errno == errno.ENOSPC:
+        return _one_line(f"disk full{' while writing' + where if where else ''}")
+    what = {errno.EACCES: "permission denied", errno.EROFS: "read-only file system", errno.ELOOP: "symlink loop",
+            errno.ENOTDIR: "not a folder", errno.EISDIR: "is a folder", errno.ENOENT: "no such file or folder"}
+    return _one_line(f"cannot use{where or ' a file'}: {what.get(exc.errno) or exc.strerror or _describe(exc)}")
+
+
+def _library_message(exc: BaseException) -> str | None:
+    """attnkit's words for what the numeric libraries raise on inputs they cannot handle, or None."""
+    name = type(exc).__name__
+    first = _describe(exc).split(". ")[0]
+    if name == "LinAlgError":
+        return (f"a matrix factorization failed ({first}); the calibration text may be too short or too "
+                "repetitive: give more varied --calib text")
+    if name == "OutOfMemoryError":
+        return f"out of GPU memory ({first}); try fewer tokens, a smaller --batch-size or --device cpu"
+    return None
 
 
 def _on_signal(signum, _frame) -> None:
@@ -167,10 +186,15 @@ def handle_errors(fn: F) -> F:
             if debug_enabled():
                 raise
             fail(_os_message(exc))
+        except MemoryError:
+            if debug_enabled():
+                raise
+            fail("out of memory: try fewer tokens, a smaller --batch-size or another --device")
         except Exception as exc:  # noqa: BLE001 - last-resort one-line report
             if debug_enabled():
                 raise
-            fail(f"{type(exc).__name__}: {_describe(exc)} (set ATTNKIT_DEBUG=1 for the traceback)")
+            fail(_library_message(exc) or
+                 f"{type(exc).__name__}: {_describe(exc)} (set ATTNKIT_DEBUG=1 for the traceback)")
 
     return wrapper  # type: ignore[return-value]
 

@@ -11,6 +11,7 @@ from attnkit.errors import UsageError
 from attnkit.io.writer import OutputDir
 from attnkit.runtime.loader import resolve_device
 from attnkit.runtime.texts import check_text_files, make_windows, read_texts
+from attnkit.units import MAX_TOKENS, check_bounds
 
 #: Prompt of the greedy sample when none is given: a fact a small model knows and a damaged one gets wrong.
 DEFAULT_PROMPTS = ("The capital of the United States is",)
@@ -68,12 +69,12 @@ def check_rewrite(req: RewriteRequest) -> None:
     check_text_files([*req.calib, *req.eval])
     for kind, files, tokens, seq_len in (("calib", req.calib, req.calib_tokens, req.calib_seq_len),
                                          ("eval", req.eval, req.eval_tokens, req.eval_seq_len)):
-        if seq_len < 2:
-            raise UsageError(f"--{kind}-seq-len must be at least 2, got {seq_len}")
+        check_bounds(f"--{kind}-seq-len", seq_len, 2, MAX_TOKENS)
+        if tokens is not None:
+            check_bounds(f"--{kind}-tokens", tokens, 1, MAX_TOKENS)
         if files and tokens is not None and tokens < seq_len:
             raise UsageError(f"--{kind}-tokens {tokens} is shorter than one window (--{kind}-seq-len {seq_len})")
-    if req.sample_tokens < 1:
-        raise UsageError(f"the greedy samples need at least 1 new token, got {req.sample_tokens}")
+    check_bounds("the greedy samples' new tokens", req.sample_tokens, 1, MAX_TOKENS)
     check_write(req)
 
 

@@ -57,8 +57,10 @@ def inside(folder: Path, name: str, source: Path) -> Path:
     if not name or "\0" in name or "\\" in name or rel.is_absolute() or ".." in rel.parts:
         raise AttnkitError(f"{source}: file name {name!r} points outside the checkpoint folder")
     path = Path(folder) / rel
-    root = Path(folder).resolve()
-    real = path.resolve()
+    try:
+        root, real = Path(folder).resolve(), path.resolve()
+    except (RuntimeError, OSError):  # Python raises RuntimeError for a symlink loop
+        raise AttnkitError(f"{path}: a symlink loop") from None
     allowed = [root]
     if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
         allowed.append(root.parent.parent / "blobs")
@@ -68,10 +70,14 @@ def inside(folder: Path, name: str, source: Path) -> Path:
 
 
 def side_files(folder: Path) -> list[Path]:
-    """The files of SIDE_FILES in a folder, config.json aside; refused when one links out of the folder."""
+    """The files of SIDE_FILES in a folder, config.json aside; refused when one links out of the folder or is a
+    link that leads nowhere (dangling, or a loop)."""
     patterns = [p for p in SIDE_FILES if p != "config.json"]
-    return [inside(folder, f.name, f) for f in sorted(Path(folder).iterdir())
-            if f.is_file() and any(fnmatch(f.name, p) for p in patterns)]
+    found = [f for f in sorted(Path(folder).iterdir()) if any(fnmatch(f.name, p) for p in patterns)]
+    broken = next((f for f in found if f.is_symlink() and not f.exists()), None)
+    if broken is not None:
+        raise AttnkitError(f"{broken}: a symlink that leads nowhere (dangling, or a loop)")
+    return [inside(folder, f.name, f) for f in found if f.is_file()]
 
 
 def safetensors_files(folder: Path) -> list[Path]:

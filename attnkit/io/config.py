@@ -11,7 +11,7 @@ from attnkit.io.jsonsafe import read_json_file
 def read_config(path: str | Path) -> dict:
     """Parse a config.json; missing or malformed files give a one-line error naming the file."""
     path = Path(path)
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         raise AttnkitError(f"missing config.json: {path} does not exist")
     config = read_json_file(path, "config.json")
     if not isinstance(config, dict):

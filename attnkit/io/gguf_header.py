@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
+from attnkit.io.files import open_regular
 
 #: GGUF value type -> struct format (8 = string and 9 = array are handled apart).
 SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -98,15 +99,11 @@ class _Cursor:
 def parse_gguf_header(path: Path) -> GGUFHeader:
     """Key/values and tensor infos of a GGUF file; one-line AttnkitError naming the file when it is damaged."""
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path, "GGUF file") as fh:
             if fh.seek(0, 2) < 24:
                 raise AttnkitError(f"{path}: not a GGUF file (too short)")
             with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
                 return _parse(path, buf)
-    except FileNotFoundError:
-        raise AttnkitError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise AttnkitError(f"{path}: is a folder, not a GGUF file") from None
     except OSError as exc:
         raise AttnkitError(f"{path}: cannot read ({exc.strerror or exc})") from None
     except _Truncated:
@@ -126,6 +123,7 @@ def _parse(path: Path, buf) -> GGUFHeader:
     _check_count(path, "key/values", n_kv, KV_MIN_BYTES, len(buf))
     _check_count(path, "tensors", n_tensors, TENSOR_MIN_BYTES, len(buf))
     header = GGUFHeader(version)
+    names = set()
     for _ in range(n_kv):
         key = cur.string(MAX_NAME_BYTES)
         if key in header.fields:
@@ -138,10 +136,17 @@ def _parse(path: Path, buf) -> GGUFHeader:
             raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
         dims = cur.take(f"{n_dims}Q")
         ggml_type, offset = cur.take("IQ")
+        if name in names:
+            raise ValueError(f"tensor {name!r} appears twice")
+        names.add(name)
         header.tensors.append((name, dims, ggml_type, offset))
     alignment = header.fields.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1 or alignment & (alignment - 1):
         raise ValueError(f"general.alignment must be a positive power of two, got {alignment!r}")
+    misaligned = next((name for name, _, _, offset in header.tensors if offset % alignment), None)
+    if misaligned is not None:
+        raise ValueError(f"tensor {misaligned!r} starts at an offset that is not a multiple of the alignment "
+                         f"{alignment}")
     header.data_start = math.ceil(cur.pos / alignment) * alignment
     return header
 

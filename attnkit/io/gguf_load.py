@@ -106,6 +106,20 @@ def gguf_cache_folder(gguf_path: Path, cache_dir: Path | None = None, dtype: str
     return Path(cache_dir or cache_root()) / f"{gguf_path.stem}-{dtype}-{key}"
 
 
+def check_cache_folder(folder: Path) -> None:
+    """The cache folder can hold a dequantized model: a folder (or creatable as one) this process may write in."""
+    from attnkit.io.writer import check_writable_parent
+
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise AttnkitError(f"{folder}: attnkit's cache is a file, not a folder (set ATTNKIT_CACHE to a folder)")
+    if folder.is_dir():
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise AttnkitError(f"{folder}: cannot write into attnkit's cache (permission denied; set ATTNKIT_CACHE)")
+    else:
+        check_writable_parent(folder)
+
+
 def materialize_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> Path:
     """Write config, safetensors weights and tokenizer of a GGUF model to `out_dir` (atomically, once).
 
@@ -114,6 +128,7 @@ def materialize_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> 
     out_dir = Path(out_dir)
     if (out_dir / "config.json").is_file():
         return out_dir
+    check_cache_folder(out_dir.parent)
     model, tokenizer = load_gguf_model(gguf_path, dtype)
     clean_stale(out_dir.parent)
     tmp = make_temp_dir(out_dir.parent, out_dir.name)

@@ -17,6 +17,11 @@ GGUF_ARCH_TO_MODEL_TYPE = {
     "deepseek2": "deepseek_v2", "gpt-oss": "gpt_oss",
 }
 
+#: Attention tensors every block of a GGUF architecture holds (llama.cpp's names, without ".weight").
+BLOCK_TENSORS = {"phi3": ("attn_qkv", "attn_output"), "gpt2": ("attn_qkv", "attn_output"),
+                 "gptneox": ("attn_qkv", "attn_output"), "deepseek2": ("attn_kv_a_mqa", "attn_output")}
+SEPARATE_QKV = ("attn_q", "attn_k", "attn_v", "attn_output")
+
 #: GGUF key suffix (after "<arch>.") -> config key.
 GGUF_KEYS = {
     "block_count": "num_hidden_layers",
@@ -74,11 +79,13 @@ def read_gguf(path: str | Path) -> tuple[dict, list[GGUFTensor]]:
     except AttnkitError as exc:
         raise AttnkitError(f"{path}: {exc}") from None
     if "head_dim" not in config:
+        if config["hidden_size"] % config["num_attention_heads"]:
+            raise AttnkitError(f"{path}: embedding_length {config['hidden_size']} is not a multiple of its "
+                               f"{config['num_attention_heads']} heads and no key_length gives the head size")
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]  # llama.cpp's default
     tensors = _tensors(path, header)
-    names = {t.name for t in tensors}
-    _check_blocks(path, names, config["num_hidden_layers"])
-    config["tie_word_embeddings"] = "output.weight" not in names
+    _check_blocks(path, {t.name: t.shape for t in tensors}, arch, config)
+    config["tie_word_embeddings"] = "output.weight" not in {t.name for t in tensors}
     return config, tensors
 
 
@@ -91,15 +98,29 @@ def _one_value(path: Path, key: str, value):
     return value[0]
 
 
-def _check_blocks(path: Path, names: set[str], layers: int) -> None:
-    """The token embedding and at least one tensor of every block blk.0 .. blk.{layers-1} are present."""
-    if "token_embd.weight" not in names:
+def _check_blocks(path: Path, shapes: dict[str, tuple], arch: str, config: dict) -> None:
+    """The token embedding and the attention tensors of every block blk.0 .. blk.{layers-1} are present, and
+    separate q/k/v/output tensors have the shapes the head counts imply (GGUF dims are [in, out])."""
+    if "token_embd.weight" not in shapes:
         raise AttnkitError(f"{path}: incomplete GGUF (no token_embd.weight)")
-    blocks = {name.split(".")[1] for name in names if name.startswith("blk.") and name.count(".") > 1}
+    layers = config["num_hidden_layers"]
+    blocks = {name.split(".")[1] for name in shapes if name.startswith("blk.") and name.count(".") > 1}
     missing = [i for i in range(layers) if str(i) not in blocks]
     if missing:
         raise AttnkitError(f"{path}: incomplete GGUF (block_count is {layers} but block blk.{missing[0]} has no "
                            f"tensors; {len(missing)} block(s) missing)")
+    roles = BLOCK_TENSORS.get(arch, SEPARATE_QKV)
+    d, dim = config["hidden_size"], config["head_dim"]
+    want = {"attn_q": (d, config["num_attention_heads"] * dim), "attn_k": (d, config["num_key_value_heads"] * dim),
+            "attn_v": (d, config["num_key_value_heads"] * dim), "attn_output": (config["num_attention_heads"] * dim, d)}
+    for i in range(layers):
+        for role in roles:
+            name = f"blk.{i}.{role}.weight"
+            if name not in shapes:
+                raise AttnkitError(f"{path}: incomplete GGUF (no {name})")
+            if roles is SEPARATE_QKV and tuple(shapes[name]) != want[role]:
+                raise AttnkitError(f"{path}: tensor {name} has dims {list(shapes[name])} but the header's head "
+                                   f"counts imply {list(want[role])}")
 
 
 def _tensors(path: Path, header: GGUFHeader) -> list[GGUFTensor]:

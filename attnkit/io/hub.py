@@ -39,7 +39,11 @@ def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> AttnkitErr
         return AttnkitError(f"hub model {repo_id!r} has no revision {revision!r}")
     if isinstance(exc, errors.EntryNotFoundError):
         return AttnkitError(f"hub model {name!r} has no config.json")
-    return AttnkitError(f"hub model {name!r}: download failed ({type(exc).__name__}: {exc})")
+    if isinstance(exc, errors.HFValidationError):
+        return AttnkitError(f"{name!r} is not a valid hub id or revision ({str(exc).splitlines()[0].rstrip('.')})")
+    if isinstance(exc, OSError):
+        return AttnkitError(f"hub model {name!r}: download failed ({exc.strerror or exc})")
+    return AttnkitError(f"hub model {name!r}: download failed ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
 
 
 def _http_status(exc: BaseException) -> int | None:

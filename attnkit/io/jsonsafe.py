@@ -52,15 +52,12 @@ def read_json_file(path, what: str):
     from pathlib import Path
 
     from attnkit.errors import AttnkitError
+    from attnkit.io.files import open_regular
 
     path = Path(path)
     try:
-        with path.open("rb") as fh:
+        with open_regular(path, what) as fh:
             raw = fh.read(MAX_JSON_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise AttnkitError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise AttnkitError(f"{path}: is a folder, not a {what}") from None
     except OSError as exc:
         raise AttnkitError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if len(raw) > MAX_JSON_FILE_BYTES:

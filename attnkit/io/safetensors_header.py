@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
+from attnkit.io.files import open_regular
 from attnkit.io.jsonsafe import JSONError, loads_strict
 
 #: Bits per element for every dtype the safetensors format defines.
@@ -56,7 +57,7 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
     """Tensor infos and the `__metadata__` of one safetensors file; errors name the file."""
     path = Path(path)
     try:
-        with path.open("rb") as fh:
+        with open_regular(path, "safetensors file") as fh:
             size = fh.seek(0, 2)
             fh.seek(0)
             raw_len = fh.read(8)
@@ -69,10 +70,6 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
             if 8 + header_len > size:
                 raise AttnkitError(f"{path}: corrupt safetensors header (length {header_len} exceeds the file)")
             raw = fh.read(header_len)
-    except FileNotFoundError:
-        raise AttnkitError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise AttnkitError(f"{path}: is a folder, not a safetensors file") from None
     except OSError as exc:
         raise AttnkitError(f"{path}: cannot read ({exc.strerror or exc})") from None
     return parse_header(raw, size - 8 - header_len, path)

@@ -38,7 +38,13 @@ def make_temp_dir(parent: Path, name: str, tag: str = TMP_TAG, marked: bool = Tr
         except FileExistsError:
             continue
         if marked:
-            mark(path)
+            try:
+                mark(path)
+            except BaseException as exc:  # an unmarked folder would never be cleaned up by a later run
+                shutil.rmtree(path, ignore_errors=True)
+                if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                    raise AttnkitError(f"disk full while writing in {parent}") from exc
+                raise
         return path
 
 

@@ -19,8 +19,10 @@ from attnkit.errors import AttnkitError, UsageError
 
 #: Bytes read at a time when checking that a text file is UTF-8.
 CHECK_CHUNK = 1 << 20
-#: Characters of a text tokenized at a time, cut after the last line break (else space) in them; a
-#: document shorter than this is tokenized whole.
+#: Characters of a text tokenized at a time: the first piece of a document FIRST_PIECE_CHARS, each next one twice
+#: the last up to PIECE_CHARS (so a small token budget reads little), each cut after its last line break (else
+#: space); a document shorter than the first piece is tokenized whole.
+FIRST_PIECE_CHARS = 1 << 16
 PIECE_CHARS = 1 << 20
 
 
@@ -44,7 +46,8 @@ def _binary(p: str) -> AttnkitError:
 
 
 def check_text_files(paths: list[str]) -> None:
-    """Check, streaming and without keeping the text, that every path (not "-") is a UTF-8 text file."""
+    """Check, streaming and without keeping the text, that every path (not "-") is a UTF-8 text file, and that
+    every line of a .jsonl file is a JSON object with a string field 'text'."""
     import codecs
 
     for p in paths:
@@ -60,6 +63,10 @@ def check_text_files(paths: list[str]) -> None:
                     decoder.decode(chunk)
                     offset += len(chunk)
                 decoder.decode(b"", final=True)
+            if p.lower().endswith(".jsonl"):
+                with open(p, encoding="utf-8") as fh:
+                    for _ in _jsonl(p, fh):
+                        pass
         except UnicodeDecodeError as exc:
             raise _undecodable(p, exc, offset) from None
         except OSError as exc:
@@ -67,14 +74,17 @@ def check_text_files(paths: list[str]) -> None:
 
 
 def _pieces(fh) -> Iterator[str]:
-    """A text stream in pieces of about PIECE_CHARS characters, each cut after its last line break or space."""
-    carry = ""
-    while block := fh.read(PIECE_CHARS):
+    """A text stream in pieces of FIRST_PIECE_CHARS growing to PIECE_CHARS characters, each cut after its last
+    line break or space."""
+    carry, size = "", min(FIRST_PIECE_CHARS, PIECE_CHARS)
+    while block := fh.read(size):
+        full = len(block) == size
         block = carry + block
+        size = min(2 * size, PIECE_CHARS)
         cut = block.rfind("\n")
         if cut < 0:
             cut = block.rfind(" ")
-        if cut < 0 or len(block) < PIECE_CHARS:  # no boundary to cut at, or a short block
+        if cut < 0 or not full:  # no boundary to cut at, or the end of the stream
             carry = ""
             yield block
             continue

@@ -13,6 +13,7 @@ from attnkit.runtime import load_model, make_windows
 from attnkit.runtime.lm import final_hidden, logit_chunks
 from attnkit.runtime.loader import check_models, unwrap
 from attnkit.runtime.texts import batches, check_text_files, read_texts
+from attnkit.units import MAX_COUNT, MAX_TOKENS, check_bounds
 
 
 @dataclass
@@ -108,12 +109,12 @@ class EvalRequest:
 def check_request(req: EvalRequest):
     """Options, text files and both models, before the first model loads; the text inputs (attnkit.runtime.texts)."""
 
-    if req.seq_len < 2:
-        raise UsageError(f"--seq-len must be at least 2, got {req.seq_len}")
-    if req.max_tokens is not None and req.max_tokens < req.seq_len:
-        raise UsageError(f"--max-tokens {req.max_tokens} is shorter than one window (--seq-len {req.seq_len})")
-    if req.batch_size < 1:
-        raise UsageError(f"--batch-size must be at least 1, got {req.batch_size}")
+    check_bounds("--seq-len", req.seq_len, 2, MAX_TOKENS)
+    if req.max_tokens is not None:
+        check_bounds("--max-tokens", req.max_tokens, 1, MAX_TOKENS)
+        if req.max_tokens < req.seq_len:
+            raise UsageError(f"--max-tokens {req.max_tokens} is shorter than one window (--seq-len {req.seq_len})")
+    check_bounds("--batch-size", req.batch_size, 1, MAX_COUNT)
     check_text_files(req.texts)
     texts = read_texts(req.texts, req.text)
     check_models([req.model, *([req.reference] if req.reference else [])], req.device, req.dtype)

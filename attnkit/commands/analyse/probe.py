@@ -18,6 +18,7 @@ from attnkit.runtime.hook import attention_hook, layer_index
 from attnkit.runtime.lm import final_hidden, logit_chunks
 from attnkit.runtime.loader import check_models, unwrap
 from attnkit.runtime.texts import batches, check_text_files, read_texts
+from attnkit.units import MAX_COUNT, MAX_TOKENS, check_bounds
 
 
 @dataclass
@@ -165,15 +166,14 @@ def check_request(req: ProbeRequest):
     if not req.models:
         raise UsageError("give at least one model")
     rules = [parse_rule(r) for r in req.fail_if]
-    if req.seq_len < 2:
-        raise UsageError(f"--seq-len must be at least 2, got {req.seq_len}")
-    if req.max_tokens is not None and req.max_tokens < req.seq_len:
-        raise UsageError(f"--max-tokens {req.max_tokens} is shorter than one window (--seq-len {req.seq_len})")
-    if req.batch_size < 1:
-        raise UsageError(f"--batch-size must be at least 1, got {req.batch_size}")
-    for value, flag in ((req.threshold, "--threshold"), (req.z_lambda, "--z-lambda")):
-        if not math.isfinite(value):
-            raise UsageError(f"{flag} must be a finite number, got {value}")
+    check_bounds("--seq-len", req.seq_len, 2, MAX_TOKENS)
+    if req.max_tokens is not None:
+        check_bounds("--max-tokens", req.max_tokens, 1, MAX_TOKENS)
+        if req.max_tokens < req.seq_len:
+            raise UsageError(f"--max-tokens {req.max_tokens} is shorter than one window (--seq-len {req.seq_len})")
+    check_bounds("--batch-size", req.batch_size, 1, MAX_COUNT)
+    check_bounds("--threshold", req.threshold)
+    check_bounds("--z-lambda", req.z_lambda, 0)
     for path, option, suffixes in ((req.out, "--out", TABLE_SUFFIXES), (req.plot, "--plot", PLOT_SUFFIXES)):
         if path:
             check_output_path(path, option, suffixes)

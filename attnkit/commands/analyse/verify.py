@@ -31,8 +31,11 @@ from attnkit.runtime import load_model, read_texts
 from attnkit.runtime.loader import check_checkpoint
 from attnkit.runtime.texts import check_text_files, make_windows
 from attnkit.runtime.texts import prompt_ids as start_ids
+from attnkit.units import MAX_TOKENS, check_bounds
 
 VERIFY_ENGINES = ("llama.cpp", "vllm")
+#: Most greedy prompts (sentences of the text) a run compares.
+MAX_PROMPTS = 10_000
 SAMPLE_TEXT = Path(__file__).resolve().parent.parent.parent / "engines" / "data" / "sample.txt"
 
 
@@ -86,6 +89,11 @@ def check_request(req: VerifyRequest) -> list[str]:
             raise UsageError(f"{flag} must be at least {low}, got {value}")
     if req.ctx % 2:
         raise UsageError(f"--ctx must be even, got {req.ctx}")
+    check_bounds("--prompts", req.prompts, high=MAX_PROMPTS)
+    for flag, value in (("--new-tokens", req.new_tokens), ("--ctx", req.ctx), ("--ppl-tokens", req.ppl_tokens)):
+        check_bounds(flag, value, high=MAX_TOKENS)
+    check_bounds("--ppl-tolerance", req.ppl_tolerance)
+    check_bounds("--tie-margin", req.tie_margin)
     if not req.ppl_tolerance > 0 or req.tie_margin < 0:
         raise UsageError("--ppl-tolerance must be positive and --tie-margin non-negative")
     ckpt = resolve(req.model)

@@ -26,6 +26,7 @@ from attnkit.commands.source import Source, open_source
 from attnkit.commands.write import write_checkpoint
 from attnkit.engines.targets import TARGETS, engine_safe, mla_shapes, needs_q_lora
 from attnkit.errors import AttnkitError, UsageError
+from attnkit.units import check_bounds
 from attnkit.io.reader import LazyReader
 from attnkit.kvcache import apply_variant, bytes_per_token, cache_dtype
 from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, VALUE_WEIGHTS, MLAOptions, MLAShape
@@ -261,6 +262,8 @@ def _check_options(o: MLAOptions) -> None:
             raise UsageError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
     if not o.key_balance > 0:
         raise UsageError(f"--key-balance must be positive, got {o.key_balance}")
+    check_bounds("--o-refit", o.o_refit, 0)
+    check_bounds("--shrink", o.shrink, 0, 1)
 
 
 def _layer_weights(reader, roles: dict) -> dict:

@@ -18,13 +18,16 @@ from typing import Callable
 
 from attnkit.commands.analyse.evaluate import evaluate
 from attnkit.commands.heal.loss import attention_capture, distill_loss
-from attnkit.errors import AttnkitError, UsageError
+from attnkit.errors import AttnkitError, Terminated, UsageError
 
 
 class Interrupted(AttnkitError):
-    """Ctrl-C or SIGTERM: the loop stopped after a step and saved a checkpoint."""
+    """Ctrl-C or SIGTERM: the loop stopped after a step and saved a checkpoint; exit 128 + the signal's number
+    (130 for Ctrl-C, 143 for SIGTERM), as a signal that unwinds does."""
 
-    exit_code = 130
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.exit_code = 128 + signum
 
 
 @dataclass
@@ -99,14 +102,15 @@ def param_groups(trainable: list, scales: dict) -> list[dict]:
 
 @contextlib.contextmanager
 def stop_requests():
-    """Within the block, SIGINT/SIGTERM set flag['stop'] instead of raising; a second signal raises."""
-    flag = {"stop": False}
+    """Within the block, SIGINT/SIGTERM set flag['stop'] (and flag['signal']) instead of raising; a second signal
+    raises as it would outside (KeyboardInterrupt, or Terminated for SIGTERM)."""
+    flag = {"stop": False, "signal": signal.SIGINT}
     previous = {}
 
     def handler(signum, frame):
         if flag["stop"]:
-            raise KeyboardInterrupt
-        flag["stop"] = True
+            raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum, signal.Signals(signum).name)
+        flag["stop"], flag["signal"] = True, signum
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
@@ -194,7 +198,10 @@ class Trainer:
                 st.seconds = time.perf_counter() - start
                 if stop and st.stopped is None:  # a stop that arrives with the last step lets the run finish
                     save()
-                    raise Interrupted(f"interrupted at step {st.step}; checkpoint saved, continue with --resume")
+                    how = "interrupted" if flag["signal"] == signal.SIGINT else \
+                        f"terminated ({signal.Signals(flag['signal']).name})"
+                    raise Interrupted(f"{how} at step {st.step}; checkpoint saved, continue with --resume",
+                                      flag["signal"])
                 if st.stopped is None and st.step % cfg.checkpoint_every == 0:
                     save()
         if self.best_tensors is not None and st.best["step"] != st.validation[-1]["step"]:

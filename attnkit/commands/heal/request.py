@@ -8,10 +8,13 @@ from pathlib import Path
 
 from attnkit.commands.rewrite import WriteRequest
 from attnkit.errors import AttnkitError, UsageError
+from attnkit.units import MAX_COUNT, MAX_TOKENS, check_bounds
 from attnkit.runtime.texts import check_text_files
 
 TRAIN_CHOICES = ("rewritten", "all")
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
+#: Largest LoRA rank (wider than any hidden size attnkit reads).
+MAX_LORA_RANK = 1 << 16
 #: The token budget when neither --tokens nor --max-time is given (about 30 minutes for a 135M model on 2 CPU cores).
 DEFAULT_TOKENS = 256 * 1024
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|min|h)?\s*$", re.IGNORECASE)
@@ -95,14 +98,23 @@ def check_options(req: HealRequest) -> None:
                 ("--max-time", req.max_time))
     positive.update({flag: v for flag, v in optional if v is not None})
     for flag, value in positive.items():
+        check_bounds(flag, value)
         if not value > 0:
             raise UsageError(f"{flag} must be positive, got {value}")
     non_negative = {"--lora-rank": req.lora_rank, "--warmup-steps": req.warmup_steps, "--patience": req.patience,
                     "--weight-decay": req.weight_decay, "--max-grad-norm": req.max_grad_norm,
                     "--attn-loss": req.attn_loss, "--seed": req.seed}
     for flag, value in non_negative.items():
-        if value < 0:
-            raise UsageError(f"{flag} must be >= 0, got {value}")
+        check_bounds(flag, value, 0)
+    counts = {"--batch-size": req.batch_size, "--micro-batch-size": req.micro_batch_size,
+              "--eval-every": req.eval_every, "--checkpoint-every": req.checkpoint_every,
+              "--warmup-steps": req.warmup_steps, "--patience": req.patience, "--seed": req.seed}
+    for flag, value in counts.items():
+        check_bounds(flag, value, high=MAX_COUNT)
+    for flag, value in (("--seq-len", req.seq_len), ("--val-tokens", req.val_tokens),
+                        ("--eval-seq-len", req.eval_seq_len)):
+        check_bounds(flag, value, high=MAX_TOKENS)
+    check_bounds("--lora-rank", req.lora_rank, high=MAX_LORA_RANK)
     if not 0 <= req.min_lr_ratio <= 1:
         raise UsageError(f"--min-lr-ratio must be in [0, 1], got {req.min_lr_ratio}")
     if req.batch_size % req.micro_batch_size:
@@ -121,6 +133,7 @@ def check_options(req: HealRequest) -> None:
     check_text_files(req.eval)
     for path in req.data:
         check_data_path(Path(path))
+    check_text_files([p for p in req.data if Path(p).suffix.lower() in (".txt", ".jsonl")])
     if req.resume and not (req.checkpoint_folder / "run.json").is_file():
         raise UsageError(f"--resume: {req.checkpoint_folder} holds no heal checkpoint (run.json)")
 

@@ -27,6 +27,7 @@ from attnkit.commands.rewrite import RewriteRequest, calib_windows
 from attnkit.commands.write import write_checkpoint
 from attnkit.engines.targets import vllm_cpu_head_size_ok
 from attnkit.errors import AttnkitError, UsageError
+from attnkit.units import check_bounds
 from attnkit.io.checkpoint import safetensors_files
 from attnkit.io.reader import LazyReader
 from attnkit.ops.anchor import anchor_row, fold_o_bias, scale_error, substitute_constant
@@ -47,6 +48,8 @@ from attnkit.runtime.calibrate import OutputCapture, attention_module_name, cali
 from attnkit.runtime.streaming import load_for_calibration
 
 SOURCES = ("llama", "mistral", "qwen2")
+#: Most --steps of the kl fit per layer (its default is 150).
+MAX_STEPS = 100_000
 #: Bias of the pad dims, in units of the largest possible |q| (or |k|) of a head.
 PAD_RATIO = 1000.0
 FP16_MAX_PAD = 3.0e4
@@ -83,6 +86,7 @@ def check_request(req: QKNormRequest):
         raise UsageError(f"--method {req.method} fits the norm weights on activations: pass --calib FILE")
     if req.head_dim is not None and req.method != "anchor":
         raise UsageError("--head-dim applies to --method anchor")
+    check_bounds("--steps", req.steps, 0, MAX_STEPS)
 
     def check(arch, spec, config) -> None:
         mt = spec.model_type
