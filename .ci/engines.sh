@@ -23,9 +23,9 @@ if [ ! -x "$llama_tree/build/bin/llama-perplexity" ] || [ ! -x "$llama_tree/buil
     mv "$work"/llama_cpp_python-*/vendor/llama.cpp "$llama_tree"
     rm -rf "$work"
     cmake -S "$llama_tree" -B "$llama_tree/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=OFF > "$CACHE/llama-cmake.log"
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=OFF > "$CACHE/llama-cmake.log" 2>&1
     cmake --build "$llama_tree/build" -j"$(nproc)" --target llama-completion llama-perplexity \
-        > "$CACHE/llama-build.log"
+        > "$CACHE/llama-build.log" 2>&1
 fi
 
 convert_venv="$CACHE/convert-venv"

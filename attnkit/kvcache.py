@@ -38,8 +38,16 @@ CACHE_DTYPES = {
 
 def cache_dtype(name: str) -> CacheDtype:
     key = name.strip().lower()
-    aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
-               "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "e4m3": "fp8"}
+    aliases = {
+        "bfloat16": "bf16",
+        "float16": "fp16",
+        "half": "fp16",
+        "float32": "fp32",
+        "float": "fp32",
+        "fp8_e4m3": "fp8",
+        "fp8_e5m2": "fp8",
+        "e4m3": "fp8",
+    }
     key = aliases.get(key, key)
     if key not in CACHE_DTYPES:
         raise UsageError(f"unknown cache dtype {name!r}; choose from {', '.join(CACHE_DTYPES)}")
@@ -78,8 +86,9 @@ def apply_variant(spec: AttentionSpec, variant: str) -> AttentionSpec:
     if rank < 1:
         raise UsageError(f"MLA rank must be at least 1 in {variant!r}")
     nope = spec.head_dim - rope if spec.mla is None else spec.mla.qk_nope_head_dim
-    mla = MLADims(kv_lora_rank=rank, qk_rope_head_dim=rope, qk_nope_head_dim=nope,
-                  v_head_dim=spec.v_head_dim, q_lora_rank=None)
+    mla = MLADims(
+        kv_lora_rank=rank, qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=spec.v_head_dim, q_lora_rank=None
+    )
     return dataclasses.replace(spec, mla=mla, num_kv_heads=spec.num_heads)
 
 
@@ -91,7 +100,9 @@ def kv_heads_per_gpu(spec: AttentionSpec, tp: int) -> int:
 def layer_bytes_per_token(spec: AttentionSpec, dtype: CacheDtype, tp: int = 1) -> float:
     """Bytes one token adds to one layer's cache on one GPU (tp=1: the whole model)."""
     if spec.mla is not None:  # the latent is replicated on every rank
-        return (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * dtype.bytes_per_element + dtype.scale_bytes_per_group
+        return (
+            spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
+        ) * dtype.bytes_per_element + dtype.scale_bytes_per_group
     heads = kv_heads_per_gpu(spec, tp)
     return heads * (spec.head_dim + spec.v_head_dim) * dtype.bytes_per_element + 2 * heads * dtype.scale_bytes_per_group
 
@@ -115,8 +126,9 @@ def kv_bytes(spec: AttentionSpec, dtype: CacheDtype, context: int, batch: int, t
 MAX_CONTEXT = 1 << 40
 
 
-def max_context(spec: AttentionSpec, dtype: CacheDtype, batch: int, budget: float, tp: int = 1,
-                limit: int = MAX_CONTEXT) -> int:
+def max_context(
+    spec: AttentionSpec, dtype: CacheDtype, batch: int, budget: float, tp: int = 1, limit: int = MAX_CONTEXT
+) -> int:
     """Largest context up to `limit` whose cache fits `budget` bytes (binary search; cache size is monotone)."""
     if budget <= 0 or kv_bytes(spec, dtype, 1, batch, tp) > budget:
         return 0

@@ -18,7 +18,9 @@ def estimate_parameters(config: dict, spec: AttentionSpec) -> int:
     if spec.mla is not None:
         m = spec.mla
         q = d * h * dk if not m.q_lora_rank else d * m.q_lora_rank + m.q_lora_rank * h * dk
-        attn = q + d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * h * (m.qk_nope_head_dim + dv) + h * dv * d
+        attn = (
+            q + d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * h * (m.qk_nope_head_dim + dv) + h * dv * d
+        )
     else:
         attn = d * h * dk + d * spec.num_kv_heads * (dk + dv) + h * dv * d
 

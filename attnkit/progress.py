@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
-_display: "_Display | None" = None
+_display: _Display | None = None
 
 
 def _noop(_n: float = 1, **_fields) -> None:
@@ -44,10 +44,19 @@ class _Display:
                 TimeRemainingColumn,
             )
 
-            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[unit]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                                     TimeRemainingColumn(), TextColumn("{task.fields[note]}"), console=self.console(),
-                                     transient=False, redirect_stdout=False)
+            self.progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[unit]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[note]}"),
+                console=self.console(),
+                transient=False,
+                redirect_stdout=False,
+            )
             self.progress.start()
         self.running += 1
         return self.progress.add_task(description, total=total, completed=completed, unit=unit, note="")

@@ -8,8 +8,18 @@ from attnkit.errors import UsageError
 
 _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_BYTE_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4,
-               "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
+_BYTE_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1024,
+    "M": 1024**2,
+    "G": 1024**3,
+    "T": 1024**4,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+}
 #: Largest token count (2**40, a trillion tokens), batch size and memory size (1 PiB) the tables accept.
 MAX_TOKENS = 1 << 40
 MAX_COUNT = 1 << 32
@@ -44,8 +54,9 @@ def parse_bytes(text: str, option: str | None = None) -> int:
         raise UsageError(f"{where}not a memory size: {_shown(text)} (use e.g. 80GiB, 24GB, 512MiB)")
     if not m.group(2):
         number = m.group(1)
-        raise UsageError(f"{where}{_shown(text)} has no unit: write {number}GiB (binary), {number}GB (decimal) "
-                         f"or {number}B (bytes)")
+        raise UsageError(
+            f"{where}{_shown(text)} has no unit: write {number}GiB (binary), {number}GB (decimal) or {number}B (bytes)"
+        )
     unit = m.group(2).upper().replace("IB", "").replace("I", "")
     if unit not in _BYTE_UNITS:
         raise UsageError(f"unknown memory unit in {_shown(text)}")

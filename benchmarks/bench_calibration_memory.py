@@ -18,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.docsection import replace_section  # noqa: E402
+
 CALIB = str(ROOT / "tests/data/prose/calib.txt")
 MODES = ("full", "streamed")
 SETUP = """\
@@ -47,8 +48,10 @@ def _child(mode: str, command: str, model: str) -> dict:
 
     torch.set_num_threads(1)
     if mode == "full":
+
         def refuse(ref, device="auto"):
             raise streaming.StreamingUnsupported(f"{ref}: streaming disabled for the baseline")
+
         streaming.load_streaming = refuse
     peak = {"anon": _anon_mib()}
 
@@ -65,17 +68,42 @@ def _child(mode: str, command: str, model: str) -> dict:
             from attnkit.commands.convert.mla import MLARequest, convert_mla
             from attnkit.ops.mla import MLAOptions
 
-            convert_mla(MLARequest(model=model, out=out, kv_lora_rank=128, rope_dim=64, calib=[CALIB],
-                                   calib_tokens=2048, calib_seq_len=512, sequential=True, options=MLAOptions(),
-                                   device="cpu", max_shard_bytes=64 << 20))
+            convert_mla(
+                MLARequest(
+                    model=model,
+                    out=out,
+                    kv_lora_rank=128,
+                    rope_dim=64,
+                    calib=[CALIB],
+                    calib_tokens=2048,
+                    calib_seq_len=512,
+                    sequential=True,
+                    options=MLAOptions(),
+                    device="cpu",
+                    max_shard_bytes=64 << 20,
+                )
+            )
         else:
             from attnkit.commands.convert.gqa import ConvertRequest, convert_gqa
 
-            convert_gqa(ConvertRequest(model=model, out=out, kv_heads=1, method="merge", calib=[CALIB],
-                                       calib_tokens=2048, calib_seq_len=512, device="cpu",
-                                       max_shard_bytes=64 << 20))
-    return {"seconds": time.perf_counter() - started, "peak_anon_mib": peak["anon"],
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            convert_gqa(
+                ConvertRequest(
+                    model=model,
+                    out=out,
+                    kv_heads=1,
+                    method="merge",
+                    calib=[CALIB],
+                    calib_tokens=2048,
+                    calib_seq_len=512,
+                    device="cpu",
+                    max_shard_bytes=64 << 20,
+                )
+            )
+    return {
+        "seconds": time.perf_counter() - started,
+        "peak_anon_mib": peak["anon"],
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 def _bf16_copy(source: Path, folder: Path) -> Path:
@@ -114,8 +142,10 @@ def main() -> None:
         return
     from tests.realmodel import smollm2_folder
 
-    lines = ["| command | checkpoint | anon: full / streamed (MiB) | anon ratio | RSS: full / streamed (MiB) "
-             "| time ratio |", "|---|---|---:|---:|---:|---:|"]
+    lines = [
+        "| command | checkpoint | anon: full / streamed (MiB) | anon ratio | RSS: full / streamed (MiB) | time ratio |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         models = {"fp32": smollm2_folder(), "bf16": _bf16_copy(smollm2_folder(), Path(tmp))}
         for command in COMMANDS:
@@ -125,20 +155,26 @@ def main() -> None:
                     f"| {command} | SmolLM2-135M {label} | {full['peak_anon_mib']:,.0f} / {streamed['peak_anon_mib']:,.0f} "
                     f"| {streamed['peak_anon_mib'] / full['peak_anon_mib']:.2f}x "
                     f"| {full['peak_rss_mib']:,.0f} / {streamed['peak_rss_mib']:,.0f} "
-                    f"| {streamed['seconds'] / full['seconds']:.2f}x |")
+                    f"| {streamed['seconds'] / full['seconds']:.2f}x |"
+                )
                 print(lines[-1], flush=True)
-    body = "\n".join([
-        "`python benchmarks/bench_calibration_memory.py --write docs/benchmarks.md`. " + SETUP.replace("\n", " "),
-        "", *lines, "",
-        "Ratios are streamed / full. A bf16 checkpoint loaded whole becomes float32 in anonymous memory (twice "
-        "its file size); streamed, only one layer is converted at a time. An fp32 checkpoint loaded whole stays "
-        "memory-mapped from its file, so its anonymous peak hardly changes, but every weight is still mapped "
-        "and must be resident to run. What remains in the streamed runs is the Python/torch runtime, the fp32 "
-        "embeddings, the per-layer float64 factorization and the 64 MiB shard buffer; SmolLM2's 30 layers are "
-        "only 0.43 GB in fp32. For Llama-3-8B (arithmetic, not measured here) a full fp32 load is 32 GB, the "
-        "streamed pass about 4.2 GB of untied embeddings and head plus one 0.87 GB layer. Streaming costs "
-        "7-12% more time here: each layer is read and converted to float32 as it runs, and freed memory is "
-        "handed back to the OS after each layer."])
+    body = "\n".join(
+        [
+            "`python benchmarks/bench_calibration_memory.py --write docs/benchmarks.md`. " + SETUP.replace("\n", " "),
+            "",
+            *lines,
+            "",
+            "Ratios are streamed / full. A bf16 checkpoint loaded whole becomes float32 in anonymous memory (twice "
+            "its file size); streamed, only one layer is converted at a time. An fp32 checkpoint loaded whole stays "
+            "memory-mapped from its file, so its anonymous peak hardly changes, but every weight is still mapped "
+            "and must be resident to run. What remains in the streamed runs is the Python/torch runtime, the fp32 "
+            "embeddings, the per-layer float64 factorization and the 64 MiB shard buffer; SmolLM2's 30 layers are "
+            "only 0.43 GB in fp32. For Llama-3-8B (arithmetic, not measured here) a full fp32 load is 32 GB, the "
+            "streamed pass about 4.2 GB of untied embeddings and head plus one 0.87 GB layer. Streaming costs "
+            "7-12% more time here: each layer is read and converted to float32 as it runs, and freed memory is "
+            "handed back to the OS after each layer.",
+        ]
+    )
     print()
     print(body)
     if args.write:

@@ -32,7 +32,9 @@ COMMANDS = {
     "attnkit kvmem llama-3.1-8b --format json": ["-m", "attnkit", "kvmem", "llama-3.1-8b", "--format", "json"],
     "attnkit inspect llama-3.1-8b --format json": ["-m", "attnkit", "inspect", "llama-3.1-8b", "--format", "json"],
     "the same kvmem, every command registered": [
-        "-c", "from attnkit.cli import app; app(['kvmem', 'llama-3.1-8b', '--format', 'json'])"],
+        "-c",
+        "from attnkit.cli import app; app(['kvmem', 'llama-3.1-8b', '--format', 'json'])",
+    ],
 }
 
 
@@ -46,22 +48,29 @@ def typer_env(version: str, folder: Path) -> str:
     """A venv holding typer==version alone; a .pth file adds this checkout and this environment's packages."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
     python = folder / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", purelib,
-                    f"typer=={version}"], check=True)
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", purelib, f"typer=={version}"],
+        check=True,
+    )
     (Path(purelib) / "zz_attnkit_bench.pth").write_text(f"{ROOT}\n{sysconfig.get_paths()['purelib']}\n")
     return str(python)
 
 
 def typer_version(python: str) -> str:
-    return subprocess.run([python, "-c", "import typer; print(typer.__version__)"], check=True,
-                          capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    return subprocess.run(
+        [python, "-c", "import typer; print(typer.__version__)"], check=True, capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
 
 
 def measure(envs: dict[str, str], repeat: int) -> dict[tuple[str, str], list[float]]:
     samples = {(env, name): [] for env in envs for name in COMMANDS}
-    for env, python in envs.items():  # warm the page cache once
+    for python in envs.values():  # warm the page cache once
         for args in COMMANDS.values():
             timed([python, *args])
     for _ in range(repeat):
@@ -102,12 +111,14 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).parent))
         from docsection import replace_section
 
-        section = (f"## cold start (kvmem, inspect)\n\n`python benchmarks/bench_cold_start.py "
-                   f"{' '.join(sys.argv[1:])}`".replace(f" --write {args.write}", "") +
-                   f": each command in a fresh interpreter, every environment and command interleaved, "
-                   f"{args.repeat} runs, medians; ratios to the first row's `python -c pass` (this checkout's editable install; "
-                   f"the typer venv made for the comparison has no editable-install hook, so its own start is shorter). "
-                   f"Python {platform.python_version()} on {platform.machine()}.\n\n{result}\n\n{NOTES}")
+        section = (
+            f"## cold start (kvmem, inspect)\n\n`python benchmarks/bench_cold_start.py "
+            f"{' '.join(sys.argv[1:])}`".replace(f" --write {args.write}", "")
+            + f": each command in a fresh interpreter, every environment and command interleaved, "
+            f"{args.repeat} runs, medians; ratios to the first row's `python -c pass` (this checkout's editable install; "
+            f"the typer venv made for the comparison has no editable-install hook, so its own start is shorter). "
+            f"Python {platform.python_version()} on {platform.machine()}.\n\n{result}\n\n{NOTES}"
+        )
         replace_section(args.write, section)
 
 

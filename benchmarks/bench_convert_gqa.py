@@ -30,9 +30,17 @@ CALIB = str(ROOT / "tests/data/prose/calib.txt")
 HELDOUT = str(ROOT / "tests/data/prose/heldout.txt")
 SECTION = "## convert gqa/mqa"
 #: A Llama-like ~1.1B model: 16 layers, hidden 2048, 32 heads, 8 KV heads, head_dim 64.
-SPEED_CONFIG = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                    head_dim=64, intermediate_size=8192, vocab_size=32000, max_position_embeddings=4096,
-                    tie_word_embeddings=False)
+SPEED_CONFIG = dict(
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    intermediate_size=8192,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 #: (label, method, options): every merge variant differs from the default in the named knob only.
 QUALITY = [
     ("first", "first", {}),
@@ -41,10 +49,17 @@ QUALITY = [
     ("merge, query-energy keys", "merge", {"key_weight": "query"}),
     ("merge, no refit", "merge", {"o_refit": None}),
     ("merge, no refit, query-energy keys (BACKGROUND.md section 2)", "merge", {"o_refit": None, "key_weight": "query"}),
-    ("merge, no refit, query-energy keys, values unweighted", "merge",
-     {"o_refit": None, "key_weight": "query", "value_weight": "none"}),
+    (
+        "merge, no refit, query-energy keys, values unweighted",
+        "merge",
+        {"o_refit": None, "key_weight": "query", "value_weight": "none"},
+    ),
     ("merge, no refit, uniform key weights", "merge", {"o_refit": None, "key_weight": "uniform"}),
-    ("merge, no refit, query-energy keys, sequential", "merge", {"o_refit": None, "key_weight": "query", "sequential": True}),
+    (
+        "merge, no refit, query-energy keys, sequential",
+        "merge",
+        {"o_refit": None, "key_weight": "query", "sequential": True},
+    ),
     ("merge, sequential", "merge", {"sequential": True}),
     ("merge, refit ridge 0.3", "merge", {"o_refit": 0.3}),
     ("merge, refit ridge 0.01", "merge", {"o_refit": 0.01}),
@@ -70,8 +85,12 @@ def build_checkpoint(folder: Path) -> dict:
     writer.finish()
     attn = sum(2 * _numel(s) for n, s in shapes.items() if ".layers.0.self_attn." in n)
     layer = sum(2 * _numel(s) for n, s in shapes.items() if ".layers.0." in n)
-    return {"bytes": sum(2 * _numel(s) for s in shapes.values()), "layer0_attention_bytes": attn,
-            "layer0_bytes": layer, "largest_tensor_bytes": max(2 * _numel(s) for s in shapes.values())}
+    return {
+        "bytes": sum(2 * _numel(s) for s in shapes.values()),
+        "layer0_attention_bytes": attn,
+        "layer0_bytes": layer,
+        "largest_tensor_bytes": max(2 * _numel(s) for s in shapes.values()),
+    }
 
 
 def _numel(shape) -> int:
@@ -111,17 +130,54 @@ def speed() -> dict:
         sizes = build_checkpoint(src)
         attnkit = str(Path(sys.executable).parent / "attnkit")
         cp1 = _timed(["cp", "-r", str(src), str(Path(tmp) / "copy1")])
-        conv = _timed([attnkit, "convert", "gqa", str(src), str(Path(tmp) / "out"), "--kv-heads", "2", "--method",
-                       "mean", "--format", "json"])
+        conv = _timed(
+            [
+                attnkit,
+                "convert",
+                "gqa",
+                str(src),
+                str(Path(tmp) / "out"),
+                "--kv-heads",
+                "2",
+                "--method",
+                "mean",
+                "--format",
+                "json",
+            ]
+        )
         cp2 = _timed(["cp", "-r", str(src), str(Path(tmp) / "copy2")])
-        small = _timed([attnkit, "convert", "gqa", str(src), str(Path(tmp) / "out-small"), "--kv-heads", "2",
-                        "--method", "mean", "--max-shard-size", "256MiB", "--format", "json"])
+        small = _timed(
+            [
+                attnkit,
+                "convert",
+                "gqa",
+                str(src),
+                str(Path(tmp) / "out-small"),
+                "--kv-heads",
+                "2",
+                "--method",
+                "mean",
+                "--max-shard-size",
+                "256MiB",
+                "--format",
+                "json",
+            ]
+        )
         out_bytes = sum(p.stat().st_size for p in (Path(tmp) / "out").glob("*.safetensors"))
     cp_wall = min(cp1[0], cp2[0])
-    return {**sizes, "output_bytes": out_bytes, "cp_seconds": [cp1[0], cp2[0]], "convert_seconds": conv[0],
-            "ratio": conv[0] / cp_wall, "convert_peak_rss": conv[1], "convert_peak_anon": conv[2],
-            "cp_peak_rss": max(cp1[1], cp2[1]), "convert_256mib_seconds": small[0],
-            "convert_256mib_peak_rss": small[1], "convert_256mib_peak_anon": small[2]}
+    return {
+        **sizes,
+        "output_bytes": out_bytes,
+        "cp_seconds": [cp1[0], cp2[0]],
+        "convert_seconds": conv[0],
+        "ratio": conv[0] / cp_wall,
+        "convert_peak_rss": conv[1],
+        "convert_peak_anon": conv[2],
+        "cp_peak_rss": max(cp1[1], cp2[1]),
+        "convert_256mib_seconds": small[0],
+        "convert_256mib_peak_rss": small[1],
+        "convert_256mib_peak_anon": small[2],
+    }
 
 
 def quality(only: str | None) -> list[dict]:
@@ -137,30 +193,52 @@ def quality(only: str | None) -> list[dict]:
         opts = dict(opts)
         sequential = opts.pop("sequential", False)
         with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
-            req = ConvertRequest(model=str(model), out=Path(tmp) / "out", kv_heads=1, method=method,
-                                 calib=[CALIB] if method == "merge" else [], eval=[HELDOUT], eval_tokens=4096,
-                                 sequential=sequential, options=MergeOptions(**opts), device="cpu")
+            req = ConvertRequest(
+                model=str(model),
+                out=Path(tmp) / "out",
+                kv_heads=1,
+                method=method,
+                calib=[CALIB] if method == "merge" else [],
+                eval=[HELDOUT],
+                eval_tokens=4096,
+                sequential=sequential,
+                options=MergeOptions(**opts),
+                device="cpu",
+            )
             started = time.perf_counter()
             rep = convert_gqa(req)
         e, layers = rep["eval"], rep["layers"]
-        row = {"variant": label, "ppl": e["perplexity"], "source_ppl": e["source_perplexity"], "kl": e["kl_mean"],
-               "top1": e["top1_agreement"], "k_err": sum(r["k_err"] for r in layers) / len(layers),
-               "v_err": sum(r["v_err"] for r in layers) / len(layers), "error_basis": rep["error_basis"],
-               "seconds": time.perf_counter() - started}
+        row = {
+            "variant": label,
+            "ppl": e["perplexity"],
+            "source_ppl": e["source_perplexity"],
+            "kl": e["kl_mean"],
+            "top1": e["top1_agreement"],
+            "k_err": sum(r["k_err"] for r in layers) / len(layers),
+            "v_err": sum(r["v_err"] for r in layers) / len(layers),
+            "error_basis": rep["error_basis"],
+            "seconds": time.perf_counter() - started,
+        }
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
 
 
 def markdown(sp: dict | None, rows: list[dict]) -> str:
-    lines = [SECTION, "", "Produced by `python benchmarks/bench_convert_gqa.py --speed --quality --write` "
-             "(CPU only, 2 cores shared with other jobs: absolute seconds are noisy, ratios less so).", ""]
+    lines = [
+        SECTION,
+        "",
+        "Produced by `python benchmarks/bench_convert_gqa.py --speed --quality --write` "
+        "(CPU only, 2 cores shared with other jobs: absolute seconds are noisy, ratios less so).",
+        "",
+    ]
     if sp:
         gib = 2**30
         lines += [
             "**Streaming speed** (`convert gqa --kv-heads 2 --method mean`, random Llama-like bf16 checkpoint "
             "with 16 layers, hidden 2048, 32 heads, 8 KV heads, 3 shards of <= 1 GiB; `cp -r` of the same folder "
-            "timed before and after in the same run; every timing ends with `sync`):", "",
+            "timed before and after in the same run; every timing ends with `sync`):",
+            "",
             "| checkpoint | output | cp -r (s) | convert (s) | convert / fastest, slowest cp | convert peak RSS / anonymous, "
             "1 GiB shards | same, 256 MiB shards | one layer's attention | one layer | largest tensor |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -169,23 +247,30 @@ def markdown(sp: dict | None, rows: list[dict]) -> str:
             f"{sp['ratio']:.2f}x / {sp['convert_seconds'] / max(sp['cp_seconds']):.2f}x | {sp['convert_peak_rss'] / gib:.2f} / {sp['convert_peak_anon'] / gib:.2f} GiB | "
             f"{sp['convert_256mib_peak_rss'] / gib:.2f} / {sp['convert_256mib_peak_anon'] / gib:.2f} GiB | "
             f"{sp['layer0_attention_bytes'] / 2**20:.0f} MiB | "
-            f"{sp['layer0_bytes'] / 2**20:.0f} MiB | {sp['largest_tensor_bytes'] / 2**20:.0f} MiB |", "",
+            f"{sp['layer0_bytes'] / 2**20:.0f} MiB | {sp['largest_tensor_bytes'] / 2**20:.0f} MiB |",
+            "",
             "Anonymous RSS = Python/torch runtime + the writer's shard buffer (`--max-shard-size`) + one layer's "
             "attention tensors; total RSS adds the touched pages of the memory-mapped source shard being read (file-backed, "
             "reclaimable; bounded by the source's shard size, 1 GiB here). None of it grows with the number of "
             "layers. Disk throughput on this shared machine varies several-fold between runs (see the two `cp` "
-            "timings), so the ratio is a range, not a constant.", ""]
+            "timings), so the ratio is a range, not a constant.",
+            "",
+        ]
     if rows:
         lines += [
             "**Quality**, SmolLM2-135M-Instruct GQA-3 -> MQA (KV cache 46,080 -> 15,360 bytes/token in fp32), "
             "calibration 2048 tokens of calib.txt, evaluation 4088 predicted tokens of heldout.txt in windows "
             "of 512; KL is KL(source || result) per token; k_err/v_err are mean relative reconstruction errors "
-            "per layer (on calibration activations for merge, on weights for first/mean):", "",
+            "per layer (on calibration activations for merge, on weights for first/mean):",
+            "",
             "| variant | perplexity | source | KL | top-1 agree | k_err | v_err | seconds |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in rows:
-            lines.append(f"| {r['variant']} | {r['ppl']:.1f} | {r['source_ppl']:.2f} | {r['kl']:.3f} | "
-                         f"{r['top1']:.3f} | {r['k_err']:.3f} | {r['v_err']:.3f} | {r['seconds']:.0f} |")
+            lines.append(
+                f"| {r['variant']} | {r['ppl']:.1f} | {r['source_ppl']:.2f} | {r['kl']:.3f} | "
+                f"{r['top1']:.3f} | {r['k_err']:.3f} | {r['v_err']:.3f} | {r['seconds']:.0f} |"
+            )
         lines.append("")
     return "\n".join(lines) + "\n"
 

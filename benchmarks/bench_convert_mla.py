@@ -22,22 +22,34 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.docsection import replace_section  # noqa: E402
-
 from attnkit.commands.convert.mla import MLARequest, convert_mla  # noqa: E402
 from attnkit.ops.mla import MLAOptions  # noqa: E402
+from benchmarks.docsection import replace_section  # noqa: E402
 from tests.realmodel import smollm2_folder  # noqa: E402
 
 CALIB = str(ROOT / "tests/data/prose/calib.txt")
 HELDOUT = str(ROOT / "tests/data/prose/heldout.txt")
 
 
-def run(model: Path, rank: int, rope: int, *, calib: str = CALIB, heldout: str = HELDOUT, sequential: bool = True,
-        **opts) -> dict:
+def run(
+    model: Path, rank: int, rope: int, *, calib: str = CALIB, heldout: str = HELDOUT, sequential: bool = True, **opts
+) -> dict:
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
-        req = MLARequest(model=str(model), out=Path(tmp) / "out", kv_lora_rank=rank, rope_dim=rope,
-                         calib=[calib], calib_tokens=2048, calib_seq_len=512, eval=[heldout], eval_tokens=4096,
-                         eval_seq_len=512, sequential=sequential, options=MLAOptions(**opts), device="cpu")
+        req = MLARequest(
+            model=str(model),
+            out=Path(tmp) / "out",
+            kv_lora_rank=rank,
+            rope_dim=rope,
+            calib=[calib],
+            calib_tokens=2048,
+            calib_seq_len=512,
+            eval=[heldout],
+            eval_tokens=4096,
+            eval_seq_len=512,
+            sequential=sequential,
+            options=MLAOptions(**opts),
+            device="cpu",
+        )
         started = time.perf_counter()
         rep = convert_mla(req)
         rep["wall"] = time.perf_counter() - started
@@ -47,24 +59,44 @@ def run(model: Path, rank: int, rope: int, *, calib: str = CALIB, heldout: str =
 def row(label: str, rep: dict) -> dict:
     e, kv = rep["eval"], rep["kv_bytes_per_token"]
     layers = rep["layers"]
-    return {"variant": label, "R": rep["kv_lora_rank"], "P": rep["rope_dim"], "values": kv["elements_after"],
-            "fraction": kv["elements_after"] / kv["elements_before"], "ppl": e["perplexity"],
-            "source_ppl": e["source_perplexity"], "kl": e["kl_mean"], "top1": e["top1_agreement"],
-            "k_err": sum(r["k_err"] for r in layers) / len(layers),
-            "v_err": sum(r["v_err"] for r in layers) / len(layers),
-            "position_free": sum(r["position_free"] for r in layers) / len(layers),
-            "cache": e["cache"]["values_per_token_layer"], "seconds": rep["wall"], "peak_rss": rep["peak_rss_bytes"]}
+    return {
+        "variant": label,
+        "R": rep["kv_lora_rank"],
+        "P": rep["rope_dim"],
+        "values": kv["elements_after"],
+        "fraction": kv["elements_after"] / kv["elements_before"],
+        "ppl": e["perplexity"],
+        "source_ppl": e["source_perplexity"],
+        "kl": e["kl_mean"],
+        "top1": e["top1_agreement"],
+        "k_err": sum(r["k_err"] for r in layers) / len(layers),
+        "v_err": sum(r["v_err"] for r in layers) / len(layers),
+        "position_free": sum(r["position_free"] for r in layers) / len(layers),
+        "cache": e["cache"]["values_per_token_layer"],
+        "seconds": rep["wall"],
+        "peak_rss": rep["peak_rss_bytes"],
+    }
 
 
 NO_REFIT = {"o_refit": 0.0}
 WEIGHT_ONLY = {"whiten": False, "key_weight": "uniform", "value_weight": "none", "o_refit": 0.0}
 #: label, R, P, options; "ablation" rows ran first (before the o_proj refit existed, so without it).
 PLANS = {
-    "ablation": [("192 P=32 keep", 160, 32, NO_REFIT), ("192 P=32 fade", 160, 32, {**NO_REFIT, "residual": "fade"}),
-                 ("192 P=64", 128, 64, NO_REFIT), ("192 P=32 weight-only SVD", 160, 32, WEIGHT_ONLY),
-                 ("128 P=64", 64, 64, NO_REFIT), ("128 P=32", 96, 32, NO_REFIT), ("96 P=64", 32, 64, NO_REFIT)],
-    "refit": [("128 P=32 + o refit", 96, 32, {}), ("192 P=64 + o refit", 128, 64, {}),
-              ("96 P=32 + o refit", 64, 32, {}), ("96 P=16 + o refit", 80, 16, {})],
+    "ablation": [
+        ("192 P=32 keep", 160, 32, NO_REFIT),
+        ("192 P=32 fade", 160, 32, {**NO_REFIT, "residual": "fade"}),
+        ("192 P=64", 128, 64, NO_REFIT),
+        ("192 P=32 weight-only SVD", 160, 32, WEIGHT_ONLY),
+        ("128 P=64", 64, 64, NO_REFIT),
+        ("128 P=32", 96, 32, NO_REFIT),
+        ("96 P=64", 32, 64, NO_REFIT),
+    ],
+    "refit": [
+        ("128 P=32 + o refit", 96, 32, {}),
+        ("192 P=64 + o refit", 128, 64, {}),
+        ("96 P=32 + o refit", 64, 32, {}),
+        ("96 P=16 + o refit", 80, 16, {}),
+    ],
 }
 
 
@@ -104,14 +136,20 @@ def transmla_grid(transmla: list[dict]) -> list[str]:
     """Markdown table: TransMLA perplexity per rope dim x freqfold (partial RoPE alone, then each budget)."""
     budgets = sorted({r["values"] for r in transmla if r["variant"] == "transmla"}, reverse=True)
     cells = {(r["P"], r["freqfold"], r["values"]): r["ppl"] for r in transmla if r["variant"] == "transmla"}
-    lines = ["| TransMLA rope dim | freqfold | partial RoPE only | "
-             + " | ".join(f"{b} values (R = {b} - rope)" for b in budgets) + " |",
-             "|---:|---:|---:|" + "---:|" * len(budgets)]
+    lines = [
+        "| TransMLA rope dim | freqfold | partial RoPE only | "
+        + " | ".join(f"{b} values (R = {b} - rope)" for b in budgets)
+        + " |",
+        "|---:|---:|---:|" + "---:|" * len(budgets),
+    ]
     for r in transmla:
         if r["variant"] == "partial-rope":
             ppl = [cells.get((r["rope"], r["freqfold"], b)) for b in budgets]
-            lines.append(f"| {r['rope']} | {r['freqfold']} | {r['ppl']:.2f} | "
-                         + " | ".join("" if p is None else f"{p:.2f}" for p in ppl) + " |")
+            lines.append(
+                f"| {r['rope']} | {r['freqfold']} | {r['ppl']:.2f} | "
+                + " | ".join("" if p is None else f"{p:.2f}" for p in ppl)
+                + " |"
+            )
     return lines
 
 
@@ -120,7 +158,8 @@ def markdown(rows: list[dict], transmla: list[dict], commit: str) -> str:
     src = rows[0]["source_ppl"]
     best = best_transmla(transmla)
     lines = [
-        "## convert mla", "",
+        "## convert mla",
+        "",
         "`python benchmarks/bench_convert_mla.py --json rows.json`, TransMLA's rows from "
         "`benchmarks/transmla_side_by_side.py` (its docstring has the set-up), then "
         "`--from-json rows.json --transmla transmla.jsonl --write`: "
@@ -128,7 +167,8 @@ def markdown(rows: list[dict], transmla: list[dict], commit: str) -> str:
         "3 KV heads, D = 64: 384 cached values per token and layer) -> stock `deepseek_v3`. Calibration: 2048 "
         "tokens of tests/data/prose/calib.txt (4 windows of 512), sequential; evaluation: 4096 tokens of "
         "tests/data/prose/heldout.txt (8 windows of 512), fp32, CPU. KL = KL(source || result) per token. "
-        f"Source perplexity on these windows: **{src:.2f}**.", "",
+        f"Source perplexity on these windows: **{src:.2f}**.",
+        "",
         "| budget (values/token) | variant | R + P | perplexity | x source | KL | top-1 agree | mean K err "
         "| mean V err | TransMLA, run here: best setting |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -137,12 +177,17 @@ def markdown(rows: list[dict], transmla: list[dict], commit: str) -> str:
     for r in rows:
         theirs = best.get(r["values"]) if r["values"] not in seen else None
         seen.add(r["values"])
-        pub = (f"{theirs['ppl']:.2f} ({theirs['ppl'] / theirs['source_ppl']:.2f}x; {theirs['R']} + {theirs['P']}, "
-               f"freqfold {theirs['freqfold']})" if theirs else "")
+        pub = (
+            f"{theirs['ppl']:.2f} ({theirs['ppl'] / theirs['source_ppl']:.2f}x; {theirs['R']} + {theirs['P']}, "
+            f"freqfold {theirs['freqfold']})"
+            if theirs
+            else ""
+        )
         lines.append(
             f"| {r['values']} ({r['fraction']:.0%}) | {r['variant']} | {r['R']} + {r['P']} | {r['ppl']:.2f} | "
             f"{r['ppl'] / r['source_ppl']:.2f}x | {r['kl']:.3f} | {r['top1']:.3f} | {r['k_err']:.3f} | "
-            f"{r['v_err']:.3f} | {pub} |")
+            f"{r['v_err']:.3f} | {pub} |"
+        )
     lines += ["", NOTES.format(rss=max(r["peak_rss"] for r in rows) / 2**20)]
     if transmla:
         source = next(r["ppl"] for r in transmla if r["variant"] == "source")
@@ -159,13 +204,19 @@ def main() -> None:
     ap.add_argument("--transmla", default=None, help="rows printed by transmla_side_by_side.py (JSON lines)")
     ap.add_argument("--transmla-commit", default="9c0d254", help="the TransMLA commit those rows came from")
     ap.add_argument("--write", action="store_true", help="write the section into docs/benchmarks.md")
-    ap.add_argument("--swap", action="store_true",
-                    help="calibrate on heldout.txt and evaluate on calib.txt (a second split, for robustness)")
+    ap.add_argument(
+        "--swap",
+        action="store_true",
+        help="calibrate on heldout.txt and evaluate on calib.txt (a second split, for robustness)",
+    )
     args = ap.parse_args()
     if args.from_json:
         rows = [r for f in args.from_json.split(",") for r in json.loads(Path(f).read_text())]
-        transmla = ([json.loads(line) for line in Path(args.transmla).read_text().splitlines() if line.strip()]
-                    if args.transmla else [])
+        transmla = (
+            [json.loads(line) for line in Path(args.transmla).read_text().splitlines() if line.strip()]
+            if args.transmla
+            else []
+        )
         section = markdown(rows, transmla, args.transmla_commit)
         print(section)
         if args.write:

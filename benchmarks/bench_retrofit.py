@@ -17,6 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.docsection import replace_section  # noqa: E402
+
 PROSE = ROOT / "tests" / "data" / "prose"
 
 
@@ -42,8 +43,14 @@ def _run(kind: str, kwargs: dict, src: str, out: Path, args) -> dict:
     """The retrofit without --eval (its probe pass is measured elsewhere); scored by _score."""
     from attnkit.commands.retrofit.common import RetrofitOptions
 
-    opts = RetrofitOptions(model=src, out=out, calib=[str(PROSE / "calib.txt")], calib_tokens=args.calib_tokens,
-                           calib_seq_len=args.seq_len, device="cpu")
+    opts = RetrofitOptions(
+        model=src,
+        out=out,
+        calib=[str(PROSE / "calib.txt")],
+        calib_tokens=args.calib_tokens,
+        calib_seq_len=args.seq_len,
+        device="cpu",
+    )
     if kind == "softcap":
         from attnkit.commands.retrofit.softcap import SoftcapRequest, retrofit_softcap
 
@@ -91,9 +98,8 @@ def main() -> None:
     parser.add_argument("--write", default=None, help="Markdown file whose '## retrofit' section is rewritten.")
     args = parser.parse_args()
     args.only = set(args.only.split(","))
-    from tests.realmodel import smollm2_folder
-
     from attnkit.commands.retrofit.common import load, windows
+    from tests.realmodel import smollm2_folder
 
     src = str(smollm2_folder())
     source = load(src, "cpu")
@@ -104,8 +110,10 @@ def main() -> None:
             started = time.perf_counter()
             report = _run(kind, kwargs, src, Path(tmp) / f"out{n}", args)
             e = _score(source, Path(tmp) / f"out{n}", wins)
-            row = (f"| {kind} | {label} | {e['reference_perplexity']:.3f} | {e['perplexity']:.3f} | {e['kl_mean']:.4g} | "
-                   f"{e['top1_agreement']:.3f} | {_detail(kind, report)} | {time.perf_counter() - started:.0f} |")
+            row = (
+                f"| {kind} | {label} | {e['reference_perplexity']:.3f} | {e['perplexity']:.3f} | {e['kl_mean']:.4g} | "
+                f"{e['top1_agreement']:.3f} | {_detail(kind, report)} | {time.perf_counter() - started:.0f} |"
+            )
             print(row, flush=True)
             rows.append(row)
     body = (
@@ -116,7 +124,8 @@ def main() -> None:
         f"(2-core machine shared with other jobs; torch {torch.__version__}). qknorm kl: {args.kl_steps} Adam steps "
         "per layer.\n\n"
         "| retrofit | variant | source ppl | ppl | KL | top-1 agree | detail | s |\n"
-        "|---|---|---:|---:|---:|---:|---|---:|\n" + "\n".join(rows))
+        "|---|---|---:|---:|---:|---:|---|---:|\n" + "\n".join(rows)
+    )
     if args.write:
         replace_section(Path(args.write), "## retrofit\n\n" + body)
         print(f"wrote the '## retrofit' section of {args.write}")

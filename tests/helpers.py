@@ -19,8 +19,10 @@ HELDOUT = str(PROSE_DIR / "heldout.txt")
 #: convert mla's calibration options for tiny models: a quarter of the default tokens, short windows.
 FAST_CALIB = ["--calib", CALIB, "--calib-tokens", "512", "--calib-seq-len", "128"]
 
-PROSE = ("Rain fell on the old harbour town all night, and by morning the fishing boats "
-         "sat low in the water while the gulls argued over scraps on the pier. ")
+PROSE = (
+    "Rain fell on the old harbour town all night, and by morning the fishing boats "
+    "sat low in the water while the gulls argued over scraps on the pier. "
+)
 
 
 def char_tokenizer(folder):
@@ -32,8 +34,9 @@ def char_tokenizer(folder):
     vocab.update({chr(c): 4 + i for i, c in enumerate(range(32, 127))})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            unk_token="<unk>").save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    ).save_pretrained(folder)
     return folder
 
 
@@ -47,8 +50,10 @@ def one_line_error(result, code: int, needle: str, progress_lines: int = 0) -> N
 
 def tree(folder: Path) -> dict:
     """Relative path -> sha256 of every file under `folder`, and every folder (so new subfolders show)."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(folder.rglob("*"))}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 def digest(folder: Path) -> dict:
@@ -98,7 +103,7 @@ def modules_after(args: list[str]) -> set[str]:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     line = [l for l in out.stderr.splitlines() if l.startswith("HEAVY=")][-1]
-    return {m for m in line[len("HEAVY="):].split(",") if m}
+    return {m for m in line[len("HEAVY=") :].split(",") if m}
 
 
 def library_accepts(path) -> bool:

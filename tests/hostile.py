@@ -10,14 +10,45 @@ import random
 import struct
 
 #: Values a hostile header puts where numbers, strings, lists or objects belong.
-NASTY = [-1, 0, 1, 0.5, -0.0, 1e308, 2**31, 2**63 - 1, 2**64, 2**80, "", "ab", "F32", None, True, False,
-         [], [1], [-1, 2], [0.5], ["ab"], [2**64], [100000000, "ab"], [100000, 100000, 100000], {}, {"a": 1},
-         {"a": "b"}, [[1, 2]], "../../../../etc/passwd", "/etc/passwd", "a\x00b"]
+NASTY = [
+    -1,
+    0,
+    1,
+    0.5,
+    -0.0,
+    1e308,
+    2**31,
+    2**63 - 1,
+    2**64,
+    2**80,
+    "",
+    "ab",
+    "F32",
+    None,
+    True,
+    False,
+    [],
+    [1],
+    [-1, 2],
+    [0.5],
+    ["ab"],
+    [2**64],
+    [100000000, "ab"],
+    [100000, 100000, 100000],
+    {},
+    {"a": 1},
+    {"a": "b"},
+    [[1, 2]],
+    "../../../../etc/passwd",
+    "/etc/passwd",
+    "a\x00b",
+]
 #: JSON texts no JSON encoder writes but a file can hold.
 RAW_JSON = [b"NaN", b"Infinity", b"-Infinity", b"1" * 5000, b"[" * 100000 + b"]" * 100000, b"1e999", b'"\\ud800"']
 
 
 # ------------------------------------------------------------------ safetensors
+
 
 def safetensors_header() -> dict:
     """A valid header: three tensors that tile a 96-byte data section, and metadata."""
@@ -50,8 +81,9 @@ def mutate_safetensors(rng: random.Random) -> bytes:
         dup = b'"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, '
         return safetensors_bytes(text[:1] + dup + text[1:])
     if kind == 7:
-        return safetensors_bytes(rng.choice(RAW_JSON) if rng.random() < 0.5 else
-                                 text.replace(b"64", rng.choice(RAW_JSON), 1))
+        return safetensors_bytes(
+            rng.choice(RAW_JSON) if rng.random() < 0.5 else text.replace(b"64", rng.choice(RAW_JSON), 1)
+        )
     if kind == 8:
         body = safetensors_bytes(header)
         return body[: rng.randrange(len(body))]
@@ -71,8 +103,13 @@ def _replace_somewhere(rng: random.Random, header: dict) -> None:
         return
     entry = header[name]
     field = rng.choice(["dtype", "shape", "data_offsets", "entry", "drop", "offset0", "offset1", "dim"])
-    if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and entry["shape"]
-            and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2):
+    if not (
+        isinstance(entry, dict)
+        and isinstance(entry.get("shape"), list)
+        and entry["shape"]
+        and isinstance(entry.get("data_offsets"), list)
+        and len(entry["data_offsets"]) == 2
+    ):
         field = "entry"  # an earlier edit already broke this entry
     if field == "entry":
         header[name] = _nasty(rng)
@@ -119,7 +156,8 @@ def mutate_index(rng: random.Random) -> bytes:
             doc["weight_map"] = _nasty(rng, [list(SHARDS)])
         elif target == "value":
             doc["weight_map"][rng.choice(list(doc["weight_map"]))] = _nasty(
-                rng, ["../" * rng.randint(1, 6) + "etc/passwd", "sub/../../x.safetensors", "C:\\x.safetensors"])
+                rng, ["../" * rng.randint(1, 6) + "etc/passwd", "sub/../../x.safetensors", "C:\\x.safetensors"]
+            )
         elif target == "key":
             doc["weight_map"][rng.choice(["", "\ud800", "x" * 1000])] = SHARDS[0]
         else:
@@ -142,10 +180,14 @@ _FMT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
 def gguf_fields(layers: int = 2) -> list[tuple[str, int, object]]:
     """(key, value type, value) of a small valid llama GGUF."""
     return [
-        ("general.architecture", STRING, "llama"), ("general.alignment", U32, 32),
-        ("llama.block_count", U32, layers), ("llama.embedding_length", U32, 64),
-        ("llama.attention.head_count", U32, 8), ("llama.attention.head_count_kv", U32, 2),
-        ("llama.context_length", U32, 512), ("llama.rope.freq_base", F32, 10000.0),
+        ("general.architecture", STRING, "llama"),
+        ("general.alignment", U32, 32),
+        ("llama.block_count", U32, layers),
+        ("llama.embedding_length", U32, 64),
+        ("llama.attention.head_count", U32, 8),
+        ("llama.attention.head_count_kv", U32, 2),
+        ("llama.context_length", U32, 512),
+        ("llama.rope.freq_base", F32, 10000.0),
         ("tokenizer.ggml.tokens", ARRAY, (STRING, ["a", "b", "c"])),
     ]
 
@@ -153,16 +195,26 @@ def gguf_fields(layers: int = 2) -> list[tuple[str, int, object]]:
 def gguf_tensors(layers: int = 2) -> list[tuple[str, tuple[int, ...], int]]:
     """(name, dims, ggml type) of F32 tensors: the embedding, and per block a norm and the attention (GGUF dims
     [in, out]; hidden 64, 8 heads and 2 KV heads of 8)."""
-    block = [("attn_norm", (64,)), ("attn_q", (64, 64)), ("attn_k", (64, 16)), ("attn_v", (64, 16)),
-             ("attn_output", (64, 64))]
-    return [("token_embd.weight", (64, 3), 0)] + [(f"blk.{i}.{role}.weight", dims, 0) for i in range(layers)
-                                                  for role, dims in block]
+    block = [
+        ("attn_norm", (64,)),
+        ("attn_q", (64, 64)),
+        ("attn_k", (64, 16)),
+        ("attn_v", (64, 16)),
+        ("attn_output", (64, 64)),
+    ]
+    return [("token_embd.weight", (64, 3), 0)] + [
+        (f"blk.{i}.{role}.weight", dims, 0) for i in range(layers) for role, dims in block
+    ]
 
 
 def gguf_bytes(fields, tensors, *, n_kv: int | None = None, n_tensors: int | None = None, version: int = 3) -> bytes:
     """A GGUF file: header, key/values, tensor infos, padding to 32 and the (zero) tensor data."""
-    out = bytearray(b"GGUF" + struct.pack("<IQQ", version, len(tensors) if n_tensors is None else n_tensors,
-                                          len(fields) if n_kv is None else n_kv))
+    out = bytearray(
+        b"GGUF"
+        + struct.pack(
+            "<IQQ", version, len(tensors) if n_tensors is None else n_tensors, len(fields) if n_kv is None else n_kv
+        )
+    )
     for key, vtype, value in fields:
         out += _gguf_string(key) + struct.pack("<I", vtype) + _gguf_value(vtype, value)
     offset = 0
@@ -198,10 +250,26 @@ def mutate_gguf(rng: random.Random) -> bytes:
 
 #: (value type, value) replacements, including arrays and strings where counts belong.
 _GGUF_NASTY = [
-    (U32, 0), (U32, 3), (U32, 2**32 - 1), (I32, -2), (F32, 0.5), (F32, 9.5), (F32, float("nan")), (BOOL, True),
-    (U64, 2**62), (U64, 2**64 - 1), (STRING, "abc"), (STRING, ""), (ARRAY, (U32, [8, 8])), (ARRAY, (U32, [8, 4])),
-    (ARRAY, (U32, [])), (ARRAY, (STRING, ["x"])), (ARRAY, (F32, [0.5])), (ARRAY, (ARRAY, [])),
-    (ARRAY, (U32, list(range(5000)))), (77, None),
+    (U32, 0),
+    (U32, 3),
+    (U32, 2**32 - 1),
+    (I32, -2),
+    (F32, 0.5),
+    (F32, 9.5),
+    (F32, float("nan")),
+    (BOOL, True),
+    (U64, 2**62),
+    (U64, 2**64 - 1),
+    (STRING, "abc"),
+    (STRING, ""),
+    (ARRAY, (U32, [8, 8])),
+    (ARRAY, (U32, [8, 4])),
+    (ARRAY, (U32, [])),
+    (ARRAY, (STRING, ["x"])),
+    (ARRAY, (F32, [0.5])),
+    (ARRAY, (ARRAY, [])),
+    (ARRAY, (U32, list(range(5000)))),
+    (77, None),
 ]
 
 

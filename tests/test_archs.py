@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 
 import pytest
@@ -23,24 +23,28 @@ def _llama_doc() -> dict:
 
 # ---------------------------------------------------------------- schema
 
-@pytest.mark.parametrize("mutate, needle", [
-    (lambda d: d.update(colour="red"), "unknown keys ['colour']"),
-    (lambda d: d["tensors"].pop("v"), "needs tensor roles ['v']"),
-    (lambda d: d.update(position="sinusoidal"), "'position' is 'sinusoidal'"),
-    (lambda d: d.update(qkv_layout="interleaved"), "'qkv_layout' is 'interleaved'"),
-    (lambda d: d.pop("causal"), "missing keys ['causal']"),
-    (lambda d: d["config"].update(heads=["n_head"]), "unknown config roles ['heads']"),
-    (lambda d: d["config"].pop("num_heads"), "missing config roles ['num_heads']"),
-    (lambda d: d["tensors"].update(q="layers.0.q.weight"), "must be a template containing '{i}'"),
-    (lambda d: d["tensors"].update(qq="layers.{i}.qq.weight"), "unknown tensor roles ['qq']"),
-    (lambda d: d.update(qk_norm="per_head"), "q_norm/k_norm tensor roles missing"),
-    (lambda d: d.update(causal="yes"), "'causal' must be bool"),
-    (lambda d: d.pop("required"), "missing keys ['required']"),
-    (lambda d: d["required"].update(layer=["layers.0.mlp.down_proj.weight"]), "must contain '{i}'"),
-    (lambda d: d["required"].update(layer=["layers.{i}.experts.{e}.w1.weight"]), "no num_experts role is mapped"),
-    (lambda d: d["required"].update(head=["lm_head.weight"]), "'required.head' must be a string"),
-    (lambda d: d["required"].update(extra=[]), "'required' takes keys"),
-])
+
+@pytest.mark.parametrize(
+    "mutate, needle",
+    [
+        (lambda d: d.update(colour="red"), "unknown keys ['colour']"),
+        (lambda d: d["tensors"].pop("v"), "needs tensor roles ['v']"),
+        (lambda d: d.update(position="sinusoidal"), "'position' is 'sinusoidal'"),
+        (lambda d: d.update(qkv_layout="interleaved"), "'qkv_layout' is 'interleaved'"),
+        (lambda d: d.pop("causal"), "missing keys ['causal']"),
+        (lambda d: d["config"].update(heads=["n_head"]), "unknown config roles ['heads']"),
+        (lambda d: d["config"].pop("num_heads"), "missing config roles ['num_heads']"),
+        (lambda d: d["tensors"].update(q="layers.0.q.weight"), "must be a template containing '{i}'"),
+        (lambda d: d["tensors"].update(qq="layers.{i}.qq.weight"), "unknown tensor roles ['qq']"),
+        (lambda d: d.update(qk_norm="per_head"), "q_norm/k_norm tensor roles missing"),
+        (lambda d: d.update(causal="yes"), "'causal' must be bool"),
+        (lambda d: d.pop("required"), "missing keys ['required']"),
+        (lambda d: d["required"].update(layer=["layers.0.mlp.down_proj.weight"]), "must contain '{i}'"),
+        (lambda d: d["required"].update(layer=["layers.{i}.experts.{e}.w1.weight"]), "no num_experts role is mapped"),
+        (lambda d: d["required"].update(head=["lm_head.weight"]), "'required.head' must be a string"),
+        (lambda d: d["required"].update(extra=[]), "'required' takes keys"),
+    ],
+)
 def test_schema_rejects_bad_documents_naming_the_file(mutate, needle):
     doc = _llama_doc()
     mutate(doc)
@@ -51,14 +55,33 @@ def test_schema_rejects_bad_documents_naming_the_file(mutate, needle):
 
 
 def test_every_shipped_file_validates_and_claims_distinct_model_types():
-    files = sorted(p.name for p in resources.files("attnkit.archs").joinpath("data").iterdir() if p.name.endswith(".json"))
+    files = sorted(
+        p.name for p in resources.files("attnkit.archs").joinpath("data").iterdir() if p.name.endswith(".json")
+    )
     families = {a.family for a in all_archs()}
     assert {f.removesuffix(".json") for f in files} == families
     for arch in all_archs():
         assert validate_arch(copy.deepcopy(arch.data), arch.family) == arch.data
-    assert {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3",
-            "gemma3_text", "phi3", "olmo2", "gpt2", "gpt_neox", "bert", "deepseek_v2", "deepseek_v3",
-            "gpt_oss"} <= set(supported_model_types())
+    assert {
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "phi3",
+        "olmo2",
+        "gpt2",
+        "gpt_neox",
+        "bert",
+        "deepseek_v2",
+        "deepseek_v3",
+        "gpt_oss",
+    } <= set(supported_model_types())
 
 
 def test_unknown_model_type_lists_supported_ones():
@@ -73,7 +96,7 @@ def test_unknown_model_type_lists_supported_ones():
 # ---------------------------------------------------------------- templates vs real state dicts
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tiny(name: str) -> tuple[dict, dict[str, tuple[int, ...]]]:
     """(config.json as saved, {tensor name: shape}) of a tiny random model."""
     import tests.tiny
@@ -107,10 +130,30 @@ CASES = {
     "gpt_oss": ("model.", 8, 2, 8, 8, (16, None), None, None, "none", SEP | BIAS3 | {"o_bias", "sinks"}),
     # MLA: H = Hkv = 8 (every head has its own up-projected key), D = nope 8 + rope 4
     "deepseek_v2": ("model.", 8, 8, 12, 8, (None, None), None, None, "none", {"q", "kv_a", "kv_a_norm", "kv_b", "o"}),
-    "deepseek_v3": ("model.", 8, 8, 12, 8, (None, None), None, None, "none",
-                    {"q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b", "o"}),
-    "deepseek_v3_bias": ("model.", 8, 8, 12, 8, (None, None), None, None, "none",
-                         {"q_a", "q_a_bias", "q_a_norm", "q_b", "kv_a", "kv_a_bias", "kv_a_norm", "kv_b", "o", "o_bias"}),
+    "deepseek_v3": (
+        "model.",
+        8,
+        8,
+        12,
+        8,
+        (None, None),
+        None,
+        None,
+        "none",
+        {"q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b", "o"},
+    ),
+    "deepseek_v3_bias": (
+        "model.",
+        8,
+        8,
+        12,
+        8,
+        (None, None),
+        None,
+        None,
+        "none",
+        {"q_a", "q_a_bias", "q_a_norm", "q_b", "kv_a", "kv_a_bias", "kv_a_norm", "kv_b", "o", "o_bias"},
+    ),
 }
 
 
@@ -169,6 +212,7 @@ def test_shapes_written_out_for_gqa_fused_and_mla():
 
 # ---------------------------------------------------------------- find_prefix
 
+
 def test_find_prefix_bare_and_task_head_names():
     _, shapes = _tiny("gpt2")
     hub_style = [n.removeprefix("transformer.") for n in shapes]  # the hub's gpt2 has no prefix
@@ -195,26 +239,50 @@ def test_find_prefix_errors_are_one_line():
 
 # ---------------------------------------------------------------- spec rules from hand-written configs
 
+
 def test_qwen2_window_starts_at_max_window_layers_when_enabled():
-    base = {"model_type": "qwen2", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "hidden_size": 64, "sliding_window": 32, "max_window_layers": 2}
+    base = {
+        "model_type": "qwen2",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 64,
+        "sliding_window": 32,
+        "max_window_layers": 2,
+    }
     assert attention_spec({**base, "use_sliding_window": True}).layer_windows == (None, None, 32, 32)
     assert attention_spec({**base, "use_sliding_window": False}).layer_windows == (None,) * 4
     assert attention_spec(base).layer_windows == (None,) * 4  # Qwen2Config defaults use_sliding_window=False
 
 
 def test_qwen3_moe_window_needs_use_sliding_window():
-    base = {"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "hidden_size": 64, "head_dim": 16, "sliding_window": 4096}
+    base = {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 64,
+        "head_dim": 16,
+        "sliding_window": 4096,
+    }
     assert attention_spec(base).layer_windows == (None,) * 3
     assert attention_spec({**base, "use_sliding_window": True}).layer_windows == (4096,) * 3
 
 
 def test_gemma3_old_hub_config_pattern_and_global_theta():
-    config = {"model_type": "gemma3_text", "num_hidden_layers": 12, "num_attention_heads": 8,
-              "num_key_value_heads": 4, "head_dim": 256, "hidden_size": 2560, "sliding_window": 1024,
-              "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
-              "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}
+    config = {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 12,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_size": 2560,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    }
     spec = attention_spec(config)
     # layers 6 and 12 (1-based) are global
     assert spec.layer_windows == (1024,) * 5 + (None,) + (1024,) * 5 + (None,)
@@ -228,17 +296,31 @@ def test_gemma3_v5_rope_parameters_per_layer_type():
 
 
 def test_layer_types_list_wins_over_the_rule():
-    config = {"model_type": "gemma2", "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "hidden_size": 64, "head_dim": 16, "sliding_window": 8,
-              "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]}
+    config = {
+        "model_type": "gemma2",
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 64,
+        "head_dim": 16,
+        "sliding_window": 8,
+        "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+    }
     assert attention_spec(config).layer_windows == (None, 8, 8)  # the alternate rule would give (8, None, 8)
 
 
 def test_gpt_oss_without_layer_types_alternates_like_transformers():
     import transformers
 
-    config = {"model_type": "gpt_oss", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-              "head_dim": 8, "hidden_size": 64, "sliding_window": 128}
+    config = {
+        "model_type": "gpt_oss",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "hidden_size": 64,
+        "sliding_window": 128,
+    }
     reference = transformers.GptOssConfig(**{k: v for k, v in config.items() if k != "model_type"}).layer_types
     assert reference == ["sliding_attention", "full_attention"] * 2
     assert attention_spec(config).layer_windows == (128, None, 128, None)
@@ -254,16 +336,27 @@ def test_gpt_neox_old_keys_and_defaults():
 def test_gemma3_multimodal_config_reads_text_config(tmp_path):
     from attnkit.io.config import read_config
 
-    text = {"model_type": "gemma3_text", "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,
-            "head_dim": 256, "hidden_size": 2560, "sliding_window": 1024}
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text,
-                                                      "vision_config": {"model_type": "siglip_vision_model"}}))
+    text = {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_size": 2560,
+        "sliding_window": 1024,
+    }
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {"model_type": "gemma3", "text_config": text, "vision_config": {"model_type": "siglip_vision_model"}}
+        )
+    )
     spec = attention_spec(read_config(tmp_path / "config.json"))
     assert (spec.family, spec.num_kv_heads, spec.qk_norm) == ("gemma3", 4, "per_head")
     assert spec.layer_windows == (1024,) * 5 + (None,)
 
 
 # ---------------------------------------------------------------- real checkpoints
+
 
 def test_real_minilm_bert_through_inspect():
     from attnkit.commands.analyse.inspect import inspect_model
@@ -274,7 +367,13 @@ def test_real_minilm_bert_through_inspect():
     doc = inspect_model(str(folder))
     s = doc["summary"]
     # all-MiniLM-L6-v2: 6 layers, hidden 384, 12 heads of 32
-    assert (s["family"], s["layers"], s["query heads (H)"], s["KV heads (Hkv)"], s["head dim (D)"]) == ("bert", 6, 12, 12, 32)
+    assert (s["family"], s["layers"], s["query heads (H)"], s["KV heads (Hkv)"], s["head dim (D)"]) == (
+        "bert",
+        6,
+        12,
+        12,
+        32,
+    )
     assert s["position"] == "absolute" and doc["spec"]["causal"] is False and "encoder" in s["note"]
     info = model_info(str(folder))
     arch = get_arch("bert")
@@ -295,7 +394,13 @@ def test_real_smollm2_through_inspect():
     folder = smollm2_folder()
     doc = inspect_model(str(folder))
     s = doc["summary"]
-    assert (s["family"], s["layers"], s["query heads (H)"], s["KV heads (Hkv)"], s["head dim (D)"]) == ("llama", 30, 9, 3, 64)
+    assert (s["family"], s["layers"], s["query heads (H)"], s["KV heads (Hkv)"], s["head dim (D)"]) == (
+        "llama",
+        30,
+        9,
+        3,
+        64,
+    )
     assert s["variant"] == "GQA-3" and s["position"] == "default theta=100000"
     # 30 layers x 2 (K and V) x 3 heads x 64 dims x 2 bytes
     assert doc["kv_bytes_per_token_bf16"] == 30 * 2 * 3 * 64 * 2 == 23040

@@ -40,18 +40,34 @@ def _brute(q, k, visible, scaling, cap=None, sinks=None):
         ent, pmax = -(torch.where(p > 0, p * p.log(), 0)).sum(-1), p.amax(-1)
     heads = [s[:, h][vis[:, h]] for h in range(s.shape[1])]
     return {
-        "max": torch.stack([x.max() for x in heads]), "min": torch.stack([x.min() for x in heads]),
-        "mean": torch.stack([x.mean() for x in heads]), "std": torch.stack([x.std(unbiased=False) for x in heads]),
+        "max": torch.stack([x.max() for x in heads]),
+        "min": torch.stack([x.min() for x in heads]),
+        "mean": torch.stack([x.mean() for x in heads]),
+        "std": torch.stack([x.std(unbiased=False) for x in heads]),
         "precap": torch.stack([raw[:, h][vis[:, h]].max() for h in range(s.shape[1])]),
-        "logz_mean": logz.mean((0, 2)), "logz_max": logz.amax((0, 2)), "logz_min": logz.amin((0, 2)),
-        "logz_std": logz.std((0, 2), unbiased=False), "entropy": ent.mean((0, 2)), "max_prob": pmax.mean((0, 2)),
+        "logz_mean": logz.mean((0, 2)),
+        "logz_max": logz.amax((0, 2)),
+        "logz_min": logz.amin((0, 2)),
+        "logz_std": logz.std((0, 2), unbiased=False),
+        "entropy": ent.mean((0, 2)),
+        "max_prob": pmax.mean((0, 2)),
     }
 
 
 def _check(st, ref):
-    got = {"max": st.logits.max, "min": st.logits.min, "mean": st.logits.mean, "std": st.logits.std,
-           "precap": st.precap_max, "logz_mean": st.logz.mean, "logz_max": st.logz.max, "logz_min": st.logz.min,
-           "logz_std": st.logz.std, "entropy": st.entropy.mean, "max_prob": st.max_prob.mean}
+    got = {
+        "max": st.logits.max,
+        "min": st.logits.min,
+        "mean": st.logits.mean,
+        "std": st.logits.std,
+        "precap": st.precap_max,
+        "logz_mean": st.logz.mean,
+        "logz_max": st.logz.max,
+        "logz_min": st.logz.min,
+        "logz_std": st.logz.std,
+        "entropy": st.entropy.mean,
+        "max_prob": st.max_prob.mean,
+    }
     for key, value in got.items():
         torch.testing.assert_close(value, ref[key], **TOL, msg=key)
 
@@ -61,8 +77,8 @@ def _check(st, ref):
 def test_causal_gqa_matches_full_matrix(blocks, cap, monkeypatch):
     torch.manual_seed(0)
     q, k = torch.randn(2, 8, 37, 8) * 3, torch.randn(2, 2, 37, 8) * 3
-    st = _run(q, k, scaling=8 ** -0.5, cap=cap, blocks=blocks, monkeypatch=monkeypatch)
-    _check(st, _brute(q, k, torch.ones(37, 37).tril().bool(), 8 ** -0.5, cap))
+    st = _run(q, k, scaling=8**-0.5, cap=cap, blocks=blocks, monkeypatch=monkeypatch)
+    _check(st, _brute(q, k, torch.ones(37, 37).tril().bool(), 8**-0.5, cap))
     assert st.logits.n.tolist() == [2 * 37 * 38 / 2] * 8
 
 
@@ -70,8 +86,8 @@ def test_logits_hundreds_apart_match_full_matrix(monkeypatch):
     """Scores far below the row max (exp underflows; the pass clamps exp inputs at EXP_FLOOR) stay exact."""
     torch.manual_seed(4)
     q, k = torch.randn(1, 4, 40, 8) * 20, torch.randn(1, 2, 40, 8) * 10
-    st = _run(q, k, scaling=8 ** -0.5, blocks=(96, 8), monkeypatch=monkeypatch)
-    ref = _brute(q, k, torch.ones(40, 40).tril().bool(), 8 ** -0.5)
+    st = _run(q, k, scaling=8**-0.5, blocks=(96, 8), monkeypatch=monkeypatch)
+    ref = _brute(q, k, torch.ones(40, 40).tril().bool(), 8**-0.5)
     assert (ref["max"] - ref["min"]).min() > 4 * -A.EXP_FLOOR  # the case is real: spreads of hundreds
     _check(st, ref)
 
@@ -80,11 +96,11 @@ def test_sliding_window_and_padding_mask(monkeypatch):
     torch.manual_seed(1)
     q, k = torch.randn(2, 4, 30, 8) * 2, torch.randn(2, 4, 30, 8) * 2
     i = torch.arange(30)
-    visible = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 6)          # window 6
+    visible = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 6)  # window 6
     visible = visible[None, None].repeat(2, 1, 1, 1)
-    visible[1, :, :, :3] = False                                                 # left padding in row 1
+    visible[1, :, :, :3] = False  # left padding in row 1
     st = _run(q, k, visible, scaling=0.3, blocks=(40, 4), monkeypatch=monkeypatch)
-    rows = visible.any(-1, keepdim=True)                                          # queries 0..2 of row 1 see nothing
+    rows = visible.any(-1, keepdim=True)  # queries 0..2 of row 1 see nothing
     ref = _brute(q[:, :, :], k, visible, 0.3)
     # rows that see nothing are left out: compare on the visible rows only
     vis_rows = rows.expand(2, 4, 30, 1)[..., 0]
@@ -102,8 +118,8 @@ def test_sinks_join_the_softmax():
     torch.manual_seed(2)
     q, k = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8)
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
-    st = _run(q, k, scaling=8 ** -0.5, sinks=sinks)
-    _check(st, _brute(q, k, torch.ones(12, 12).tril().bool(), 8 ** -0.5, sinks=sinks))
+    st = _run(q, k, scaling=8**-0.5, sinks=sinks)
+    _check(st, _brute(q, k, torch.ones(12, 12).tril().bool(), 8**-0.5, sinks=sinks))
 
 
 def test_background_worked_numbers():
@@ -118,11 +134,11 @@ def test_background_worked_numbers():
 def test_single_logit_750_and_layernormed_2():
     q = torch.tensor([10.0, 20, 30, 40]).view(1, 1, 1, 4)
     k = torch.tensor([5.0, 10, 15, 20]).view(1, 1, 1, 4)
-    st = _run(q, k, scaling=4 ** -0.5)
+    st = _run(q, k, scaling=4**-0.5)
     assert st.logits.max.item() == 750.0 and st.logz.max.item() == 750.0
     assert st.above.item() == 1 and st.entropy.mean.item() == 0.0 and st.max_prob.mean.item() == 1.0
     ln = torch.nn.functional.layer_norm
-    st = _run(ln(q, (4,)), ln(k, (4,)), scaling=4 ** -0.5)
+    st = _run(ln(q, (4,)), ln(k, (4,)), scaling=4**-0.5)
     assert st.logits.max.item() == pytest.approx(2.0, rel=1e-5)
 
 

@@ -58,20 +58,28 @@ def _drop_tensors(folder, *names):
 
 # ------------------------------------------------------------------ config values
 
-@pytest.mark.parametrize("changes, words", [
-    ({"num_hidden_layers": -2}, "num_hidden_layers = -2 must be at least 1"),
-    ({"num_attention_heads": 8.5}, "num_attention_heads = 8.5 must be a whole number"),
-    ({"num_key_value_heads": 0}, "num_key_value_heads = 0 must be at least 1"),
-    ({"num_key_value_heads": [8]}, "num_key_value_heads = [8] must be a whole number"),
-    ({"num_hidden_layers": 50_000_000}, "num_hidden_layers = 50000000 is over the limit of 4,096"),
-    ({"hidden_size": True}, "hidden_size = True must be a whole number"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": "big"}},
-     "rope_parameters.rope_theta = 'big' must be a number"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}},
-     "rope_parameters.rope_theta = nan must be a positive number"),
-    ({"tie_word_embeddings": "no"}, "tie_word_embeddings = 'no' must be true or false"),
-    ({"model_type": ["llama"]}, "unsupported model_type ['llama']"),
-])
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"num_hidden_layers": -2}, "num_hidden_layers = -2 must be at least 1"),
+        ({"num_attention_heads": 8.5}, "num_attention_heads = 8.5 must be a whole number"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads = 0 must be at least 1"),
+        ({"num_key_value_heads": [8]}, "num_key_value_heads = [8] must be a whole number"),
+        ({"num_hidden_layers": 50_000_000}, "num_hidden_layers = 50000000 is over the limit of 4,096"),
+        ({"hidden_size": True}, "hidden_size = True must be a whole number"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": "big"}},
+            "rope_parameters.rope_theta = 'big' must be a number",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}},
+            "rope_parameters.rope_theta = nan must be a positive number",
+        ),
+        ({"tie_word_embeddings": "no"}, "tie_word_embeddings = 'no' must be true or false"),
+        ({"model_type": ["llama"]}, "unsupported model_type ['llama']"),
+    ],
+)
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_bad_config_values_are_refused_by_every_command(runner, tiny, tmp_path, command, changes, words):
     model = _edit_config(tiny("llama"), **changes)
@@ -89,8 +97,13 @@ def test_non_utf8_config_is_one_clean_line(runner, tiny, tmp_path):
 
 
 def test_values_that_kvmem_would_turn_into_negative_bytes_never_reach_it():
-    config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 64,
-              "num_key_value_heads": -4}
+    config = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "hidden_size": 64,
+        "num_key_value_heads": -4,
+    }
     with pytest.raises(AttnkitError, match="num_key_value_heads = -4 must be at least 1"):
         attention_spec(config)
 
@@ -103,9 +116,16 @@ def test_hidden_smaller_than_heads_without_head_dim(tmp_path):
 
 # ------------------------------------------------------------------ completeness
 
-@pytest.mark.parametrize("missing", ["model.norm.weight", "model.layers.1.mlp.down_proj.weight",
-                                     "model.layers.0.post_attention_layernorm.weight",
-                                     "model.layers.1.self_attn.v_proj.weight"])
+
+@pytest.mark.parametrize(
+    "missing",
+    [
+        "model.norm.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.layers.1.self_attn.v_proj.weight",
+    ],
+)
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_a_checkpoint_missing_a_tensor_is_refused_before_work(runner, tiny, tmp_path, command, missing):
     model = _drop_tensors(char_tokenizer(tiny("llama_gqa")), missing)
@@ -136,8 +156,11 @@ def test_untied_head_is_required_and_tied_head_is_not(runner, tiny, tmp_path):
 def test_attention_shapes_must_match_the_config(runner, tiny, tmp_path):
     model = _edit_config(tiny("llama_gqa"), num_key_value_heads=4)  # the weights hold 2 KV heads
     result, out = _run(runner, "convert mqa", model, tmp_path)
-    _assert_refused(result, out, "tensor 'model.layers.0.self_attn.k_proj.weight' has shape [16, 64] "
-                                 "but the config implies [32, 64]")
+    _assert_refused(
+        result,
+        out,
+        "tensor 'model.layers.0.self_attn.k_proj.weight' has shape [16, 64] but the config implies [32, 64]",
+    )
 
 
 def test_weights_the_header_check_leaves_to_transformers_are_refused_when_loading(tmp_path):
@@ -148,5 +171,7 @@ def test_weights_the_header_check_leaves_to_transformers_are_refused_when_loadin
     folder = tmp_path / "moe"
     extra_model("qwen3_moe").save_pretrained(folder)
     _drop_tensors(folder, "model.layers.1.mlp.gate.weight")
-    with pytest.raises(AttnkitError, match="1 weight\\(s\\) the model needs are missing, e.g. 'model.layers.1.mlp.gate.weight'"):
+    with pytest.raises(
+        AttnkitError, match="1 weight\\(s\\) the model needs are missing, e.g. 'model.layers.1.mlp.gate.weight'"
+    ):
         load_model(str(folder), device="cpu")

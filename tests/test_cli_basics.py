@@ -62,10 +62,14 @@ def test_unknown_option_is_usage_error(runner):
 
 
 def test_debug_env_shows_traceback(tmp_path):
-    code = "from attnkit.cli import app; app(['inspect', %r])" % str(tmp_path / "missing.gguf")
+    code = f"from attnkit.cli import app; app(['inspect', {str(tmp_path / 'missing.gguf')!r}])"
     plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    debug = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={**__import__("os").environ, "ATTNKIT_DEBUG": "1"})
+    debug = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "ATTNKIT_DEBUG": "1"},
+    )
     assert plain.returncode == 1 and "Traceback" not in plain.stderr
     assert "Traceback" in debug.stderr
 

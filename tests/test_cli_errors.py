@@ -25,19 +25,32 @@ def texts(tmp_path):
     return {name: str(tmp_path / name) for name in ("binary.txt", "latin1.txt", "latin1.jsonl", "folder.txt")}
 
 
-WORDS = {"binary.txt": (1, "a binary file (it holds NUL bytes), not text"),
-         "latin1.txt": (1, "not a UTF-8 text file (byte 3)"),
-         "latin1.jsonl": (1, "not a UTF-8 text file (byte 13)"),
-         "folder.txt": (1, "is a folder, not a text file")}
+WORDS = {
+    "binary.txt": (1, "a binary file (it holds NUL bytes), not text"),
+    "latin1.txt": (1, "not a UTF-8 text file (byte 3)"),
+    "latin1.jsonl": (1, "not a UTF-8 text file (byte 13)"),
+    "folder.txt": (1, "is a folder, not a text file"),
+}
 
 
 @pytest.mark.parametrize("name", sorted(WORDS))
 @pytest.mark.parametrize("command", ["eval", "probe", "convert --calib"])
 def test_text_inputs_that_are_not_text(runner, src, tmp_path, texts, command, name):
     code, words = WORDS[name]
-    args = {"eval": ["eval", str(src), texts[name]], "probe": ["probe", str(src), texts[name]],
-            "convert --calib": ["convert", "mqa", str(src), str(tmp_path / "out"), "--method", "merge",
-                                "--calib", texts[name]]}[command]
+    args = {
+        "eval": ["eval", str(src), texts[name]],
+        "probe": ["probe", str(src), texts[name]],
+        "convert --calib": [
+            "convert",
+            "mqa",
+            str(src),
+            str(tmp_path / "out"),
+            "--method",
+            "merge",
+            "--calib",
+            texts[name],
+        ],
+    }[command]
     one_line_error(runner.invoke(app, args), code, f"{texts[name]}: {words}")
 
 
@@ -50,8 +63,21 @@ def test_markup_in_a_message_is_printed_as_is(runner, src):
 
 
 def test_device_is_checked_before_any_model_is_loaded(runner, src, tmp_path):
-    result = runner.invoke(app, ["convert", "mqa", str(src), str(tmp_path / "out"), "--method", "merge",
-                                 "--calib", _text(tmp_path), "--device", "tpu9"])
+    result = runner.invoke(
+        app,
+        [
+            "convert",
+            "mqa",
+            str(src),
+            str(tmp_path / "out"),
+            "--method",
+            "merge",
+            "--calib",
+            _text(tmp_path),
+            "--device",
+            "tpu9",
+        ],
+    )
     one_line_error(result, 2, "unknown --device 'tpu9'")
 
 
@@ -65,18 +91,20 @@ def test_calibration_window_errors_name_the_calibration_options(runner, src, tmp
     base = ["convert", "mqa", str(src), str(tmp_path / "out"), "--method", "merge", "--calib"]
     result = runner.invoke(app, [*base, _text(tmp_path), "--calib-tokens", "100", "--calib-seq-len", "512"])
     one_line_error(result, 2, "--calib-tokens 100 is shorter than one window (--calib-seq-len 512)")
-    result = runner.invoke(app, [*base, _text(tmp_path, copies=1), "--calib-tokens", "4096",
-                                 "--calib-seq-len", "2048"])
+    result = runner.invoke(app, [*base, _text(tmp_path, copies=1), "--calib-tokens", "4096", "--calib-seq-len", "2048"])
     assert result.exit_code == 1 and "give more text or a smaller --calib-seq-len" in result.stderr, result.output
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--context", "99999999999999999999999k"], "is over the limit of 1,099,511,627,776"),
-    (["--context", "9" * 5000], "is over the limit"),
-    (["--batch", "9" * 5000], "is over the limit of 4,294,967,296"),
-    (["--gpu-mem", "1e400GiB"], "not a memory size"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--context", "99999999999999999999999k"], "is over the limit of 1,099,511,627,776"),
+        (["--context", "9" * 5000], "is over the limit"),
+        (["--batch", "9" * 5000], "is over the limit of 4,294,967,296"),
+        (["--gpu-mem", "1e400GiB"], "not a memory size"),
+    ],
+)
 def test_kvmem_bounds_its_numbers(runner, args, words):
     one_line_error(runner.invoke(app, ["kvmem", "llama-3.1-8b", *args]), 2, words)
 

@@ -16,8 +16,9 @@ def run_json(runner, args):
 
 
 def test_gpu_fit_columns(runner):
-    doc = run_json(runner, ["kvmem", "llama-3.1-8b", "--context", "32k", "--batch", "16",
-                            "--gpu-mem", "80GiB", "--format", "json"])
+    doc = run_json(
+        runner, ["kvmem", "llama-3.1-8b", "--context", "32k", "--batch", "16", "--gpu-mem", "80GiB", "--format", "json"]
+    )
     row = doc["rows"][0]
     weights = 8030261248 * 2  # bf16 weights of the preset's published parameter count
     kv = 16 * 32768 * 131072
@@ -30,8 +31,9 @@ def test_gpu_fit_columns(runner):
 
 
 def test_tensor_parallel_fit(runner):
-    doc = run_json(runner, ["kvmem", "llama-3.1-8b", "--context", "4k", "--gpu-mem", "24GiB",
-                            "--tp", "2", "--format", "json"])
+    doc = run_json(
+        runner, ["kvmem", "llama-3.1-8b", "--context", "4k", "--gpu-mem", "24GiB", "--tp", "2", "--format", "json"]
+    )
     row = doc["rows"][0]
     assert row["weights_per_gpu"] == 8030261248 * 2 / 2
     assert row["kv_per_gpu"] == 4096 * 131072 / 2  # 4 of 8 KV heads per GPU
@@ -39,8 +41,23 @@ def test_tensor_parallel_fit(runner):
 
 
 def test_rows_cover_every_combination(runner):
-    doc = run_json(runner, ["kvmem", "llama-3.1-8b", "--context", "4k,8k", "--batch", "1,2",
-                            "--dtype", "bf16,int4", "--variant", "native,mqa", "--format", "json"])
+    doc = run_json(
+        runner,
+        [
+            "kvmem",
+            "llama-3.1-8b",
+            "--context",
+            "4k,8k",
+            "--batch",
+            "1,2",
+            "--dtype",
+            "bf16,int4",
+            "--variant",
+            "native,mqa",
+            "--format",
+            "json",
+        ],
+    )
     combos = {(r["variant"], r["dtype"], r["context"], r["batch"]) for r in doc["rows"]}
     assert len(combos) == 16
     mqa_bf16 = next(r for r in doc["rows"] if r["variant"] == "mqa" and r["dtype"] == "bf16")
@@ -68,8 +85,16 @@ def test_kvmem_on_checkpoint_uses_header_sizes(runner, tiny):
 
 
 def test_kvmem_on_bare_config_estimates_parameters(runner, tmp_path):
-    config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "hidden_size": 64, "intermediate_size": 128, "vocab_size": 100, "tie_word_embeddings": False}
+    config = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+        "tie_word_embeddings": False,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     doc = run_json(runner, ["kvmem", str(tmp_path / "config.json"), "--format", "json"])
     embed = 2 * 100 * 64
@@ -119,14 +144,16 @@ def test_max_context_is_capped_by_the_models_positions(runner):
     free = 80 * 2**30 - 8030261248 * 2
     assert free // 131072 > 131072  # memory alone would hold about 532k tokens
     assert row["max_context"] == 131072 and row["max_context_capped"] is True
-    small = run_json(runner, ["kvmem", "llama-3.1-8b", "--context", "4k", "--batch", "16", "--gpu-mem", "80GiB",
-                              "--format", "json"])["rows"][0]
+    small = run_json(
+        runner, ["kvmem", "llama-3.1-8b", "--context", "4k", "--batch", "16", "--gpu-mem", "80GiB", "--format", "json"]
+    )["rows"][0]
     assert small["max_context"] == free // (16 * 131072) and small["max_context_capped"] is False
 
 
 def test_csv_has_every_json_row_key(runner):
-    result = runner.invoke(app, ["kvmem", "llama-3.1-8b", "--context", "4k,256k", "--gpu-mem", "80GiB",
-                                 "--format", "csv"])
+    result = runner.invoke(
+        app, ["kvmem", "llama-3.1-8b", "--context", "4k,256k", "--gpu-mem", "80GiB", "--format", "csv"]
+    )
     assert result.exit_code == 0, result.output
     header, *rows = result.stdout.strip().splitlines()
     doc = run_json(runner, ["kvmem", "llama-3.1-8b", "--context", "4k,256k", "--gpu-mem", "80GiB", "--format", "json"])
@@ -154,10 +181,40 @@ def test_a_mistyped_preset_gets_a_suggestion_without_the_hub(runner, monkeypatch
 
 
 def test_dtype_spellings_of_torch_are_accepted(runner):
-    short = run_json(runner, ["kvmem", "llama-3.1-8b", "--context", "4k", "--dtype", "bf16", "--gpu-mem", "80GiB",
-                              "--weight-dtype", "bf16", "--format", "json"])
-    long = run_json(runner, ["kvmem", "llama-3.1-8b", "--context", "4k", "--dtype", "bfloat16", "--gpu-mem", "80GiB",
-                             "--weight-dtype", "bfloat16", "--format", "json"])
+    short = run_json(
+        runner,
+        [
+            "kvmem",
+            "llama-3.1-8b",
+            "--context",
+            "4k",
+            "--dtype",
+            "bf16",
+            "--gpu-mem",
+            "80GiB",
+            "--weight-dtype",
+            "bf16",
+            "--format",
+            "json",
+        ],
+    )
+    long = run_json(
+        runner,
+        [
+            "kvmem",
+            "llama-3.1-8b",
+            "--context",
+            "4k",
+            "--dtype",
+            "bfloat16",
+            "--gpu-mem",
+            "80GiB",
+            "--weight-dtype",
+            "bfloat16",
+            "--format",
+            "json",
+        ],
+    )
     assert short["rows"] == long["rows"]
 
 

@@ -14,26 +14,39 @@ from attnkit.cli import COMMANDS, app, build_app, invoked
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["kvmem", "llama-3.1-8b"], ["kvmem"]), (["convert", "mla", "--help"], ["convert"]), (["--version"], []),
-    (["--help"], None), ([], None), (["kvmemm"], None), (["-x", "kvmem"], None),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["kvmem", "llama-3.1-8b"], ["kvmem"]),
+        (["convert", "mla", "--help"], ["convert"]),
+        (["--version"], []),
+        (["--help"], None),
+        ([], None),
+        (["kvmemm"], None),
+        (["-x", "kvmem"], None),
+    ],
+)
 def test_invoked_names_what_a_run_needs(args, expected):
     assert invoked(args) == expected
 
 
 def _cli_modules(args: list[str]) -> set[str]:
-    code = ("import sys\nfrom attnkit.cli import main\nsys.argv = ['attnkit', *sys.argv[1:]]\n"
-            "try:\n    main()\nexcept SystemExit:\n    pass\n"
-            "sys.stderr.write('MODULES=' + ','.join(m for m in sys.modules if m.startswith('attnkit.cli.')))\n")
+    code = (
+        "import sys\nfrom attnkit.cli import main\nsys.argv = ['attnkit', *sys.argv[1:]]\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "sys.stderr.write('MODULES=' + ','.join(m for m in sys.modules if m.startswith('attnkit.cli.')))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
     line = [l for l in out.stderr.splitlines() if l.startswith("MODULES=")][-1]
-    return set(line[len("MODULES="):].split(","))
+    return set(line[len("MODULES=") :].split(","))
 
 
 def test_main_imports_only_the_invoked_commands_module():
     assert _cli_modules(["kvmem", "llama-3.1-8b", "--format", "json"]) == {
-        "attnkit.cli.common", "attnkit.cli.output", "attnkit.cli.kvmem_cmd"}
+        "attnkit.cli.common",
+        "attnkit.cli.output",
+        "attnkit.cli.kvmem_cmd",
+    }
     assert {f"attnkit.cli.{m}" for m in COMMANDS.values()} <= _cli_modules(["--help"])
 
 
@@ -43,10 +56,26 @@ def test_every_command_is_registered_for_help_and_the_app():
     assert {c.name for c in build_app(["presets"]).registered_commands} == {"presets"}
 
 
-@pytest.mark.parametrize("command", [["inspect"], ["kvmem"], ["eval"], ["probe"], ["presets"], ["diff"],
-                                     ["export"], ["convert", "gqa"], ["convert", "mqa"], ["convert", "mla"],
-                                     ["retrofit", "softcap"], ["retrofit", "qknorm"], ["retrofit", "qkclip"],
-                                     ["heal"], ["verify"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["inspect"],
+        ["kvmem"],
+        ["eval"],
+        ["probe"],
+        ["presets"],
+        ["diff"],
+        ["export"],
+        ["convert", "gqa"],
+        ["convert", "mqa"],
+        ["convert", "mla"],
+        ["retrofit", "softcap"],
+        ["retrofit", "qknorm"],
+        ["retrofit", "qkclip"],
+        ["heal"],
+        ["verify"],
+    ],
+)
 def test_help_pages_show_examples_in_plain_notation(runner, command):
     result = runner.invoke(app, [*command, "--help"], terminal_width=200)
     assert result.exit_code == 0, result.output
@@ -56,7 +85,11 @@ def test_help_pages_show_examples_in_plain_notation(runner, command):
 
 def test_python_dash_m_from_a_folder_holding_a_folder_named_attnkit(tmp_path):
     (tmp_path / "attnkit").mkdir()  # e.g. a clone's parent folder, or a data folder of that name
-    out = subprocess.run([sys.executable, "-m", "attnkit", "kvmem", "llama-3.1-8b", "--format", "json"],
-                         cwd=tmp_path, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "attnkit", "kvmem", "llama-3.1-8b", "--format", "json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     assert '"bytes_per_token": 131072' in out.stdout

@@ -32,9 +32,11 @@ def _identical_groups(model, groups: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "qkv_proj" in name:
-                same(p.data[h * d:(h + hkv) * d])
-                same(p.data[(h + hkv) * d:])
-            elif any(s in name for s in (".k_proj.", ".v_proj.")) or (name.endswith("k_norm.weight") and p.shape[0] == hkv * d):
+                same(p.data[h * d : (h + hkv) * d])
+                same(p.data[(h + hkv) * d :])
+            elif any(s in name for s in (".k_proj.", ".v_proj.")) or (
+                name.endswith("k_norm.weight") and p.shape[0] == hkv * d
+            ):
                 same(p.data)
 
 
@@ -76,14 +78,25 @@ def _convert(runner, *args: str) -> dict:
 IDS = torch.randint(4, 90, (2, 40), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("family,method", [
-    ("llama", "mean"), ("llama", "first"), ("llama", "merge"),
-    ("qwen2", "mean"), ("qwen2", "first"), ("qwen2", "merge"),
-])
+@pytest.mark.parametrize(
+    "family,method",
+    [
+        ("llama", "mean"),
+        ("llama", "first"),
+        ("llama", "merge"),
+        ("qwen2", "mean"),
+        ("qwen2", "first"),
+        ("qwen2", "merge"),
+    ],
+)
 def test_identical_heads_convert_losslessly(runner, tmp_path, family, method):
     src = _source(tmp_path, family, groups=2, num_key_value_heads=8 if family == "llama" else 4)
     out = tmp_path / "out"
-    calib = ["--calib", str(_calib(tmp_path)), "--calib-tokens", "256", "--calib-seq-len", "64"] if method == "merge" else []
+    calib = (
+        ["--calib", str(_calib(tmp_path)), "--calib-tokens", "256", "--calib-seq-len", "64"]
+        if method == "merge"
+        else []
+    )
     report = _convert(runner, "gqa", str(src), str(out), "--kv-heads", "2", "--method", method, *calib)
     assert report["kv_heads_before"] in (4, 8) and report["kv_heads_after"] == 2
     assert max(row["k_err"] for row in report["layers"]) < 1e-6
@@ -99,8 +112,20 @@ def test_every_family_merges_losslessly_and_generates(runner, tmp_path, family):
 
     src = _source(tmp_path, family, groups=1)
     out = tmp_path / "out"
-    report = _convert(runner, "mqa", str(src), str(out), "--method", "merge", "--calib", str(_calib(tmp_path)),
-                      "--calib-tokens", "128", "--calib-seq-len", "64")
+    report = _convert(
+        runner,
+        "mqa",
+        str(src),
+        str(out),
+        "--method",
+        "merge",
+        "--calib",
+        str(_calib(tmp_path)),
+        "--calib-tokens",
+        "128",
+        "--calib-seq-len",
+        "64",
+    )
     qk_norm = family in ("qwen3", "gemma3", "olmo2")
     assert {row["key_path"] for row in report["layers"]} == {"mean (qk-norm)" if qk_norm else "merge"}
     # The o_proj refit needs plain causal attention: no QK-norm, soft-cap or window shorter than 64 tokens.
@@ -176,8 +201,23 @@ def test_sharded_source_streams_to_shards(runner, tmp_path):
 def test_eval_report_carries_greedy_samples_of_source_and_result(runner, tmp_path):
     src = _source(tmp_path, "llama", groups=2, num_key_value_heads=8)
     text = str(_calib(tmp_path))
-    args = ["gqa", str(src), str(tmp_path / "out"), "--kv-heads", "2", "--eval", text, "--eval-tokens", "128",
-            "--eval-seq-len", "64", "--sample-prompt", "the cat", "--sample-prompt", "a dog"]
+    args = [
+        "gqa",
+        str(src),
+        str(tmp_path / "out"),
+        "--kv-heads",
+        "2",
+        "--eval",
+        text,
+        "--eval-tokens",
+        "128",
+        "--eval-seq-len",
+        "64",
+        "--sample-prompt",
+        "the cat",
+        "--sample-prompt",
+        "a dog",
+    ]
     report = _convert(runner, *args)
     samples = report["eval"]["samples"]
     assert [s["prompt"] for s in samples] == ["the cat", "a dog"]

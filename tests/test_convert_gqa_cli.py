@@ -16,15 +16,22 @@ def src(tiny):
     return char_tokenizer(tiny("llama_gqa"))  # 8 query heads, 2 KV heads
 
 
-@pytest.mark.parametrize("args,code,needle", [
-    (["gqa", "--kv-heads", "3"], 2, "--kv-heads 3 is more than the model's 2 KV heads"),
-    (["gqa", "--kv-heads", "4"], 2, "valid: 1"),
-    (["gqa", "--kv-heads", "2"], 2, "the model already has 2 KV heads: --kv-heads 2 would write an unchanged copy"),
-    (["gqa", "--kv-heads", "0"], 2, "--kv-heads must be at least 1"),
-    (["mqa", "--method", "merge"], 2, "--method merge needs calibration text"),
-    (["mqa", "--method", "median"], 2, "unknown --method 'median'"),
-    (["mqa", "--method", "merge", "--calib", "/nonexistent/calib.txt"], 1, "/nonexistent/calib.txt: file not found"),
-])
+@pytest.mark.parametrize(
+    "args,code,needle",
+    [
+        (["gqa", "--kv-heads", "3"], 2, "--kv-heads 3 is more than the model's 2 KV heads"),
+        (["gqa", "--kv-heads", "4"], 2, "valid: 1"),
+        (["gqa", "--kv-heads", "2"], 2, "the model already has 2 KV heads: --kv-heads 2 would write an unchanged copy"),
+        (["gqa", "--kv-heads", "0"], 2, "--kv-heads must be at least 1"),
+        (["mqa", "--method", "merge"], 2, "--method merge needs calibration text"),
+        (["mqa", "--method", "median"], 2, "unknown --method 'median'"),
+        (
+            ["mqa", "--method", "merge", "--calib", "/nonexistent/calib.txt"],
+            1,
+            "/nonexistent/calib.txt: file not found",
+        ),
+    ],
+)
 def test_bad_arguments_are_one_line_usage_errors(runner, src, tmp_path, args, code, needle):
     cmd, *rest = args
     result = runner.invoke(app, ["convert", cmd, str(src), str(tmp_path / "out"), *rest])
@@ -38,11 +45,14 @@ def test_kv_heads_not_dividing(runner, tiny, tmp_path):
     one_line_error(result, 2, "--kv-heads 3 does not divide the model's 4 KV heads; valid: 1, 2")
 
 
-@pytest.mark.parametrize("family,needle", [
-    ("gpt2", "gpt2 (GPT2LMHeadModel) cannot be converted"),
-    ("gpt_neox", "gpt_neox (GPTNeoXForCausalLM) cannot be converted"),
-    ("bert", "bert is not a causal language model"),
-])
+@pytest.mark.parametrize(
+    "family,needle",
+    [
+        ("gpt2", "gpt2 (GPT2LMHeadModel) cannot be converted"),
+        ("gpt_neox", "gpt_neox (GPTNeoXForCausalLM) cannot be converted"),
+        ("bert", "bert is not a causal language model"),
+    ],
+)
 def test_unsupported_families_are_refused(runner, tiny, tmp_path, family, needle):
     result = runner.invoke(app, ["convert", "mqa", str(tiny(family)), str(tmp_path / "out")])
     one_line_error(result, 1, needle)
@@ -75,16 +85,34 @@ def test_dry_run_writes_nothing_and_reports_the_plan(runner, src, tmp_path):
     report = json.loads(result.stdout)
     assert report["dry_run"] is True and report["layers"] == [] and report["kv_heads_after"] == 1
     assert report["kv_bytes_per_token"]["after"] * 2 == report["kv_bytes_per_token"]["before"]
-    assert list(report) == ["source", "output", "dry_run", "model_type", "method", "num_heads", "kv_heads_before",
-                            "kv_heads_after", "num_layers", "kv_bytes_per_token", "parameters", "error_basis",
-                            "calibration", "layers", "eval", "seconds"]
+    assert list(report) == [
+        "source",
+        "output",
+        "dry_run",
+        "model_type",
+        "method",
+        "num_heads",
+        "kv_heads_before",
+        "kv_heads_after",
+        "num_layers",
+        "kv_bytes_per_token",
+        "parameters",
+        "error_basis",
+        "calibration",
+        "layers",
+        "eval",
+        "seconds",
+    ]
     assert not (tmp_path / "out").exists() and digest(src) == before
 
 
-@pytest.mark.parametrize("failure,code,needle", [
-    (KeyboardInterrupt(), 130, "interrupted"),
-    (OSError(errno.ENOSPC, "No space left on device"), 1, "disk full"),
-])
+@pytest.mark.parametrize(
+    "failure,code,needle",
+    [
+        (KeyboardInterrupt(), 130, "interrupted"),
+        (OSError(errno.ENOSPC, "No space left on device"), 1, "disk full"),
+    ],
+)
 def test_interrupted_write_leaves_no_output(runner, src, tmp_path, monkeypatch, failure, code, needle):
     import attnkit.io.writer as writer
 
@@ -117,16 +145,56 @@ def test_merge_knobs_reach_the_report_and_manifest(runner, src, tmp_path):
     calib = tmp_path / "calib.txt"
     calib.write_text("The river ran quietly past the mill, and the miller counted sacks of grain. " * 20)
     out = tmp_path / "out"
-    result = runner.invoke(app, ["convert", "mqa", str(src), str(out), "--method", "merge", "--calib", str(calib),
-                                 "--calib-tokens", "256", "--calib-seq-len", "64", "--o-refit", "0",
-                                 "--key-weight", "uniform", "--value-weight", "none", "--format", "json"])
+    result = runner.invoke(
+        app,
+        [
+            "convert",
+            "mqa",
+            str(src),
+            str(out),
+            "--method",
+            "merge",
+            "--calib",
+            str(calib),
+            "--calib-tokens",
+            "256",
+            "--calib-seq-len",
+            "64",
+            "--o-refit",
+            "0",
+            "--key-weight",
+            "uniform",
+            "--value-weight",
+            "none",
+            "--format",
+            "json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert {row["value_path"] for row in report["layers"]} == {"merge"}  # refit off
-    assert report["calibration"] == {"tokens": 256, "windows": 4, "seq_len": 64, "sequential": False,
-                                     "files": [str(calib)]}
+    assert report["calibration"] == {
+        "tokens": 256,
+        "windows": 4,
+        "seq_len": 64,
+        "sequential": False,
+        "files": [str(calib)],
+    }
     params = json.loads((out / "attnkit.json").read_text())["parameters"]
     assert (params["o_refit"], params["key_weight"], params["value_weight"]) == (None, "uniform", "none")
-    bad = runner.invoke(app, ["convert", "mqa", str(src), str(tmp_path / "x"), "--method", "merge", "--calib",
-                              str(calib), "--key-weight", "loud"])
+    bad = runner.invoke(
+        app,
+        [
+            "convert",
+            "mqa",
+            str(src),
+            str(tmp_path / "x"),
+            "--method",
+            "merge",
+            "--calib",
+            str(calib),
+            "--key-weight",
+            "loud",
+        ],
+    )
     one_line_error(bad, 2, "--key-weight must be query, uniform or attention")

@@ -25,11 +25,14 @@ def _convert(runner, src: Path, out: Path, *args: str):
     return runner.invoke(app, ["convert", "mla", str(src), str(out), *FAST_CALIB, *args, "--format", "json"])
 
 
-@pytest.mark.parametrize("family,args", [
-    ("llama", []),  # engine route, q_lora path (llama.cpp wants it for 2 layers)
-    ("llama", ["--engine", "vllm"]),  # engine route, plain q_proj, the latent and RoPE key padded to 512 + 64
-    ("gemma", ["--engine", "transformers"]),  # gelu MLPs: no engine runs them, transformers does
-])
+@pytest.mark.parametrize(
+    "family,args",
+    [
+        ("llama", []),  # engine route, q_lora path (llama.cpp wants it for 2 layers)
+        ("llama", ["--engine", "vllm"]),  # engine route, plain q_proj, the latent and RoPE key padded to 512 + 64
+        ("gemma", ["--engine", "transformers"]),  # gelu MLPs: no engine runs them, transformers does
+    ],
+)
 def test_lossless_engine_route_matches_source_logits(runner, tmp_path, family, args):
     """MQA source, P >= head_dim, latent rank >= hidden: the span latent is an isometry of the attention input,
     whose norm input_layernorm fixes up to its eps; logits agree to 1e-3 in fp32 (the tolerance: a relative
@@ -37,8 +40,16 @@ def test_lossless_engine_route_matches_source_logits(runner, tmp_path, family, a
     src = tiny_source(tmp_path, family, num_key_value_heads=1, head_dim=8)
     out = tmp_path / "out"
     shape = [] if "vllm" in args else ["--kv-lora-rank", "64", "--rope-dim", "8"]
-    result = _convert(runner, src, out, *shape, *args, "--kv-lora-rank" if "vllm" in args else "--device",
-                      "512" if "vllm" in args else "cpu", *(["--rope-dim", "64"] if "vllm" in args else []))
+    result = _convert(
+        runner,
+        src,
+        out,
+        *shape,
+        *args,
+        "--kv-lora-rank" if "vllm" in args else "--device",
+        "512" if "vllm" in args else "cpu",
+        *(["--rope-dim", "64"] if "vllm" in args else []),
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert all(row["latent_norm"] == "span" and row["norm_error"] < 1e-2 for row in report["layers"])
@@ -64,8 +75,9 @@ def test_lossless_bias_route_matches_source_logits(runner, tmp_path, family, bia
     """--latent-norm bias (transformers only): the constant channel makes both latent norms exact; 1e-4 in fp32."""
     src = tiny_source(tmp_path, family, biases, num_key_value_heads=1, head_dim=8)
     out = tmp_path / "out"
-    result = _convert(runner, src, out, "--kv-lora-rank", "17", "--rope-dim", "8", "--device", "cpu",
-                      "--latent-norm", "bias")
+    result = _convert(
+        runner, src, out, "--kv-lora-rank", "17", "--rope-dim", "8", "--device", "cpu", "--latent-norm", "bias"
+    )
     assert result.exit_code == 0, result.output
     assert "engines drop" in result.output or "drop" in json.loads(result.stdout)["warnings"][0]
     config = json.loads((out / "config.json").read_text())
@@ -101,8 +113,24 @@ def test_engine_vllm_snaps_the_budget_or_refuses_before_work(runner, tmp_path):
     assert len(result.output.strip().splitlines()) == 1 and not out.exists()
     result = _convert(runner, src, out, "--kv-lora-rank", "128", "--rope-dim", "32", "--engine", "vllm")
     assert result.exit_code == 2 and "--kv-lora-rank 512 --rope-dim 64" in result.output
-    result = runner.invoke(app, ["convert", "mla", str(src), str(out), "--kv-lora-rank", "512", "--rope-dim", "64",
-                                 "--engine", "vllm", "--dry-run", "--format", "json"])
+    result = runner.invoke(
+        app,
+        [
+            "convert",
+            "mla",
+            str(src),
+            str(out),
+            "--kv-lora-rank",
+            "512",
+            "--rope-dim",
+            "64",
+            "--engine",
+            "vllm",
+            "--dry-run",
+            "--format",
+            "json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     warnings = json.loads(result.stdout)["warnings"]
     assert any("cache grows" in w for w in warnings) and any("padded" in w for w in warnings)
@@ -116,8 +144,21 @@ def test_gqa_converts_loads_in_stock_deepseek_and_caches_the_latent(runner, tmp_
     src = tiny_source(tmp_path, "llama_gqa")  # 8 heads, 2 KV heads, D = 8: 32 cached values per token and layer
     before = digest(src)
     out = tmp_path / "out"
-    result = _convert(runner, src, out, "--kv-budget", "0.5", "--device", "cpu", "--eval", HELDOUT,
-                      "--eval-tokens", "256", "--eval-seq-len", "128")
+    result = _convert(
+        runner,
+        src,
+        out,
+        "--kv-budget",
+        "0.5",
+        "--device",
+        "cpu",
+        "--eval",
+        HELDOUT,
+        "--eval-tokens",
+        "256",
+        "--eval-seq-len",
+        "128",
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert (report["kv_lora_rank"], report["rope_dim"]) == (12, 4)  # 16 = 12 + 4: P = even(16 // 3)
@@ -139,8 +180,9 @@ def test_gqa_converts_loads_in_stock_deepseek_and_caches_the_latent(runner, tmp_
 def test_dry_run_writes_nothing(runner, tmp_path):
     src = tiny_source(tmp_path, "llama_gqa")
     out = tmp_path / "out"
-    result = runner.invoke(app, ["convert", "mla", str(src), str(out), "--kv-budget", "0.25", "--dry-run",
-                                 "--format", "json"])
+    result = runner.invoke(
+        app, ["convert", "mla", str(src), str(out), "--kv-budget", "0.25", "--dry-run", "--format", "json"]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["kv_lora_rank"] + json.loads(result.stdout)["rope_dim"] == 8
     assert not out.exists()
@@ -150,8 +192,9 @@ def test_rank_flags_are_R_and_P_and_r_is_not_one(runner, tmp_path):
     src = tiny_source(tmp_path, "llama_gqa")
     plans = {}
     for flags in (["-R", "12", "-P", "4"], ["--kv-lora-rank", "12", "--rope-dim", "4"]):
-        result = runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "out"), *flags, "--dry-run",
-                                     "--format", "json"])
+        result = runner.invoke(
+            app, ["convert", "mla", str(src), str(tmp_path / "out"), *flags, "--dry-run", "--format", "json"]
+        )
         assert result.exit_code == 0, result.output
         doc = json.loads(result.stdout)
         plans[flags[0]] = (doc["kv_lora_rank"], doc["rope_dim"], doc["parameters"]["sequential"])
@@ -160,18 +203,21 @@ def test_rank_flags_are_R_and_P_and_r_is_not_one(runner, tmp_path):
     assert result.exit_code == 2 and "No such option: -r" in result.output  # -r is eval's --reference
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--kv-lora-rank", "1", "--rope-dim", "4"], "--kv-lora-rank must be between 2"),
-    (["--kv-lora-rank", "34", "--rope-dim", "4", "--latent-norm", "bias"], "and 33"),
-    (["--kv-lora-rank", "8", "--rope-dim", "3"], "--rope-dim must be even"),
-    (["--kv-lora-rank", "8", "--rope-dim", "10", "--latent-norm", "bias"], "between 2 and 8"),
-    (["--kv-lora-rank", "8", "--rope-dim", "66"], "between 2 and 64"),
-    (["--kv-budget", "0.5", "--latent-norm", "bias", "--engine", "vllm"], "no slot"),
-    (["--kv-budget", "0.5", "--engine", "tpu"], "--engine must be one of"),
-    (["--kv-lora-rank", "8"], "give --kv-lora-rank and --rope-dim"),
-    (["--kv-budget", "1.5"], "between 0 and 1"),
-    (["--kv-budget", "0.5", "--rope-dim", "4"], "not both"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--kv-lora-rank", "1", "--rope-dim", "4"], "--kv-lora-rank must be between 2"),
+        (["--kv-lora-rank", "34", "--rope-dim", "4", "--latent-norm", "bias"], "and 33"),
+        (["--kv-lora-rank", "8", "--rope-dim", "3"], "--rope-dim must be even"),
+        (["--kv-lora-rank", "8", "--rope-dim", "10", "--latent-norm", "bias"], "between 2 and 8"),
+        (["--kv-lora-rank", "8", "--rope-dim", "66"], "between 2 and 64"),
+        (["--kv-budget", "0.5", "--latent-norm", "bias", "--engine", "vllm"], "no slot"),
+        (["--kv-budget", "0.5", "--engine", "tpu"], "--engine must be one of"),
+        (["--kv-lora-rank", "8"], "give --kv-lora-rank and --rope-dim"),
+        (["--kv-budget", "1.5"], "between 0 and 1"),
+        (["--kv-budget", "0.5", "--rope-dim", "4"], "not both"),
+    ],
+)
 def test_rank_errors_are_one_line_usage_errors(runner, tmp_path, args, needle):
     src = tiny_source(tmp_path, "llama_gqa")
     result = runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "out"), *FAST_CALIB, *args])
@@ -181,12 +227,15 @@ def test_rank_errors_are_one_line_usage_errors(runner, tmp_path, args, needle):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("family,needle", [("qwen3", "QK-norm"), ("gpt2", "cannot be converted to MLA"),
-                                           ("gemma2", "soft-capping")])
+@pytest.mark.parametrize(
+    "family,needle", [("qwen3", "QK-norm"), ("gpt2", "cannot be converted to MLA"), ("gemma2", "soft-capping")]
+)
 def test_unsupported_families_are_refused_in_one_line(runner, tmp_path, family, needle):
     folder = tmp_path / family
     save_model(build_model(family), folder)
-    result = runner.invoke(app, ["convert", "mla", str(folder), str(tmp_path / "out"), *FAST_CALIB, "--kv-budget", "0.5"])
+    result = runner.invoke(
+        app, ["convert", "mla", str(folder), str(tmp_path / "out"), *FAST_CALIB, "--kv-budget", "0.5"]
+    )
     assert result.exit_code == 1, result.output
     assert needle in result.output and len(result.output.strip().splitlines()) == 1
 

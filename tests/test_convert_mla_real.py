@@ -15,9 +15,20 @@ PROSE = Path(__file__).parent / "data" / "prose"
 
 
 def _convert(out: Path, options: MLAOptions, sequential: bool = True) -> dict:
-    req = MLARequest(model=str(smollm2_folder()), out=out, kv_budget=0.5, calib=[str(PROSE / "calib.txt")],
-                     calib_tokens=256, calib_seq_len=256, eval=[str(PROSE / "heldout.txt")], eval_tokens=256,
-                     eval_seq_len=256, sequential=sequential, options=options, device="cpu")
+    req = MLARequest(
+        model=str(smollm2_folder()),
+        out=out,
+        kv_budget=0.5,
+        calib=[str(PROSE / "calib.txt")],
+        calib_tokens=256,
+        calib_seq_len=256,
+        eval=[str(PROSE / "heldout.txt")],
+        eval_tokens=256,
+        eval_seq_len=256,
+        sequential=sequential,
+        options=options,
+        device="cpu",
+    )
     return convert_mla(req)
 
 

@@ -10,7 +10,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 def _python_block(doc: str, heading: str) -> str:
     text = (DOCS / doc).read_text(encoding="utf-8")
-    section = text[text.index(heading):]
+    section = text[text.index(heading) :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -19,8 +19,9 @@ def test_checkpoints_md_copy_snippet_runs(tiny, tmp_path):
 
     src = tiny("llama_gqa")
     code = _python_block("checkpoints.md", "## Python API")
-    code, n = re.subn(r'^source, target = .*$', f"source, target = {str(src)!r}, Path({str(tmp_path / 'copy')!r})",
-                      code, flags=re.M)
+    code, n = re.subn(
+        r"^source, target = .*$", f"source, target = {str(src)!r}, Path({str(tmp_path / 'copy')!r})", code, flags=re.M
+    )
     assert n == 1
     exec(compile(code, "docs/checkpoints.md", "exec"), {})
     copy = tmp_path / "copy"

@@ -30,8 +30,10 @@ OUTPUTS = {
     "mqa-merge": (["convert", "mqa", "{src}", "{out}", "--method", "merge", *FAST_CALIB], True),
     "gqa-mean": (["convert", "gqa", "{src}", "{out}", "--kv-heads", "1", "--method", "mean"], True),
     "mla-half": (["convert", "mla", "{src}", "{out}", "--kv-budget", "0.5", *FAST_CALIB], False),
-    "mla-512+64": (["convert", "mla", "{src}", "{out}", "--kv-lora-rank", "512", "--rope-dim", "64",
-                    *FAST_CALIB], True),
+    "mla-512+64": (
+        ["convert", "mla", "{src}", "{out}", "--kv-lora-rank", "512", "--rope-dim", "64", *FAST_CALIB],
+        True,
+    ),
     "qknorm": (["retrofit", "qknorm", "{src}", "{out}", *FAST_CALIB], True),
 }
 
@@ -47,8 +49,9 @@ def test_output_serves_in_llama_cpp_and_vllm(runner, tmp_path, name, monkeypatch
     command = [a.format(src=smollm2_folder(), out=out) for a in args]
     result = runner.invoke(app, [*command, "--format", "json"])
     assert result.exit_code == 0, result.output
-    result = runner.invoke(app, ["verify", str(out), "--prompts", "2", "--new-tokens", "16", "--ppl-tokens", "1024",
-                                 "--format", "json"])
+    result = runner.invoke(
+        app, ["verify", str(out), "--prompts", "2", "--new-tokens", "16", "--ppl-tokens", "1024", "--format", "json"]
+    )
     assert result.exit_code in (0, 3), result.output
     report = json.loads(result.stdout)
     rows = {row["engine"]: row for row in report["engines"]}

@@ -46,16 +46,41 @@ def test_evaluate_against_itself_is_zero_kl():
     # the same float32 computation twice: KL within the rounding of a log-softmax sum over the vocabulary
     tolerance = 256 * torch.finfo(torch.float32).eps
     assert abs(res.kl_mean) < tolerance and abs(res.kl_max) < tolerance and res.top1_agreement == 1.0
-    assert set(res.to_dict()) == {"tokens", "predicted", "nll_mean", "perplexity", "kl_mean", "kl_max", "top1_agreement",
-                                  "reference_nll_mean", "reference_perplexity"}
+    assert set(res.to_dict()) == {
+        "tokens",
+        "predicted",
+        "nll_mean",
+        "perplexity",
+        "kl_mean",
+        "kl_max",
+        "top1_agreement",
+        "reference_nll_mean",
+        "reference_perplexity",
+    }
 
 
 def test_eval_cli_json(tiny, runner, tmp_path):
     model = char_tokenizer(tiny("llama_gqa", seed=0))
     ref = char_tokenizer(tiny("llama_gqa", seed=1))
     (tmp_path / "t.txt").write_text(PROSE * 3)
-    out = runner.invoke(app, ["eval", str(model), str(tmp_path / "t.txt"), "--reference", str(ref),
-                              "--seq-len", "64", "--max-tokens", "192", "--device", "cpu", "--format", "json"])
+    out = runner.invoke(
+        app,
+        [
+            "eval",
+            str(model),
+            str(tmp_path / "t.txt"),
+            "--reference",
+            str(ref),
+            "--seq-len",
+            "64",
+            "--max-tokens",
+            "192",
+            "--device",
+            "cpu",
+            "--format",
+            "json",
+        ],
+    )
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout)
     assert doc["windows"] == 3 and doc["predicted"] == 3 * 63 and doc["tokens"] == 3 * 64 and doc["seq_len"] == 64

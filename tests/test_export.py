@@ -48,11 +48,14 @@ def test_export_writes_a_folder_in_the_asked_dtype(runner, gguf_and_cache, tmp_p
     assert manifest["operation"] == "export" and manifest["parameters"]["dtype"] == "bfloat16"
 
 
-@pytest.mark.parametrize("args, code, needle", [
-    (["--dtype", "auto"], 2, "--dtype auto has no meaning"),
-    (["--dtype", "int4"], 2, "unknown --dtype 'int4'"),
-    (["--max-shard-size", "1000"], 2, "has no unit"),
-])
+@pytest.mark.parametrize(
+    "args, code, needle",
+    [
+        (["--dtype", "auto"], 2, "--dtype auto has no meaning"),
+        (["--dtype", "int4"], 2, "unknown --dtype 'int4'"),
+        (["--max-shard-size", "1000"], 2, "has no unit"),
+    ],
+)
 def test_export_bad_options(runner, gguf_and_cache, tmp_path, args, code, needle):
     gguf, _ = gguf_and_cache
     result = runner.invoke(app, ["export", str(gguf), str(tmp_path / "out"), *args])

@@ -41,7 +41,7 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, rot: int) -> torch.Tensor:
     ang = pos[:, None].to(torch.float64) * inv[None]  # [T, rot/2]
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
     xr, xp = x[:, :rot], x[:, rot:]
-    half = torch.cat([-xr[:, rot // 2:], xr[:, :rot // 2]], -1)
+    half = torch.cat([-xr[:, rot // 2 :], xr[:, : rot // 2]], -1)
     return torch.cat([xr * cos + half * sin, xp], -1)
 
 
@@ -56,14 +56,14 @@ def _attention(q_w, k_w, v_w, o_w, x, heads, kv, rot=D):
     for h in range(heads):
         j = h // (heads // kv)
         qh, kh = _rope(q[:, h], pos, rot), _rope(k[:, j], pos, rot)
-        s = qh @ kh.T / D ** 0.5 + torch.triu(torch.full((t, t), float("-inf"), dtype=torch.float64), 1)
+        s = qh @ kh.T / D**0.5 + torch.triu(torch.full((t, t), float("-inf"), dtype=torch.float64), 1)
         out.append(torch.softmax(s, -1) @ v[:, j])
     return torch.cat(out, -1) @ o_w.T
 
 
 def test_pool_heads_matches_loop():
     w = _rand(HKV * D, N)
-    heads = [w[j * D:(j + 1) * D] for j in range(HKV)]
+    heads = [w[j * D : (j + 1) * D] for j in range(HKV)]
     mean = torch.cat([(heads[0] + heads[1]) / 2, (heads[2] + heads[3]) / 2])
     first = torch.cat([heads[0], heads[2]])
     assert torch.equal(pool_heads(w, HKV, 2, "first"), first)
@@ -133,12 +133,12 @@ def test_head_gram_brute_force():
     o = _rand(16, H * D, seed=8)
     g = head_gram(o, H, HKV)
     j = 1
-    brute = sum(o[:, h * D:(h + 1) * D].T @ o[:, h * D:(h + 1) * D] for h in (2, 3))
+    brute = sum(o[:, h * D : (h + 1) * D].T @ o[:, h * D : (h + 1) * D] for h in (2, 3))
     assert torch.allclose(g[j], brute, atol=1e-10)
     _, cov = _cov()
     q = _rand(H * D, N, seed=9)
     gq = head_gram(q, H, HKV, cov)
-    brute_q = sum(q[h * D:(h + 1) * D] @ cov @ q[h * D:(h + 1) * D].T for h in (2, 3))
+    brute_q = sum(q[h * D : (h + 1) * D] @ cov @ q[h * D : (h + 1) * D].T for h in (2, 3))
     assert torch.allclose(gq[j], brute_q, atol=1e-9)
 
 
@@ -176,7 +176,9 @@ def test_merge_keys_beats_mean_on_logit_weighted_error():
     q, k = _rand(H * D, N, seed=14), _rand(HKV * D, N, seed=15)
     gram = head_gram(q, H, HKV, cov)
     km = merge_keys(k, cov, HKV, 2, gram)
-    assert relative_error(k, km.reconstruction(), cov) < relative_error(k, expand_heads(pool_heads(k, HKV, 2), 2, 2), cov)
+    assert relative_error(k, km.reconstruction(), cov) < relative_error(
+        k, expand_heads(pool_heads(k, HKV, 2), 2, 2), cov
+    )
 
 
 def test_merge_keys_rank1_matches_brute_force_optimum():
@@ -205,8 +207,14 @@ def test_causal_attention_matches_reference():
     q, k, v = _rand(H * D, N, seed=40), _rand(HKV * D, N, seed=41), _rand(HKV * D, N, seed=42)
     o = torch.eye(H * D, dtype=torch.float64)
     cos, sin = _rope_tables(1, 20, D)
-    z = causal_attention((x @ q.T).reshape(1, 20, H, D), (x @ k.T).reshape(1, 20, HKV, D),
-                         (x @ v.T).reshape(1, 20, HKV, D), cos, sin, D ** -0.5)
+    z = causal_attention(
+        (x @ q.T).reshape(1, 20, H, D),
+        (x @ k.T).reshape(1, 20, HKV, D),
+        (x @ v.T).reshape(1, 20, HKV, D),
+        cos,
+        sin,
+        D**-0.5,
+    )
     assert torch.allclose(z[0], _attention(q, k, v, o, x, H, HKV), atol=1e-10)
 
 
@@ -218,15 +226,15 @@ def test_key_token_weights_brute_force():
     q, k = _rand(H * D, N, seed=43), _rand(HKV * D, N, seed=44)
     cos, sin = _rope_tables(1, t, D)
     qh, kh = (x @ q.T).reshape(1, t, H, D), (x @ k.T).reshape(1, t, HKV, D)
-    w = key_token_weights(qh, kh, cos, sin, D ** -0.5)
+    w = key_token_weights(qh, kh, cos, sin, D**-0.5)
     pos = torch.arange(t)
     brute = torch.zeros(HKV, t, dtype=torch.float64)
     for h in range(H):
         j = h // (H // HKV)
         qr, kr = _rope(qh[0, :, h], pos, D), _rope(kh[0, :, j], pos, D)
         for m in range(t):
-            p = torch.softmax(qr[m] @ kr[:m + 1].T / D ** 0.5, -1)
-            brute[j, :m + 1] += p * qh[0, m, h].square().sum()
+            p = torch.softmax(qr[m] @ kr[: m + 1].T / D**0.5, -1)
+            brute[j, : m + 1] += p * qh[0, m, h].square().sum()
     assert torch.allclose(w, brute, atol=1e-10)
     cov = weighted_group_covariance(x, w, 2)
     wg = brute[:2].sum(0) / brute[:2].sum()

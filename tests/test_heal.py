@@ -22,8 +22,24 @@ from tests.tiny import build_model, save_model
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Small and fast: 32-token windows, 4 per step, 2 per forward pass, 16 steps.
-FAST = ["--tokens", "2048", "--seq-len", "32", "--batch-size", "4", "--micro-batch-size", "2", "--val-tokens", "128",
-        "--eval-every", "4", "--lr", "3e-3", "--device", "cpu"]
+FAST = [
+    "--tokens",
+    "2048",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--val-tokens",
+    "128",
+    "--eval-every",
+    "4",
+    "--lr",
+    "3e-3",
+    "--device",
+    "cpu",
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +59,22 @@ def pair(tmp_path_factory):
 
 def _heal(runner, pair, out: Path, *extra: str):
     teacher, student, data = pair
-    return runner.invoke(app, ["heal", str(student), str(out), "--teacher", str(teacher), "--data", str(data), *FAST,
-                               *extra, "--format", "json"])
+    return runner.invoke(
+        app,
+        [
+            "heal",
+            str(student),
+            str(out),
+            "--teacher",
+            str(teacher),
+            "--data",
+            str(data),
+            *FAST,
+            *extra,
+            "--format",
+            "json",
+        ],
+    )
 
 
 def _layout(folder: Path) -> dict:
@@ -61,8 +91,9 @@ def test_heal_writes_the_students_layout_and_a_manifest(runner, pair, tmp_path):
     assert (out / "config.json").read_bytes() == (student / "config.json").read_bytes()
     assert (out / "tokenizer.json").read_bytes() == (student / "tokenizer.json").read_bytes()
     # mean pooling rewrote k and v only: q and o equal the teacher's and stay frozen
-    assert report["trainable"]["names"] and all(n.endswith(("k_proj.weight", "v_proj.weight"))
-                                                for n in report["trainable"]["names"])
+    assert report["trainable"]["names"] and all(
+        n.endswith(("k_proj.weight", "v_proj.weight")) for n in report["trainable"]["names"]
+    )
     manifest = json.loads((out / "attnkit.json").read_text())
     assert manifest["rewrite"]["operation"] == "convert gqa" and manifest["seed"] == 0
     assert manifest["training"]["tokens"] == 2048 and manifest["training"]["steps"] == 16
@@ -93,18 +124,24 @@ def _other_tokenizer(folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("case,match", [
-    ("vocab", "vocabulary size 300 differs"),
-    ("layers", "layer count 3 differs"),
-    ("hidden", "hidden size 32 differs"),
-    ("tokenizer", "tokenizer differs"),
-    ("unrelated", "none of its weights outside attention equals"),
-    ("empty-data", "empty data file"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("vocab", "vocabulary size 300 differs"),
+        ("layers", "layer count 3 differs"),
+        ("hidden", "hidden size 32 differs"),
+        ("tokenizer", "tokenizer differs"),
+        ("unrelated", "none of its weights outside attention equals"),
+        ("empty-data", "empty data file"),
+    ],
+)
 def test_bad_input_is_one_line_and_writes_nothing(runner, pair, tmp_path, case, match):
     teacher, student, data = pair
-    overrides = {"vocab": dict(vocab_size=300), "layers": dict(num_hidden_layers=3),
-                 "hidden": dict(hidden_size=32, head_dim=4)}.get(case)
+    overrides = {
+        "vocab": dict(vocab_size=300),
+        "layers": dict(num_hidden_layers=3),
+        "hidden": dict(hidden_size=32, head_dim=4),
+    }.get(case)
     if overrides is not None or case == "unrelated":
         student = char_tokenizer(save_model(build_model("llama_gqa", seed=7, **(overrides or {})), tmp_path / "s"))
     if case == "tokenizer":
@@ -121,9 +158,21 @@ def test_bad_input_is_one_line_and_writes_nothing(runner, pair, tmp_path, case, 
 
 def _request(pair, out: Path, **overrides) -> HealRequest:
     teacher, student, data = pair
-    settings = dict(model=str(student), out=out, teacher=str(teacher), data=[str(data)], tokens=2048, seq_len=32,
-                    batch_size=4, micro_batch_size=2, val_tokens=128, eval_every=4, checkpoint_every=100, lr=3e-3,
-                    device="cpu")
+    settings = dict(
+        model=str(student),
+        out=out,
+        teacher=str(teacher),
+        data=[str(data)],
+        tokens=2048,
+        seq_len=32,
+        batch_size=4,
+        micro_batch_size=2,
+        val_tokens=128,
+        eval_every=4,
+        checkpoint_every=100,
+        lr=3e-3,
+        device="cpu",
+    )
     return HealRequest(**{**settings, **overrides})
 
 
@@ -150,6 +199,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues_the_same_run(pair, tmp_p
 
 def test_sigterm_saves_a_checkpoint_and_exits_as_a_termination(pair, tmp_path):
     """SIGTERM is not Ctrl-C: the checkpoint is saved the same way, the message says terminated, the exit is 143."""
+
     def term(message: str) -> None:
         if message.startswith("step 4:"):
             os.kill(os.getpid(), signal.SIGTERM)
@@ -205,9 +255,22 @@ def test_teacher_samples_are_cached_and_seeded(pair, tmp_path):
 
 
 def test_schedule_and_batch_order():
-    cfg = LoopConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, weight_decay=0, max_grad_norm=0, batch_size=4,
-                     micro_batch_size=2, attn_loss=0, budget_tokens=100, max_time=None, eval_every=1, patience=0,
-                     checkpoint_every=1, seed=0)
+    cfg = LoopConfig(
+        lr=1.0,
+        warmup_steps=4,
+        min_lr_ratio=0.1,
+        weight_decay=0,
+        max_grad_norm=0,
+        batch_size=4,
+        micro_batch_size=2,
+        attn_loss=0,
+        budget_tokens=100,
+        max_time=None,
+        eval_every=1,
+        patience=0,
+        checkpoint_every=1,
+        seed=0,
+    )
     assert lr_at(cfg, 0, 0.0) == pytest.approx(0.25) and lr_at(cfg, 10, 0.0) == pytest.approx(1.0)
     assert lr_at(cfg, 10, 0.5) == pytest.approx(0.55) and lr_at(cfg, 10, 1.0) == pytest.approx(0.1)
     epoch = torch.cat([batch_indices(10, s, 5, seed=3) for s in range(2)])
@@ -224,13 +287,31 @@ def test_two_processes_give_the_one_process_loss_curve(pair, tmp_path):
     losses must match a 1-process run with the same global batch to 1e-6 (relative)."""
     teacher, student, data = pair
     args = ["heal", str(student), "OUT", "--teacher", str(teacher), "--data", str(data), *FAST, "--format", "json"]
-    one = subprocess.run([sys.executable, "-m", "attnkit", *[str(tmp_path / "one") if a == "OUT" else a for a in args]],
-                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    one = subprocess.run(
+        [sys.executable, "-m", "attnkit", *[str(tmp_path / "one") if a == "OUT" else a for a in args]],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+    )
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "attnkit",
-                          *[str(tmp_path / "two") if a == "OUT" else a for a in args]],
-                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "attnkit",
+            *[str(tmp_path / "two") if a == "OUT" else a for a in args],
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+    )
     assert two.returncode == 0, two.stderr[-2000:]
     a, b = json.loads(one.stdout), json.loads(two.stdout)
     assert a["training"]["processes"] == 1 and b["training"]["processes"] == 2
@@ -256,14 +337,17 @@ def test_max_time_stops_on_the_clock(pair, tmp_path):
     assert report["training"]["seconds"] >= 1.0
 
 
-@pytest.mark.parametrize("args,match", [
-    (["--lr", "0"], "--lr must be positive"),
-    (["--micro-batch-size", "3"], "not a multiple of --micro-batch-size 3"),
-    (["--max-time", "1m"], "give one budget"),
-    (["--train", "some"], "--train must be one of rewritten, all"),
-    (["--resume"], "holds no heal checkpoint"),
-    (["--max-time", "soon", "--tokens", "1"], "not a duration"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--lr", "0"], "--lr must be positive"),
+        (["--micro-batch-size", "3"], "not a multiple of --micro-batch-size 3"),
+        (["--max-time", "1m"], "give one budget"),
+        (["--train", "some"], "--train must be one of rewritten, all"),
+        (["--resume"], "holds no heal checkpoint"),
+        (["--max-time", "soon", "--tokens", "1"], "not a duration"),
+    ],
+)
 def test_bad_options_are_usage_errors(runner, pair, tmp_path, args, match):
     out = tmp_path / "out"
     result = _heal(runner, pair, out, *args)
@@ -310,10 +394,21 @@ def test_latent_rows_behind_a_large_norm_train_at_a_scaled_rate():
     from attnkit.commands.heal.loop import param_groups
     from attnkit.commands.heal.trainable import lr_scales
 
-    config = transformers.DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=8,
-                                           q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
-                                           n_routed_experts=0, first_k_dense_replace=2)
+    config = transformers.DeepseekV3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=8,
+        q_lora_rank=None,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=0,
+        first_k_dense_replace=2,
+    )
     model = transformers.DeepseekV3ForCausalLM(config)
     assert lr_scales(model) == {}  # norm weights 1: nothing to rescale
     with torch.no_grad():
@@ -332,13 +427,42 @@ def test_the_default_learning_rate_is_lower_for_mla_students(runner, pair, tmp_p
     """No --lr: 3e-4 for the MQA student, 1e-4 for an MLA student (kv_lora_rank in its config); --lr wins."""
     teacher, student, data = pair
     mla = tmp_path / "mla"
-    result = runner.invoke(app, ["convert", "mla", str(teacher), str(mla), "--kv-budget", "0.5", "--calib", str(data),
-                                 "--calib-tokens", "256", "--calib-seq-len", "64"])
+    result = runner.invoke(
+        app,
+        [
+            "convert",
+            "mla",
+            str(teacher),
+            str(mla),
+            "--kv-budget",
+            "0.5",
+            "--calib",
+            str(data),
+            "--calib-tokens",
+            "256",
+            "--calib-seq-len",
+            "64",
+        ],
+    )
     assert result.exit_code == 0, result.output
 
     def planned_lr(folder: Path, *extra: str) -> float:
-        done = runner.invoke(app, ["heal", str(folder), str(tmp_path / "out"), "--teacher", str(teacher), "--data",
-                                   str(data), "--dry-run", "--format", "json", *extra])
+        done = runner.invoke(
+            app,
+            [
+                "heal",
+                str(folder),
+                str(tmp_path / "out"),
+                "--teacher",
+                str(teacher),
+                "--data",
+                str(data),
+                "--dry-run",
+                "--format",
+                "json",
+                *extra,
+            ],
+        )
         assert done.exit_code == 0, done.output
         return json.loads(done.stdout)["settings"]["lr"]
 

@@ -20,9 +20,34 @@ def test_smollm2_mqa_mean_heals(runner, tmp_path):
     src, student, out = smollm2_folder(), tmp_path / "mqa", tmp_path / "healed"
     converted = runner.invoke(app, ["convert", "mqa", str(src), str(student), "--method", "mean"])
     assert converted.exit_code == 0, converted.output
-    result = runner.invoke(app, ["heal", str(student), str(out), "--teacher", str(src), "--data", str(CALIB),
-                                 "--tokens", "512", "--seq-len", "64", "--batch-size", "2", "--micro-batch-size", "2",
-                                 "--val-tokens", "256", "--lr", "1e-3", "--device", "cpu", "--format", "json"])
+    result = runner.invoke(
+        app,
+        [
+            "heal",
+            str(student),
+            str(out),
+            "--teacher",
+            str(src),
+            "--data",
+            str(CALIB),
+            "--tokens",
+            "512",
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "2",
+            "--micro-batch-size",
+            "2",
+            "--val-tokens",
+            "256",
+            "--lr",
+            "1e-3",
+            "--device",
+            "cpu",
+            "--format",
+            "json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["training"]["steps"] == 4 and report["trainable"]["tensors"] == 60  # k and v of 30 layers

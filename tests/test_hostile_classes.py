@@ -48,23 +48,27 @@ def _edit_config(folder: Path, **changes) -> Path:
 
 # ------------------------------------------------------------------ non-finite weights: refused before work
 
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_weights_are_refused_before_work_naming_the_tensor(runner, src, text, tmp_path, bad):
     name = "model.layers.1.mlp.down_proj.weight"
     _edit_tensor(src, name, lambda t: t.index_fill(0, torch.tensor([3]), bad))
     before = tree(src)
     out = tmp_path / "out"
-    for args in (["convert", "mqa", str(src), str(out)],
-                 ["convert", "mla", str(src), str(out), "--calib", text, "--kv-budget", "0.5"],
-                 ["retrofit", "softcap", str(src), str(out), "--attn-cap", "30"],
-                 ["diff", str(src), str(src)],
-                 ["eval", str(src), text, "--seq-len", "64"]):
+    for args in (
+        ["convert", "mqa", str(src), str(out)],
+        ["convert", "mla", str(src), str(out), "--calib", text, "--kv-budget", "0.5"],
+        ["retrofit", "softcap", str(src), str(out), "--attn-cap", "30"],
+        ["diff", str(src), str(src)],
+        ["eval", str(src), text, "--seq-len", "64"],
+    ):
         result = runner.invoke(app, args)
         one_line_error(result, 1, f"tensor {name!r} holds NaN or Inf")
         assert not out.exists() and leftovers(tmp_path) == [] and tree(src) == before
 
 
 # ------------------------------------------------------------------ text read only as far as the budget needs
+
 
 def test_text_is_read_only_as_far_as_the_token_budget_needs(runner, src, tmp_path, monkeypatch):
     import attnkit.runtime.texts as texts
@@ -83,9 +87,24 @@ def test_text_is_read_only_as_far_as_the_token_budget_needs(runner, src, tmp_pat
 
     monkeypatch.setattr(texts, "FIRST_PIECE_CHARS", 1 << 16)
     monkeypatch.setattr(texts, "_pieces", counting)
-    for args in (["eval", str(src), str(big), "--seq-len", "64", "--max-tokens", "2048"],
-                 ["convert", "mqa", str(src), str(tmp_path / "out"), "--method", "merge", "--calib", str(big),
-                  "--calib-tokens", "2048", "--calib-seq-len", "64", "--dry-run"]):
+    for args in (
+        ["eval", str(src), str(big), "--seq-len", "64", "--max-tokens", "2048"],
+        [
+            "convert",
+            "mqa",
+            str(src),
+            str(tmp_path / "out"),
+            "--method",
+            "merge",
+            "--calib",
+            str(big),
+            "--calib-tokens",
+            "2048",
+            "--calib-seq-len",
+            "64",
+            "--dry-run",
+        ],
+    ):
         read.clear()
         result = runner.invoke(app, args)
         assert result.exit_code == 0, result.output
@@ -93,6 +112,7 @@ def test_text_is_read_only_as_far_as_the_token_budget_needs(runner, src, tmp_pat
 
 
 # ------------------------------------------------------------------ a full disk
+
 
 def test_a_full_disk_leaves_no_unmarked_temp_folder_and_says_so(tmp_path, monkeypatch):
     from attnkit.errors import AttnkitError
@@ -125,10 +145,13 @@ def test_probe_plot_on_a_full_disk_is_one_line_and_leaves_nothing(runner, src, t
 
 # ------------------------------------------------------------------ an output place that cannot work: found first
 
-@pytest.mark.parametrize("where, words", [("file", "exists and is not a folder"),
-                                          ("under-a-file", "is a file and not a folder")])
-def test_an_output_place_that_cannot_work_is_found_before_any_work(runner, src, text, tmp_path, monkeypatch,
-                                                                   where, words):
+
+@pytest.mark.parametrize(
+    "where, words", [("file", "exists and is not a folder"), ("under-a-file", "is a file and not a folder")]
+)
+def test_an_output_place_that_cannot_work_is_found_before_any_work(
+    runner, src, text, tmp_path, monkeypatch, where, words
+):
     from attnkit.commands.convert import mla
 
     monkeypatch.setattr(mla, "calibrate", lambda *a, **k: pytest.fail("calibrated before the output was checked"))
@@ -155,13 +178,17 @@ def test_a_cache_path_that_is_a_file_is_refused_before_dequantizing(runner, tmp_
 
 # ------------------------------------------------------------------ options checked before the model loads
 
-@pytest.mark.parametrize("args, words", [
-    (["eval", "{src}", "{text}", "--seq-len", "0"], "--seq-len must be at least 2"),
-    (["eval", "{src}", "{text}", "--batch-size", "0"], "--batch-size must be at least 1"),
-    (["eval", "{src}", "{text}", "--max-tokens", "-5"], "--max-tokens must be at least 1"),
-    (["probe", "{src}", "{text}", "--batch-size", "0"], "--batch-size must be at least 1"),
-    (["probe", "{src}", "{text}", "--threshold", "nan"], "--threshold must be a finite number"),
-])
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["eval", "{src}", "{text}", "--seq-len", "0"], "--seq-len must be at least 2"),
+        (["eval", "{src}", "{text}", "--batch-size", "0"], "--batch-size must be at least 1"),
+        (["eval", "{src}", "{text}", "--max-tokens", "-5"], "--max-tokens must be at least 1"),
+        (["probe", "{src}", "{text}", "--batch-size", "0"], "--batch-size must be at least 1"),
+        (["probe", "{src}", "{text}", "--threshold", "nan"], "--threshold must be a finite number"),
+    ],
+)
 def test_options_are_checked_before_the_model_loads(runner, src, text, monkeypatch, args, words):
     from attnkit.commands.analyse import evaluate, probe
 
@@ -180,28 +207,56 @@ def test_a_heal_jsonl_of_the_wrong_shape_is_refused_before_the_models_load(runne
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps({"text": PROSE * 40}) + "\n" + json.dumps({"body": "no text field"}) + "\n")
     monkeypatch.setattr(heal, "_load_models", lambda *a, **k: pytest.fail("models loaded before the data check"))
-    result = runner.invoke(app, ["heal", str(student), str(tmp_path / "out"), "--teacher", str(teacher),
-                                 "--data", str(data), "--tokens", "1k", "--seq-len", "32"])
+    result = runner.invoke(
+        app,
+        [
+            "heal",
+            str(student),
+            str(tmp_path / "out"),
+            "--teacher",
+            str(teacher),
+            "--data",
+            str(data),
+            "--tokens",
+            "1k",
+            "--seq-len",
+            "32",
+        ],
+    )
     one_line_error(result, 1, "data.jsonl:2: no string field 'text'")
 
 
 # ------------------------------------------------------------------ config values that cannot be right
 
-@pytest.mark.parametrize("edit, words", [
-    (lambda f: _edit_config(f, rope_parameters={"rope_type": "warp9", "rope_theta": 10000.0}),
-     "rope_parameters.rope_type = 'warp9' is not a RoPE type transformers knows"),
-    (lambda f: _edit_config(f, rope_parameters={"rope_type": "linear", "factor": -2.0, "rope_theta": 10000.0}),
-     "rope_parameters.factor = -2.0 must be a positive number"),
-    (lambda f: _edit_tensor(f, "model.layers.0.self_attn.q_proj.weight", lambda t: t.to(torch.int32)),
-     "is stored as I32; weights must be floating point"),
-    (lambda f: _edit_tensor(f, "model.embed_tokens.weight", lambda t: t[:-3]),
-     "'model.embed_tokens.weight' has shape [253, 64] but the config implies [256, 64]"),
-])
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (
+            lambda f: _edit_config(f, rope_parameters={"rope_type": "warp9", "rope_theta": 10000.0}),
+            "rope_parameters.rope_type = 'warp9' is not a RoPE type transformers knows",
+        ),
+        (
+            lambda f: _edit_config(f, rope_parameters={"rope_type": "linear", "factor": -2.0, "rope_theta": 10000.0}),
+            "rope_parameters.factor = -2.0 must be a positive number",
+        ),
+        (
+            lambda f: _edit_tensor(f, "model.layers.0.self_attn.q_proj.weight", lambda t: t.to(torch.int32)),
+            "is stored as I32; weights must be floating point",
+        ),
+        (
+            lambda f: _edit_tensor(f, "model.embed_tokens.weight", lambda t: t[:-3]),
+            "'model.embed_tokens.weight' has shape [253, 64] but the config implies [256, 64]",
+        ),
+    ],
+)
 def test_config_values_and_weights_that_cannot_be_right(runner, src, tmp_path, edit, words):
     edit(src)
     before = digest(src)
-    for args in (["convert", "mqa", str(src), str(tmp_path / "out")],
-                 ["retrofit", "softcap", str(src), str(tmp_path / "out"), "--attn-cap", "30"]):
+    for args in (
+        ["convert", "mqa", str(src), str(tmp_path / "out")],
+        ["retrofit", "softcap", str(src), str(tmp_path / "out"), "--attn-cap", "30"],
+    ):
         one_line_error(runner.invoke(app, args), 1, words)
     assert digest(src) == before and not (tmp_path / "out").exists()
 
@@ -218,6 +273,7 @@ def test_a_gguf_whose_width_is_not_heads_times_head_size(tmp_path):
 
 
 # ------------------------------------------------------------------ GGUF tensors: missing, twice, misaligned
+
 
 def _gguf_with(tmp_path, tensors, patch=None) -> Path:
     raw = bytearray(hostile.gguf_bytes(hostile.gguf_fields(), tensors))
@@ -236,15 +292,23 @@ def _misalign(raw: bytearray) -> None:
     struct.pack_into("<Q", raw, at, offset + 4)
 
 
-@pytest.mark.parametrize("make, words", [
-    (lambda p: _gguf_with(p, [t for t in hostile.gguf_tensors() if t[0] != "blk.1.attn_k.weight"]),
-     "incomplete GGUF (no blk.1.attn_k.weight)"),
-    (lambda p: _gguf_with(p, hostile.gguf_tensors() + [hostile.gguf_tensors()[1]]), "appears twice"),
-    (lambda p: _gguf_with(p, hostile.gguf_tensors(), _misalign), "not a multiple of the alignment 32"),
-    (lambda p: _gguf_with(p, [(n, (64, 24) if n == "blk.0.attn_k.weight" else d, t)
-                              for n, d, t in hostile.gguf_tensors()]),
-     "blk.0.attn_k.weight has dims [64, 24] but the header's head counts imply [64, 16]"),
-])
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (
+            lambda p: _gguf_with(p, [t for t in hostile.gguf_tensors() if t[0] != "blk.1.attn_k.weight"]),
+            "incomplete GGUF (no blk.1.attn_k.weight)",
+        ),
+        (lambda p: _gguf_with(p, hostile.gguf_tensors() + [hostile.gguf_tensors()[1]]), "appears twice"),
+        (lambda p: _gguf_with(p, hostile.gguf_tensors(), _misalign), "not a multiple of the alignment 32"),
+        (
+            lambda p: _gguf_with(
+                p, [(n, (64, 24) if n == "blk.0.attn_k.weight" else d, t) for n, d, t in hostile.gguf_tensors()]
+            ),
+            "blk.0.attn_k.weight has dims [64, 24] but the header's head counts imply [64, 16]",
+        ),
+    ],
+)
 def test_gguf_tensors_missing_twice_misaligned_or_misshapen(runner, tmp_path, make, words):
     path = make(tmp_path)
     for args in (["inspect", str(path)], ["export", str(path), str(tmp_path / "out")]):
@@ -252,6 +316,7 @@ def test_gguf_tensors_missing_twice_misaligned_or_misshapen(runner, tmp_path, ma
 
 
 # ------------------------------------------------------------------ special files
+
 
 def test_a_fifo_or_a_symlink_loop_is_refused_instead_of_hanging(runner, src, text, tmp_path):
     fifo_config = tmp_path / "fifo-config"
@@ -266,11 +331,16 @@ def test_a_fifo_or_a_symlink_loop_is_refused_instead_of_hanging(runner, src, tex
     shutil.copytree(src, loop)
     (loop / "tokenizer.json").unlink()
     (loop / "tokenizer.json").symlink_to("tokenizer.json")
-    for folder, words in ((fifo_config, "config.json: is a FIFO, not a config.json"),
-                          (fifo_weights, "model.safetensors: is a FIFO, not a safetensors file"),
-                          (loop, "tokenizer.json: a symlink that leads nowhere")):
-        for args in (["inspect", str(folder)], ["convert", "mqa", str(folder), str(tmp_path / "out")],
-                     ["eval", str(folder), text]):
+    for folder, words in (
+        (fifo_config, "config.json: is a FIFO, not a config.json"),
+        (fifo_weights, "model.safetensors: is a FIFO, not a safetensors file"),
+        (loop, "tokenizer.json: a symlink that leads nowhere"),
+    ):
+        for args in (
+            ["inspect", str(folder)],
+            ["convert", "mqa", str(folder), str(tmp_path / "out")],
+            ["eval", str(folder), text],
+        ):
             if args[0] == "inspect" and folder is loop:
                 continue  # inspect reads no tokenizer
             one_line_error(runner.invoke(app, args), 1, words)
@@ -278,19 +348,29 @@ def test_a_fifo_or_a_symlink_loop_is_refused_instead_of_hanging(runner, src, tex
 
 # ------------------------------------------------------------------ numbers without bounds
 
-@pytest.mark.parametrize("args, words", [
-    (["retrofit", "qknorm", "{src}", "{out}", "--method", "kl", "--calib", "{text}", "--steps", "10000000000"],
-     "--steps 10,000,000,000 is over the limit of 100,000"),
-    (["eval", "{src}", "{text}", "--batch-size", str(2**32 + 1)], "--batch-size 4,294,967,297 is over the limit"),
-    (["probe", "{src}", "{text}", "--fail-if", "max_logit>nan"], "expected METRIC>VALUE"),
-    (["probe", "{src}", "{text}", "--fail-if", "max_logit>1e999"], "the bound must be a finite number"),
-    (["probe", "{src}", "{text}", "--top", "-1"], "-1 is not in the range x>=0"),
-    (["kvmem", "llama-3.1-8b", "--context", "4k,,8k"], "empty item in the list '4k,,8k'"),
-    (["heal", "{src}", "{out}", "--teacher", "{src}", "--batch-size", str(2**32 + 4), "--micro-batch-size", "4"],
-     "--batch-size 4,294,967,300 is over the limit"),
-    (["convert", "mla", "{src}", "{out}", "--calib", "{text}", "--kv-budget", "0.5", "--shrink", "nan"],
-     "--shrink must be a finite number"),
-])
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (
+            ["retrofit", "qknorm", "{src}", "{out}", "--method", "kl", "--calib", "{text}", "--steps", "10000000000"],
+            "--steps 10,000,000,000 is over the limit of 100,000",
+        ),
+        (["eval", "{src}", "{text}", "--batch-size", str(2**32 + 1)], "--batch-size 4,294,967,297 is over the limit"),
+        (["probe", "{src}", "{text}", "--fail-if", "max_logit>nan"], "expected METRIC>VALUE"),
+        (["probe", "{src}", "{text}", "--fail-if", "max_logit>1e999"], "the bound must be a finite number"),
+        (["probe", "{src}", "{text}", "--top", "-1"], "-1 is not in the range x>=0"),
+        (["kvmem", "llama-3.1-8b", "--context", "4k,,8k"], "empty item in the list '4k,,8k'"),
+        (
+            ["heal", "{src}", "{out}", "--teacher", "{src}", "--batch-size", str(2**32 + 4), "--micro-batch-size", "4"],
+            "--batch-size 4,294,967,300 is over the limit",
+        ),
+        (
+            ["convert", "mla", "{src}", "{out}", "--calib", "{text}", "--kv-budget", "0.5", "--shrink", "nan"],
+            "--shrink must be a finite number",
+        ),
+    ],
+)
 def test_numbers_are_bounded(runner, src, text, tmp_path, args, words):
     result = runner.invoke(app, [a.format(src=src, text=text, out=tmp_path / "out") for a in args])
     assert result.exit_code == 2 and words in result.output, result.output
@@ -298,6 +378,7 @@ def test_numbers_are_bounded(runner, src, text, tmp_path, args, words):
 
 
 # ------------------------------------------------------------------ library exceptions in attnkit's words
+
 
 def test_a_hub_id_the_hub_would_reject_is_one_line(runner, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -310,8 +391,9 @@ def test_a_hub_id_the_hub_would_reject_is_one_line(runner, monkeypatch):
 def test_a_calibration_text_with_no_variation_is_one_line(runner, src, tmp_path):
     flat = tmp_path / "flat.txt"
     flat.write_text("a" * 8000)
-    result = runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "out"), "--calib", str(flat),
-                                 "--kv-budget", "0.5"])
+    result = runner.invoke(
+        app, ["convert", "mla", str(src), str(tmp_path / "out"), "--calib", str(flat), "--kv-budget", "0.5"]
+    )
     assert result.exit_code in (0, 1) and "Traceback" not in result.output, result.output
     if result.exit_code == 1:
         one_line_error(result, 1, "calibration")

@@ -26,20 +26,30 @@ def _with(edit) -> dict:
 
 # ------------------------------------------------------------------ safetensors: as strict as the library
 
-@pytest.mark.parametrize("header, words", [
-    (_with(lambda h: h["b"].update(data_offsets=[-16, 0])), "data_offsets of 'b' must be two non-negative integers"),
-    (_with(lambda h: h["b"].update(data_offsets=[64, 80.0])), "data_offsets of 'b' must be two non-negative integers"),
-    (_with(lambda h: h["b"].update(data_offsets=[64])), "data_offsets of 'b' must be two non-negative integers"),
-    (_with(lambda h: h["b"].update(data_offsets=[48, 64])), "'b' overlaps the previous tensor"),
-    (_with(lambda h: h["c"].update(data_offsets=[84, 96], shape=[12])), "'c' leaves a gap at byte 80"),
-    (_with(lambda h: h.update(__metadata__=["pt"])), "__metadata__ must be an object of strings"),
-    (_with(lambda h: h.update(__metadata__={"format": 1})), "__metadata__ must be an object of strings"),
-    (_with(lambda h: h["a"].update(shape="4x4")), "shape of 'a' must be a list of non-negative integers"),
-    (_with(lambda h: h["a"].update(shape=[4, -4])), "shape of 'a' must be a list of non-negative integers"),
-    (_with(lambda h: h["a"].update(dtype=["F32"])), "tensor 'a' has unknown dtype ['F32']"),
-    (_with(lambda h: h["a"].update(shape=[4, 5])), "tensor 'a' does not fit the file"),
-    (_with(lambda h: h.update(a=[1, 2])), "entry for 'a' is not an object"),
-])
+
+@pytest.mark.parametrize(
+    "header, words",
+    [
+        (
+            _with(lambda h: h["b"].update(data_offsets=[-16, 0])),
+            "data_offsets of 'b' must be two non-negative integers",
+        ),
+        (
+            _with(lambda h: h["b"].update(data_offsets=[64, 80.0])),
+            "data_offsets of 'b' must be two non-negative integers",
+        ),
+        (_with(lambda h: h["b"].update(data_offsets=[64])), "data_offsets of 'b' must be two non-negative integers"),
+        (_with(lambda h: h["b"].update(data_offsets=[48, 64])), "'b' overlaps the previous tensor"),
+        (_with(lambda h: h["c"].update(data_offsets=[84, 96], shape=[12])), "'c' leaves a gap at byte 80"),
+        (_with(lambda h: h.update(__metadata__=["pt"])), "__metadata__ must be an object of strings"),
+        (_with(lambda h: h.update(__metadata__={"format": 1})), "__metadata__ must be an object of strings"),
+        (_with(lambda h: h["a"].update(shape="4x4")), "shape of 'a' must be a list of non-negative integers"),
+        (_with(lambda h: h["a"].update(shape=[4, -4])), "shape of 'a' must be a list of non-negative integers"),
+        (_with(lambda h: h["a"].update(dtype=["F32"])), "tensor 'a' has unknown dtype ['F32']"),
+        (_with(lambda h: h["a"].update(shape=[4, 5])), "tensor 'a' does not fit the file"),
+        (_with(lambda h: h.update(a=[1, 2])), "entry for 'a' is not an object"),
+    ],
+)
 def test_headers_the_library_refuses_are_refused_naming_the_problem(tmp_path, header, words):
     path = tmp_path / "model.safetensors"
     path.write_bytes(hostile.safetensors_bytes(header))
@@ -49,13 +59,19 @@ def test_headers_the_library_refuses_are_refused_naming_the_problem(tmp_path, he
     assert str(path) in str(err.value) and words in str(err.value)
 
 
-@pytest.mark.parametrize("raw, words", [
-    (b'{"a": {"dtype": "U8", "shape": [NaN], "data_offsets": [0, 1]}}', "NaN is not a JSON number"),
-    (b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, '
-     b'"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}', "duplicate key 'a'"),
-    (b'{"a": \xff}', "not UTF-8"),
-    (b"[" * 100000 + b"]" * 100000, "nested too deeply"),
-])
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        (b'{"a": {"dtype": "U8", "shape": [NaN], "data_offsets": [0, 1]}}', "NaN is not a JSON number"),
+        (
+            b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, '
+            b'"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}',
+            "duplicate key 'a'",
+        ),
+        (b'{"a": \xff}', "not UTF-8"),
+        (b"[" * 100000 + b"]" * 100000, "nested too deeply"),
+    ],
+)
 def test_json_that_python_would_half_accept_is_refused(tmp_path, raw, words):
     path = tmp_path / "model.safetensors"
     path.write_bytes(hostile.safetensors_bytes(raw, data_len=1))
@@ -73,8 +89,11 @@ def test_trailing_bytes_after_the_last_tensor_are_refused(tmp_path):
 
 def test_a_tiny_header_with_a_huge_shape_costs_neither_time_nor_memory(tmp_path):
     path = tmp_path / "model.safetensors"
-    path.write_bytes(hostile.safetensors_bytes(
-        {"a": {"dtype": "F32", "shape": [100000000, 100000000, 100000000], "data_offsets": [0, 96]}}))
+    path.write_bytes(
+        hostile.safetensors_bytes(
+            {"a": {"dtype": "F32", "shape": [100000000, 100000000, 100000000], "data_offsets": [0, 96]}}
+        )
+    )
     tracemalloc.start()
     started = time.perf_counter()
     with pytest.raises(AttnkitError, match="does not fit the file"):
@@ -93,14 +112,16 @@ def test_header_length_over_the_library_limit_names_it(tmp_path):
 
 # ------------------------------------------------------------------ tensor files stay inside the checkpoint
 
+
 def _sharded(tmp_path, weight_map) -> None:
     for shard in hostile.SHARDS:
         (tmp_path / shard).write_bytes(hostile.safetensors_bytes(hostile.safetensors_header()))
     (tmp_path / INDEX_NAME).write_text(json.dumps({"weight_map": weight_map}))
 
 
-@pytest.mark.parametrize("name", ["../../../../etc/passwd", "/etc/passwd", "sub/../../x.safetensors", "",
-                                  "..\\..\\x.safetensors"])
+@pytest.mark.parametrize(
+    "name", ["../../../../etc/passwd", "/etc/passwd", "sub/../../x.safetensors", "", "..\\..\\x.safetensors"]
+)
 def test_index_names_outside_the_folder_are_refused_before_opening(tmp_path, name):
     _sharded(tmp_path, {"a": hostile.SHARDS[0], "b": name})
     with pytest.raises(AttnkitError, match="points outside the checkpoint folder"):
@@ -128,11 +149,14 @@ def test_hub_snapshot_links_into_its_blobs_are_allowed(tmp_path):
     assert safetensors_files(snapshot) == [snapshot / "model.safetensors"]
 
 
-@pytest.mark.parametrize("doc, words", [
-    ({"weight_map": ["model.safetensors"]}, "corrupt index (no weight_map)"),
-    ({"weight_map": {"a": 3}}, "weight_map values must be shard file names"),
-    ([1, 2], "corrupt index (no weight_map)"),
-])
+@pytest.mark.parametrize(
+    "doc, words",
+    [
+        ({"weight_map": ["model.safetensors"]}, "corrupt index (no weight_map)"),
+        ({"weight_map": {"a": 3}}, "weight_map values must be shard file names"),
+        ([1, 2], "corrupt index (no weight_map)"),
+    ],
+)
 def test_index_of_the_wrong_shape(tmp_path, doc, words):
     (tmp_path / INDEX_NAME).write_text(json.dumps(doc))
     with pytest.raises(AttnkitError) as err:
@@ -142,25 +166,28 @@ def test_index_of_the_wrong_shape(tmp_path, doc, words):
 
 # ------------------------------------------------------------------ GGUF fields of the wrong type
 
+
 def _gguf(tmp_path, **changes):
-    fields = [(key, *changes.get(key.split(".", 1)[-1], (vtype, value)))
-              for key, vtype, value in hostile.gguf_fields()]
+    fields = [(key, *changes.get(key.split(".", 1)[-1], (vtype, value))) for key, vtype, value in hostile.gguf_fields()]
     path = tmp_path / "model.gguf"
     path.write_bytes(hostile.gguf_bytes(fields, hostile.gguf_tensors()))
     return path
 
 
-@pytest.mark.parametrize("key, value, words", [
-    ("alignment", (hostile.ARRAY, (hostile.U32, [32])), "general.alignment must be a positive power of two"),
-    ("alignment", (hostile.F32, 0.5), "general.alignment must be a positive power of two"),
-    ("alignment", (hostile.U32, 0), "general.alignment must be a positive power of two"),
-    ("alignment", (hostile.U32, 24), "general.alignment must be a positive power of two"),
-    ("attention.head_count_kv", (hostile.U32, 0), "num_key_value_heads = 0 must be at least 1"),
-    ("attention.head_count", (hostile.F32, 9.5), "num_attention_heads = 9.5 must be a whole number"),
-    ("attention.head_count", (hostile.STRING, "eight"), "num_attention_heads = 'eight' must be a whole number"),
-    ("attention.head_count_kv", (hostile.ARRAY, (hostile.U32, [2, 4])), "head_count_kv differs between layers"),
-    ("block_count", (hostile.U64, 2**62), "num_hidden_layers = 4611686018427387904 is over the limit of 4,096"),
-])
+@pytest.mark.parametrize(
+    "key, value, words",
+    [
+        ("alignment", (hostile.ARRAY, (hostile.U32, [32])), "general.alignment must be a positive power of two"),
+        ("alignment", (hostile.F32, 0.5), "general.alignment must be a positive power of two"),
+        ("alignment", (hostile.U32, 0), "general.alignment must be a positive power of two"),
+        ("alignment", (hostile.U32, 24), "general.alignment must be a positive power of two"),
+        ("attention.head_count_kv", (hostile.U32, 0), "num_key_value_heads = 0 must be at least 1"),
+        ("attention.head_count", (hostile.F32, 9.5), "num_attention_heads = 9.5 must be a whole number"),
+        ("attention.head_count", (hostile.STRING, "eight"), "num_attention_heads = 'eight' must be a whole number"),
+        ("attention.head_count_kv", (hostile.ARRAY, (hostile.U32, [2, 4])), "head_count_kv differs between layers"),
+        ("block_count", (hostile.U64, 2**62), "num_hidden_layers = 4611686018427387904 is over the limit of 4,096"),
+    ],
+)
 def test_gguf_fields_are_type_checked(tmp_path, key, value, words):
     path = _gguf(tmp_path, **{key: value})
     with pytest.raises(AttnkitError) as err:
@@ -173,10 +200,13 @@ def test_per_layer_gguf_head_counts_that_agree_are_one_value(tmp_path):
     assert config["num_key_value_heads"] == 2
 
 
-@pytest.mark.parametrize("counts, words", [
-    ({"n_kv": 2**62}, "key/values, over the limit of 1,048,576"),
-    ({"n_tensors": 100_000}, "100,000 tensors cannot fit in"),
-])
+@pytest.mark.parametrize(
+    "counts, words",
+    [
+        ({"n_kv": 2**62}, "key/values, over the limit of 1,048,576"),
+        ({"n_tensors": 100_000}, "100,000 tensors cannot fit in"),
+    ],
+)
 def test_gguf_counts_are_bounded_by_the_file(tmp_path, counts, words):
     path = tmp_path / "model.gguf"
     path.write_bytes(hostile.gguf_bytes(hostile.gguf_fields(), hostile.gguf_tensors(), **counts))

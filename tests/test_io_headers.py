@@ -47,11 +47,11 @@ def _valid_file(tmp_path):
 def _rewrite_header(path, edit):
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     edit(header)
     new = json.dumps(header).encode()
     new += b" " * (-len(new) % 8)
-    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
 
 
 def _corrupt_length(path):
@@ -87,15 +87,18 @@ def _not_an_object(path):
     path.write_bytes(struct.pack("<Q", len(body)) + body)
 
 
-@pytest.mark.parametrize("damage, words", [
-    (_corrupt_length, "exceeds the file"),
-    (_corrupt_json, "not valid JSON"),
-    (_truncate, "does not fit the file"),
-    (_offsets_beyond, "does not fit the file"),
-    (_unknown_dtype, "unknown dtype 'F13'"),
-    (_too_short, "shorter than 8 bytes"),
-    (_not_an_object, "not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (_corrupt_length, "exceeds the file"),
+        (_corrupt_json, "not valid JSON"),
+        (_truncate, "does not fit the file"),
+        (_offsets_beyond, "does not fit the file"),
+        (_unknown_dtype, "unknown dtype 'F13'"),
+        (_too_short, "shorter than 8 bytes"),
+        (_not_an_object, "not a JSON object"),
+    ],
+)
 def test_damaged_file_gives_one_line_error_naming_it(tmp_path, damage, words):
     path = _valid_file(tmp_path)
     damage(path)
@@ -121,8 +124,10 @@ def test_io_modules_import_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys; import attnkit.io.safetensors_header, attnkit.io.resolve, attnkit.io.hub, "
-            "attnkit.io.config, attnkit.io.gguf_meta, attnkit.io.gguf_header, attnkit.io.reader, attnkit.io.writer; "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys; import attnkit.io.safetensors_header, attnkit.io.resolve, attnkit.io.hub, "
+        "attnkit.io.config, attnkit.io.gguf_meta, attnkit.io.gguf_header, attnkit.io.reader, attnkit.io.writer; "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -77,7 +77,8 @@ def test_revision_from_cache(hf_cache, tiny_model):
     by_branch = resolve("acme/tiny@v2")
     by_commit = resolve("acme/tiny@" + "b" * 40)
     assert by_branch.revision == "v2" and by_branch.root == by_commit.root == hf_cache.joinpath(
-        "models--acme--tiny", "snapshots", "b" * 40)
+        "models--acme--tiny", "snapshots", "b" * 40
+    )
     with pytest.raises(AttnkitError, match="hub model 'acme/tiny@v3': files are not in the local cache"):
         resolve("acme/tiny@v3")
 
@@ -101,8 +102,13 @@ def test_cached_config_without_weights(hf_cache, tiny_model):
 
 def test_index_without_its_shards_in_cache(hf_cache, tiny_model):
     _, src = tiny_model
-    _cache_repo(hf_cache, "acme/half", src, "d" * 40,
-                files={"config.json", "model.safetensors.index.json", "model-00001-of-00005.safetensors"})
+    _cache_repo(
+        hf_cache,
+        "acme/half",
+        src,
+        "d" * 40,
+        files={"config.json", "model.safetensors.index.json", "model-00001-of-00005.safetensors"},
+    )
     with pytest.raises(AttnkitError, match="model.safetensors.index.json: shard model-00002-of-00005.safetensors"):
         resolve("acme/half")
 
@@ -164,11 +170,14 @@ def test_online_single_file_fetches_all_safetensors(tiny, monkeypatch):
     assert not any(fnmatch(name, p) for name in UNWANTED for p in patterns)
 
 
-@pytest.mark.parametrize("exc_name, words", [
-    ("RepositoryNotFoundError", "not found (or it is private: set HF_TOKEN)"),
-    ("GatedRepoError", "is gated: accept its licence and set HF_TOKEN"),
-    ("RevisionNotFoundError", "has no revision 'v9'"),
-])
+@pytest.mark.parametrize(
+    "exc_name, words",
+    [
+        ("RepositoryNotFoundError", "not found (or it is private: set HF_TOKEN)"),
+        ("GatedRepoError", "is gated: accept its licence and set HF_TOKEN"),
+        ("RevisionNotFoundError", "has no revision 'v9'"),
+    ],
+)
 def test_hub_http_errors_become_one_line(monkeypatch, exc_name, words):
     import httpx2
     from huggingface_hub import errors

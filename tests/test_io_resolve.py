@@ -65,14 +65,17 @@ def test_folder_without_weights(tiny):
     assert resolve(str(folder), need_weights=False).weight_files == []
 
 
-@pytest.mark.parametrize("ref, words", [
-    ("./absent-folder", "no such file or folder"),
-    ("absent.gguf", "absent.gguf: file not found"),
-    ("absent.safetensors", "absent.safetensors: file not found"),
-    ("not a model!", "not a valid hub id"),
-    ("", "empty model path"),  # Path("") is the current folder: not a reason to read ./config.json
-    ("  ", "empty model path"),
-])
+@pytest.mark.parametrize(
+    "ref, words",
+    [
+        ("./absent-folder", "no such file or folder"),
+        ("absent.gguf", "absent.gguf: file not found"),
+        ("absent.safetensors", "absent.safetensors: file not found"),
+        ("not a model!", "not a valid hub id"),
+        ("", "empty model path"),  # Path("") is the current folder: not a reason to read ./config.json
+        ("  ", "empty model path"),
+    ],
+)
 def test_missing_paths(ref, words, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(AttnkitError, match=words):
@@ -86,14 +89,19 @@ def test_unknown_file_type(tmp_path):
         resolve(str(path))
 
 
-@pytest.mark.parametrize("content, words", [
-    (b"", "not a GGUF file \\(too short\\)"),
-    (b"definitely not a gguf file" * 4, "not a GGUF file \\(bad magic\\)"),
-    (b"GGUF" + struct.pack("<IQQ", 0, 0, 0), "unsupported GGUF version 0"),
-    (b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + struct.pack("<Q", 500) + b"key", "truncated GGUF file"),
-    (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 77),
-     "corrupt GGUF header \\(unknown value type 77 for 'k'\\)"),
-])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b"", "not a GGUF file \\(too short\\)"),
+        (b"definitely not a gguf file" * 4, "not a GGUF file \\(bad magic\\)"),
+        (b"GGUF" + struct.pack("<IQQ", 0, 0, 0), "unsupported GGUF version 0"),
+        (b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + struct.pack("<Q", 500) + b"key", "truncated GGUF file"),
+        (
+            b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 77),
+            "corrupt GGUF header \\(unknown value type 77 for 'k'\\)",
+        ),
+    ],
+)
 def test_not_a_gguf(tmp_path, content, words):
     path = tmp_path / "model.gguf"
     path.write_bytes(content)
@@ -117,12 +125,18 @@ def test_unsupported_gguf_architecture(tmp_path):
 def test_synthetic_gguf_config_and_folder_with_one_gguf(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", "llama", layers=3, hidden=96, heads=6, kv_heads=2)
     config, tensors = read_gguf(path)
-    assert (config["model_type"], config["num_hidden_layers"], config["num_attention_heads"],
-            config["num_key_value_heads"], config["head_dim"]) == ("llama", 3, 6, 2, 16)
+    assert (
+        config["model_type"],
+        config["num_hidden_layers"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    ) == ("llama", 3, 6, 2, 16)
     assert config["tie_word_embeddings"] is True  # no output.weight
     block = [("attn_norm", 96), ("attn_q", 96 * 96), ("attn_k", 32 * 96), ("attn_v", 32 * 96), ("attn_output", 96 * 96)]
     assert [(t.name, t.numel) for t in tensors] == [("token_embd.weight", 16 * 96)] + [
-        (f"blk.{i}.{role}.weight", numel) for i in range(3) for role, numel in block]
+        (f"blk.{i}.{role}.weight", numel) for i in range(3) for role, numel in block
+    ]
     ckpt = resolve(str(tmp_path))  # a folder holding only one GGUF
     assert ckpt.kind == "gguf" and ckpt.gguf_file == path
 
@@ -134,8 +148,13 @@ def test_real_smollm2_gguf_metadata(tmp_path):
     gguf_file = smollm2_gguf()
     config, tensors = read_gguf(gguf_file)
     assert config["model_type"] == "llama"
-    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
-            config["head_dim"], config["hidden_size"]) == (30, 9, 3, 64, 576)
+    assert (
+        config["num_hidden_layers"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+        config["hidden_size"],
+    ) == (30, 9, 3, 64, 576)
     assert config["tie_word_embeddings"] is True and config["vocab_size"] == 49152
     assert {"blk.0.attn_q.weight", "blk.29.attn_k.weight", "token_embd.weight"} <= {t.name for t in tensors}
     truncated = tmp_path / "truncated.gguf"
@@ -170,4 +189,5 @@ def test_fast_gguf_header_agrees_with_gguf_reader():
     _, tensors = read_gguf(path)
     assert [(t.name, t.shape, t.numel, t.nbytes, t.quant_type) for t in tensors] == [
         (t.name, tuple(int(x) for x in t.shape), int(t.n_elements), int(t.n_bytes), t.tensor_type.name)
-        for t in reference.tensors]
+        for t in reference.tensors
+    ]

@@ -32,7 +32,8 @@ def test_sharded_round_trip_and_index(tmp_path):
     n = len({*index["weight_map"].values()})
     assert n > 3
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
-        f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)
+    ]
     on_disk = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert on_disk == index
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
@@ -140,8 +141,7 @@ def test_verify_output_accepts_good_and_names_problems(tmp_path):
         verify_output(tmp_path, {**shapes, "a": (3, 4)})
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                                   torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e5m2])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("where", [0, 23, 49])
 def test_verify_output_finds_non_finite_values_in_any_chunk(tmp_path, monkeypatch, bad, dtype, where):
@@ -168,8 +168,17 @@ def test_copy_side_files(tmp_path):
     src, dst = repo / "snapshots" / "0123abc", tmp_path / "dst"
     src.mkdir(parents=True)
     dst.mkdir()
-    side = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-            "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json"]
+    side = [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+        "chat_template.jinja",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer.model",
+        "added_tokens.json",
+    ]
     other = ["config.json", "model.safetensors", "model.safetensors.index.json", "README.md", "attnkit.json"]
     for name in side + other:
         (src / name).write_text(name)

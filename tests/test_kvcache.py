@@ -9,8 +9,14 @@ from attnkit.archs.spec import attention_spec
 from attnkit.errors import UsageError
 from attnkit.units import parse_bytes, parse_tokens
 
-LLAMA3_8B = {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "hidden_size": 4096, "head_dim": 128}
+LLAMA3_8B = {
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "hidden_size": 4096,
+    "head_dim": 128,
+}
 BF16 = kvcache.cache_dtype("bf16")
 
 
@@ -66,8 +72,7 @@ def test_tensor_parallel_split_and_replication():
 
 
 def test_sliding_window_caps_cached_tokens():
-    s = attention_spec({"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 4,
-                        "hidden_size": 64})
+    s = attention_spec({"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 4, "hidden_size": 64})
     windowed = s.__class__(**{**s.__dict__, "layer_windows": (16, None, 16, None)})
     assert kvcache.cached_tokens(windowed, 100) == 16 + 100 + 16 + 100
     assert kvcache.cached_tokens(windowed, 8) == 4 * 8

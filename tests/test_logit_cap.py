@@ -12,8 +12,7 @@ from attnkit.runtime.capped_attention import apply_softcaps, native_support, use
 from tests.tiny import build_model
 
 
-@pytest.mark.parametrize("z, want", [(100, 29.92), (50, 27.93), (10, 9.645), (0, 0.0), (-10, -9.645),
-                                     (-100, -29.92)])
+@pytest.mark.parametrize("z, want", [(100, 29.92), (50, 27.93), (10, 9.645), (0, 0.0), (-10, -9.645), (-100, -29.92)])
 def test_background_worked_numbers(z, want):
     got = float(softcap(torch.tensor(float(z), dtype=torch.float64), 30.0))
     assert got == pytest.approx(want, abs=5e-3)
@@ -41,8 +40,14 @@ def test_cap_for_fraction_matches_a_brute_force_count():
         assert frac <= target
         assert brute == pytest.approx(frac, abs=2 / z.numel())
         # one bin lower would affect more than the target: the cap is the smallest allowed
-        assert float((z.abs() >= hist.edge(round(math.log10(cap * affect_ratio() / hist.lo) * hist.per_decade) - 1)
-                      ).double().mean()) > target
+        assert (
+            float(
+                (z.abs() >= hist.edge(round(math.log10(cap * affect_ratio() / hist.lo) * hist.per_decade) - 1))
+                .double()
+                .mean()
+            )
+            > target
+        )
 
 
 def test_bad_fraction_and_empty_histogram():

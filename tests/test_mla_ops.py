@@ -78,8 +78,8 @@ def test_rope_split_mqa_keeps_every_kept_pair_and_the_logits_at_every_position()
     x, y = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
     for t_q, t_k in ((0, 0), (7, 3), (40, 1)):
         for h in range(heads):
-            src = _rotate(q[h * d:(h + 1) * d] @ x, freqs, t_q) @ _rotate(k @ y, freqs, t_k)
-            qr = layer.q_rope[h * d:(h + 1) * d] @ x
+            src = _rotate(q[h * d : (h + 1) * d] @ x, freqs, t_q) @ _rotate(k @ y, freqs, t_k)
+            qr = layer.q_rope[h * d : (h + 1) * d] @ x
             mla = _rotate_interleaved(qr, freqs, t_q) @ _rotate_interleaved(layer.rope @ y, freqs, t_k)
             assert math.isclose(src.item(), mla.item(), rel_tol=1e-9, abs_tol=1e-9)
 
@@ -97,8 +97,10 @@ def test_position_free_scale_limits():
 def test_q_lora_path_reproduces_a_biased_projection():
     g = torch.Generator().manual_seed(6)
     n, m = 12, 7
-    w = torch.cat([torch.randn(m, n, generator=g, dtype=torch.float64), 3 * torch.randn(m, 1, generator=g,
-                                                                                       dtype=torch.float64)], 1)
+    w = torch.cat(
+        [torch.randn(m, n, generator=g, dtype=torch.float64), 3 * torch.randn(m, 1, generator=g, dtype=torch.float64)],
+        1,
+    )
     x = torch.randn(20, n, generator=g, dtype=torch.float64) * 2.0
     t = q_lora_tensors(w, float(x.pow(2).sum(1).mean()))
     a = x @ t["q_a_proj.weight"].T + t["q_a_proj.bias"]
@@ -116,8 +118,15 @@ def test_kv_latent_norm_channel_makes_kv_a_layernorm_a_known_scale(augmented):
     s = MLAShape(num_heads=heads, num_kv=hkv, head_dim=d, latent_rank=r, rope_dim=2)
     cov = _cov(n1, 8)
     q, k, v = (torch.randn(rows, n1, generator=g, dtype=torch.float64) for rows in (heads * d, hkv * d, hkv * d))
-    layer = convert_layer(q, k, v, torch.randn(n, heads * d, generator=g, dtype=torch.float64), cov, s,
-                          10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d))
+    layer = convert_layer(
+        q,
+        k,
+        v,
+        torch.randn(n, heads * d, generator=g, dtype=torch.float64),
+        cov,
+        s,
+        10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d),
+    )
     t = kv_tensors(layer, s, augmented)
     x = torch.randn(30, n, generator=g, dtype=torch.float64) @ torch.linalg.cholesky(cov[:n, :n]).T
     xa = torch.cat([x, torch.ones(30, 1, dtype=torch.float64)], 1) if augmented else x
@@ -127,7 +136,7 @@ def test_kv_latent_norm_channel_makes_kv_a_layernorm_a_known_scale(augmented):
     got = (latent @ t["kv_b_proj.weight"].T).reshape(30, heads, 2 * d)
     want = (xa @ (layer.up @ layer.down).T).reshape(30, hkv, 2 * d).repeat_interleave(heads // hkv, dim=1)
     assert ((got - want).norm() / want.norm()).item() < 1e-6
-    assert torch.allclose(a[:, r + 1:], xa @ layer.rope.T, atol=1e-10)
+    assert torch.allclose(a[:, r + 1 :], xa @ layer.rope.T, atol=1e-10)
 
 
 def _unit_norm_inputs(n: int, count: int, seed: int, mean: float = 0.0) -> torch.Tensor:

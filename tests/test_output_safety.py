@@ -38,12 +38,16 @@ def _temp_folder(parent: Path, name: str, owner: dict | None) -> Path:
 
 # ------------------------------------------------------------------ never inside an input
 
-@pytest.mark.parametrize("args, words", [
-    (["convert", "mqa", "{src}", "{src}/sub"], "output would be written inside the input"),
-    (["convert", "mqa", "{src}/model.safetensors", "{src}/x"], "output would be written inside the input"),
-    (["retrofit", "softcap", "{src}", "{src}/a/b", "--attn-cap", "30"], "output would be written inside the input"),
-    (["convert", "mqa", "{src}", "{src}/..", "--overwrite"], "output would replace the input"),
-])
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["convert", "mqa", "{src}", "{src}/sub"], "output would be written inside the input"),
+        (["convert", "mqa", "{src}/model.safetensors", "{src}/x"], "output would be written inside the input"),
+        (["retrofit", "softcap", "{src}", "{src}/a/b", "--attn-cap", "30"], "output would be written inside the input"),
+        (["convert", "mqa", "{src}", "{src}/..", "--overwrite"], "output would replace the input"),
+    ],
+)
 def test_output_inside_or_around_the_input_is_refused_and_the_input_is_untouched(runner, tiny, args, words):
     src = char_tokenizer(tiny("llama_gqa"))
     before = tree(src.parent)
@@ -54,14 +58,20 @@ def test_output_inside_or_around_the_input_is_refused_and_the_input_is_untouched
 
 # ------------------------------------------------------------------ stale temp folders
 
+
 def test_folders_of_dead_owners_are_removed_live_and_unmarked_ones_kept(tmp_path):
     host = socket.gethostname()
     dead = _temp_folder(tmp_path, ".out.attnkit-tmp-dead", {"pid": _dead_pid(), "host": host, "start": None})
     reused = _temp_folder(tmp_path, ".out.attnkit-tmp-reused", {"pid": os.getpid(), "host": host, "start": -1})
     garbage = _temp_folder(tmp_path, ".out.attnkit-del-half", None)
-    live = _temp_folder(tmp_path, ".out.attnkit-tmp-live", {"pid": os.getpid(), "host": host,
-                                                              "start": tempdirs._start_time(os.getpid())})
-    other_host = _temp_folder(tmp_path, ".out.attnkit-tmp-far", {"pid": _dead_pid(), "host": host + "-x", "start": None})
+    live = _temp_folder(
+        tmp_path,
+        ".out.attnkit-tmp-live",
+        {"pid": os.getpid(), "host": host, "start": tempdirs._start_time(os.getpid())},
+    )
+    other_host = _temp_folder(
+        tmp_path, ".out.attnkit-tmp-far", {"pid": _dead_pid(), "host": host + "-x", "start": None}
+    )
     unmarked = _temp_folder(tmp_path, ".out.attnkit-tmp-unmarked", None)
     user = _temp_folder(tmp_path, ".my-notes", {"pid": _dead_pid(), "host": host, "start": None})
     with OutputDir(tmp_path / "new") as out:
@@ -72,10 +82,12 @@ def test_folders_of_dead_owners_are_removed_live_and_unmarked_ones_kept(tmp_path
 
 
 def test_a_sigkilled_run_leaves_a_folder_that_the_next_run_removes(tmp_path):
-    code = ("import os, signal; from attnkit.io.writer import OutputDir\n"
-            f"out = OutputDir({str(tmp_path / 'out')!r}).__enter__()\n"
-            "(out.path / 'w.bin').write_bytes(b'0' * 4096)\n"
-            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    code = (
+        "import os, signal; from attnkit.io.writer import OutputDir\n"
+        f"out = OutputDir({str(tmp_path / 'out')!r}).__enter__()\n"
+        "(out.path / 'w.bin').write_bytes(b'0' * 4096)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == -9
     assert len(leftovers(tmp_path)) == 1
     assert clean_stale(tmp_path) and leftovers(tmp_path) == []
@@ -92,8 +104,9 @@ def test_the_gguf_cache_is_cleaned_and_follows_the_umask(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gguf_load, "load_gguf_model", lambda path, dtype: (Fake(), Fake()))
     cache = tmp_path / "cache"
-    stale = _temp_folder(cache, ".m-float32-abc.attnkit-tmp-1234",
-                         {"pid": _dead_pid(), "host": socket.gethostname(), "start": None})
+    stale = _temp_folder(
+        cache, ".m-float32-abc.attnkit-tmp-1234", {"pid": _dead_pid(), "host": socket.gethostname(), "start": None}
+    )
     old = os.umask(0o022)
     try:
         folder = gguf_load.materialize_gguf(tmp_path / "m.gguf", cache / "m-float32-abc")
@@ -119,6 +132,7 @@ def test_output_folders_follow_the_umask(tmp_path, umask, mode):
 
 
 # ------------------------------------------------------------------ atomic files, temp folders made late
+
 
 def test_a_failed_write_leaves_the_old_file_whole(tmp_path):
     path = tmp_path / "stats.csv"

@@ -12,10 +12,31 @@ from attnkit.commands.analyse.modelinfo import WEIGHT_DTYPE_BYTES
 from attnkit.presets import all_presets, find_preset
 
 BF16 = kvcache.cache_dtype("bf16")
-REQUIRED = {"llama-2-7b", "llama-2-70b", "llama-3-8b", "llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b",
-            "mistral-7b-v0.1", "mistral-7b-v0.3", "mixtral-8x7b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b",
-            "qwen3-32b", "gemma-2-9b", "gemma-2-27b", "gemma-3-27b", "phi-3-mini-4k", "deepseek-v2-lite",
-            "deepseek-v3", "gpt-oss-20b", "gpt-oss-120b", "olmo-2-7b", "smollm2-135m"}
+REQUIRED = {
+    "llama-2-7b",
+    "llama-2-70b",
+    "llama-3-8b",
+    "llama-3.1-8b",
+    "llama-3.1-70b",
+    "llama-3.1-405b",
+    "mistral-7b-v0.1",
+    "mistral-7b-v0.3",
+    "mixtral-8x7b",
+    "qwen2.5-7b",
+    "qwen2.5-72b",
+    "qwen3-8b",
+    "qwen3-32b",
+    "gemma-2-9b",
+    "gemma-2-27b",
+    "gemma-3-27b",
+    "phi-3-mini-4k",
+    "deepseek-v2-lite",
+    "deepseek-v3",
+    "gpt-oss-20b",
+    "gpt-oss-120b",
+    "olmo-2-7b",
+    "smollm2-135m",
+}
 
 
 def spec_of(name: str):
@@ -55,6 +76,7 @@ def test_preset_spec_survives_a_transformers_round_trip(name):
 
 
 # ---------------------------------------------------------------- golden KV sizes (bf16, 2 bytes)
+
 
 def test_llama_3_8b_gqa():
     spec = spec_of("llama-3-8b")
@@ -106,7 +128,9 @@ def test_gemma_3_27b_five_local_per_global():
     per_layer = 2 * 16 * 128 * 2  # 8,192
     globals_ = [i for i, w in enumerate(spec.layer_windows) if w is None]
     assert globals_ == [5, 11, 17, 23, 29, 35, 41, 47, 53, 59]
-    assert kvcache.kv_bytes(spec, BF16, context=131072, batch=1) == (10 * 131072 + 52 * 1024) * per_layer == 11_173_625_856
+    assert (
+        kvcache.kv_bytes(spec, BF16, context=131072, batch=1) == (10 * 131072 + 52 * 1024) * per_layer == 11_173_625_856
+    )
 
 
 def test_gpt_oss_120b_mixed_layers():
@@ -114,7 +138,9 @@ def test_gpt_oss_120b_mixed_layers():
     per_layer = 2 * 8 * 64 * 2  # 2,048
     assert kvcache.bytes_per_token(spec, BF16) == 36 * per_layer == 73_728
     # 18 full layers keep 128k tokens, 18 sliding layers keep 128
-    assert kvcache.kv_bytes(spec, BF16, context=131072, batch=1) == (18 * 131072 + 18 * 128) * per_layer == 4_836_556_800
+    assert (
+        kvcache.kv_bytes(spec, BF16, context=131072, batch=1) == (18 * 131072 + 18 * 128) * per_layer == 4_836_556_800
+    )
 
 
 def test_tensor_parallel_replicates_kv_heads_beyond_hkv():
@@ -134,8 +160,9 @@ def test_mla_latent_is_replicated_on_every_gpu():
 def test_kvmem_cli_json_on_a_preset(runner):
     from attnkit.cli import app
 
-    result = runner.invoke(app, ["kvmem", "deepseek-v3", "--context", "4k,32k", "--gpu-mem", "141GiB", "--tp", "8",
-                                 "--format", "json"])
+    result = runner.invoke(
+        app, ["kvmem", "deepseek-v3", "--context", "4k,32k", "--gpu-mem", "141GiB", "--tp", "8", "--format", "json"]
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["kind"] == "preset" and "deepseek-ai/DeepSeek-V3" in doc["source"]

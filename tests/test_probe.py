@@ -46,7 +46,7 @@ def _expected(model, ids):
     """Per layer, per head: brute-force full-matrix (fp64) max/min/mean logit, log Z mean/max, entropy, max p."""
     cfg = model.config
     scaling = getattr(cfg, "query_pre_attn_scalar", None) or cfg.head_dim
-    scaling = scaling ** -0.5
+    scaling = scaling**-0.5
     cap = getattr(cfg, "attn_logit_softcapping", None)
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * 2
@@ -70,10 +70,14 @@ def _expected(model, ids):
         for h in range(q.shape[1]):
             vals = s[:, h][visible.expand(s.shape[0], -1, -1)]
             rows[layer, h] = {
-                "max_logit": vals.max().item(), "min_logit": vals.min().item(), "mean_logit": vals.mean().item(),
+                "max_logit": vals.max().item(),
+                "min_logit": vals.min().item(),
+                "mean_logit": vals.mean().item(),
                 "max_logit_precap": torch.where(visible, raw[:, h], -math.inf).max().item(),
-                "logz_mean": logz[:, h].mean().item(), "logz_max": logz[:, h].max().item(),
-                "entropy_mean": ent[:, h].mean().item(), "max_prob_mean": p[:, h].amax(-1).mean().item(),
+                "logz_mean": logz[:, h].mean().item(),
+                "logz_max": logz[:, h].max().item(),
+                "entropy_mean": ent[:, h].mean().item(),
+                "max_prob_mean": p[:, h].amax(-1).mean().item(),
             }
     return rows
 
@@ -130,23 +134,61 @@ def test_probe_cli_two_models_json_out_and_plot(two_models, runner, tmp_path):
     import pandas as pd
 
     a, b, text = two_models
-    out = runner.invoke(app, ["probe", str(a), str(b), str(text), "--seq-len", "64", "--max-tokens", "128",
-                              "--device", "cpu", "--format", "json", "--out", str(tmp_path / "s.parquet"),
-                              "--plot", str(tmp_path / "p.png")])
+    out = runner.invoke(
+        app,
+        [
+            "probe",
+            str(a),
+            str(b),
+            str(text),
+            "--seq-len",
+            "64",
+            "--max-tokens",
+            "128",
+            "--device",
+            "cpu",
+            "--format",
+            "json",
+            "--out",
+            str(tmp_path / "s.parquet"),
+            "--plot",
+            str(tmp_path / "p.png"),
+        ],
+    )
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout)
     assert [m["model"] for m in doc["models"]] == [str(a), str(b)]
     assert all(m["tokens"] == 128 and len(m["heads"]) == 16 for m in doc["models"])
     assert doc["models"][1]["heads"][0]["max_logit"] <= 50.0  # gemma2 soft-caps at 50
     frame = pd.read_parquet(tmp_path / "s.parquet")
-    assert len(frame) == 32 and frame["max_logit"].max() == max(h["max_logit"] for m in doc["models"] for h in m["heads"])
+    assert len(frame) == 32 and frame["max_logit"].max() == max(
+        h["max_logit"] for m in doc["models"] for h in m["heads"]
+    )
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_probe_cli_fail_if_names_heads_and_exits_3(two_models, runner):
     a, _, text = two_models
-    out = runner.invoke(app, ["probe", str(a), str(text), "--seq-len", "64", "--max-tokens", "64", "--device", "cpu",
-                              "--format", "csv", "--fail-if", "max_logit>-1000", "--fail-if", "z_loss>1e9"])
+    out = runner.invoke(
+        app,
+        [
+            "probe",
+            str(a),
+            str(text),
+            "--seq-len",
+            "64",
+            "--max-tokens",
+            "64",
+            "--device",
+            "cpu",
+            "--format",
+            "csv",
+            "--fail-if",
+            "max_logit>-1000",
+            "--fail-if",
+            "z_loss>1e9",
+        ],
+    )
     assert out.exit_code == 3
     assert "max_logit>-1000:" in out.stderr and "layer 0 head 0" in out.stderr and "z_loss" not in out.stderr
     assert out.stdout.splitlines()[0].startswith("model,layer,head,kv_head")
@@ -172,7 +214,7 @@ def test_probe_smollm2_matches_manual_head():
     layer, head = 5, 3
     q, k = qk[layer]
     groups = q.shape[1] // k.shape[1]
-    s = (q[:, head] @ k[:, head // groups].transpose(-1, -2)) * model.config.head_dim ** -0.5  # [1, T, T]
+    s = (q[:, head] @ k[:, head // groups].transpose(-1, -2)) * model.config.head_dim**-0.5  # [1, T, T]
     s = s.masked_fill(~torch.ones(64, 64, dtype=torch.bool).tril(), -math.inf)
     row = next(r for r in res.heads if (r["layer"], r["head"]) == (layer, head))
     assert row["max_logit"] == pytest.approx(s.max().item(), rel=1e-5)
@@ -188,11 +230,15 @@ def test_plot_uses_one_colour_scale_and_marks_the_fail_if_bound(tmp_path, monkey
     from attnkit.commands.analyse.probe_rules import max_logit_limit, parse_rule
 
     def result(name, scale):
-        heads = [{"layer": l, "head": h, "max_logit": scale * (h + l), "logz_mean": 1.0, "logz_max": 2.0}
-                 for l in range(2) for h in range(4)]
+        heads = [
+            {"layer": l, "head": h, "max_logit": scale * (h + l), "logz_mean": 1.0, "logz_max": 2.0}
+            for l in range(2)
+            for h in range(4)
+        ]
         return ProbeResult(model=name, tokens=1, windows=1, seq_len=1, threshold=100, z_lambda=0, heads=heads)
 
     figures = []
+
     def savefig(fig, path, **_kwargs):
         figures.append(fig)
         open(path, "wb").close()

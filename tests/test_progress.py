@@ -51,16 +51,19 @@ def test_calibration_reports_its_layers(tiny):
     model = AutoModelForCausalLM.from_pretrained(str(tiny("llama_gqa"))).eval()
     buffer = io.StringIO()
     with progress.display(_console(buffer), force=True):
-        calibrate(model, torch.randint(3, 200, (2, 16)), [f"model.layers.{i}.self_attn" for i in range(2)],
-                  lambda *_: None)
+        calibrate(
+            model, torch.randint(3, 200, (2, 16)), [f"model.layers.{i}.self_attn" for i in range(2)], lambda *_: None
+        )
     assert "calibrating on 32 tokens" in buffer.getvalue() and "2/2" in buffer.getvalue()
 
 
 def test_cli_runs_keep_library_bars_and_warnings_out_of_a_stderr_file(tmp_path):
-    code = ("import os, sys, warnings\nfrom attnkit.cli.common import quiet_libraries\nquiet_libraries()\n"
-            "warnings.warn('old api', FutureWarning)\nwarnings.warn('older api', DeprecationWarning)\n"
-            "from tqdm.auto import tqdm\nfor _ in tqdm(range(3), desc='library bar'):\n    pass\n"
-            "print(os.environ['TRANSFORMERS_VERBOSITY'])\n")
+    code = (
+        "import os, sys, warnings\nfrom attnkit.cli.common import quiet_libraries\nquiet_libraries()\n"
+        "warnings.warn('old api', FutureWarning)\nwarnings.warn('older api', DeprecationWarning)\n"
+        "from tqdm.auto import tqdm\nfor _ in tqdm(range(3), desc='library bar'):\n    pass\n"
+        "print(os.environ['TRANSFORMERS_VERBOSITY'])\n"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "ATTNKIT_DEBUG", "TRANSFORMERS_VERBOSITY")}
     with open(tmp_path / "err.txt", "w") as err:
         out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err, text=True, env=env)

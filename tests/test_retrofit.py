@@ -38,12 +38,35 @@ def _logits(folder, ids, **kw):
 
 # ----- softcap -----
 
+
 def test_softcap_auto_writes_config_copies_weights_and_measures(runner, tiny, text, tmp_path):
     src = _tiny_text_model(tiny)
     out = tmp_path / "out"
-    res, doc = _run(runner, "softcap", src, out, "--auto", "--affect-fraction", "0.01", "--final-cap", "30",
-                    "--calib", text, "--calib-tokens", "256", "--calib-seq-len", "64",
-                    "--eval", text, "--eval-tokens", "128", "--eval-seq-len", "64", "-f", "json")
+    res, doc = _run(
+        runner,
+        "softcap",
+        src,
+        out,
+        "--auto",
+        "--affect-fraction",
+        "0.01",
+        "--final-cap",
+        "30",
+        "--calib",
+        text,
+        "--calib-tokens",
+        "256",
+        "--calib-seq-len",
+        "64",
+        "--eval",
+        text,
+        "--eval-tokens",
+        "128",
+        "--eval-seq-len",
+        "64",
+        "-f",
+        "json",
+    )
     assert res.exit_code == 0, res.output
     auto = doc["auto"]["attn"]
     assert doc["attn_cap"] == auto["cap"] and 0 < auto["affected_fraction"] <= 0.01
@@ -65,11 +88,13 @@ def test_softcap_bad_input_gives_one_line_errors(runner, tiny, tmp_path):
     full = tmp_path / "full"
     full.mkdir()
     (full / "x").write_text("x")
-    cases = [(("softcap", src, full, "--attn-cap", "5"), "not empty"),
-             (("softcap", tmp_path / "missing", tmp_path / "o", "--attn-cap", "5"), ""),
-             (("softcap", tiny("bert"), tmp_path / "o", "--attn-cap", "5"), "not a causal"),
-             (("softcap", src, tmp_path / "o", "--auto"), "--calib"),
-             (("softcap", src, tmp_path / "o"), "nothing to do")]
+    cases = [
+        (("softcap", src, full, "--attn-cap", "5"), "not empty"),
+        (("softcap", tmp_path / "missing", tmp_path / "o", "--attn-cap", "5"), ""),
+        (("softcap", tiny("bert"), tmp_path / "o", "--attn-cap", "5"), "not a causal"),
+        (("softcap", src, tmp_path / "o", "--auto"), "--calib"),
+        (("softcap", src, tmp_path / "o"), "nothing to do"),
+    ]
     for args, words in cases:
         res, _ = _run(runner, *args)
         assert res.exit_code in (1, 2) and len(res.stderr.strip().splitlines()) == 1 and words in res.stderr, res.output
@@ -83,6 +108,7 @@ def test_softcap_dry_run_writes_nothing(runner, tiny, tmp_path):
 
 # ----- qknorm -----
 
+
 def test_lsq_is_exact_when_q_and_k_have_constant_rms():
     torch.manual_seed(0)
     n, h, hkv, t, d = 2, 4, 2, 16, 8
@@ -92,11 +118,13 @@ def test_lsq_is_exact_when_q_and_k_have_constant_rms():
     k = 0.5 * k / k.pow(2).mean(-1, keepdim=True).sqrt()
     pos = torch.arange(t, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
     cos, sin = torch.cat([pos.cos()] * 2, -1), torch.cat([pos.sin()] * 2, -1)
-    fit = fit_layer(q, k, cos, sin, d ** -0.5, 0.0, "lsq")
-    want = logits(q, k, cos, sin, d ** -0.5)
-    assert (normed_logits(q, k, cos, sin, d ** -0.5, fit, 0.0) - want).abs().max() < 1e-7  # ridge 1e-9 (relative) in the solve
+    fit = fit_layer(q, k, cos, sin, d**-0.5, 0.0, "lsq")
+    want = logits(q, k, cos, sin, d**-0.5)
+    assert (
+        normed_logits(q, k, cos, sin, d**-0.5, fit, 0.0) - want
+    ).abs().max() < 1e-7  # ridge 1e-9 (relative) in the solve
     assert fit.kl < 1e-12
-    unit = fit_layer(q, k, cos, sin, d ** -0.5, 0.0, "unit")
+    unit = fit_layer(q, k, cos, sin, d**-0.5, 0.0, "unit")
     assert unit.kl > 1e-4  # the unit weights lose the scale 3 * 0.5
 
 
@@ -122,7 +150,9 @@ def test_qknorm_pad_loads_as_stock_qwen3_and_is_exact(runner, tiny, tmp_path, fa
 
         b = load_file(str(src / "model.safetensors"))["model.layers.0.self_attn.q_proj.bias"].view(8, 8)
         assert torch.equal(attn.q_proj.bias.detach().view(8, 10)[:, [0, 1, 2, 3, 5, 6, 7, 8]], b)
-    assert doc["head_dim_after"] == 10 and json.loads((out / "attnkit.json").read_text())["operation"] == "retrofit qknorm"
+    assert (
+        doc["head_dim_after"] == 10 and json.loads((out / "attnkit.json").read_text())["operation"] == "retrofit qknorm"
+    )
 
 
 def _anchored_source(tmp_path, family: str, biases: bool = False):
@@ -132,8 +162,15 @@ def _anchored_source(tmp_path, family: str, biases: bool = False):
     return tiny_source(tmp_path, family, biases, offset=3.0, head_dim=8)
 
 
-@pytest.mark.parametrize("family,biases,head_dim,width", [("llama_gqa", False, None, 32), ("qwen2", True, None, 32),
-                                                          ("llama_gqa", False, "8", 8), ("llama_gqa", False, "10", 10)])
+@pytest.mark.parametrize(
+    "family,biases,head_dim,width",
+    [
+        ("llama_gqa", False, None, 32),
+        ("qwen2", True, None, 32),
+        ("llama_gqa", False, "8", 8),
+        ("llama_gqa", False, "10", 10),
+    ],
+)
 def test_qknorm_anchor_has_no_bias_tensors_and_stays_close(runner, tmp_path, text, family, biases, head_dim, width):
     """Default method: the source's head size when vLLM's CPU kernels run it (64 on real models: the anchor replaces
     the weakest RoPE pair), else the smallest larger size they run (8 -> 32 here); --head-dim 10 (llama.cpp only);
@@ -144,8 +181,21 @@ def test_qknorm_anchor_has_no_bias_tensors_and_stays_close(runner, tmp_path, tex
     src = _anchored_source(tmp_path, family, biases)
     out = tmp_path / "out"
     extra = ["--head-dim", head_dim] if head_dim else []
-    res, doc = _run(runner, "qknorm", src, out, "--calib", text, "--calib-tokens", "512", "--calib-seq-len", "64",
-                    *extra, "-f", "json")
+    res, doc = _run(
+        runner,
+        "qknorm",
+        src,
+        out,
+        "--calib",
+        text,
+        "--calib-tokens",
+        "512",
+        "--calib-seq-len",
+        "64",
+        *extra,
+        "-f",
+        "json",
+    )
     assert res.exit_code == 0, res.output
     assert doc["method"] == "anchor" and doc["head_dim_after"] == width and not doc["attention_bias"]
     assert all(row["max_rel_error"] < 0.05 for row in doc["layers"])
@@ -164,8 +214,24 @@ def test_qknorm_fitted_methods_keep_head_dim_and_kl_improves_on_unit(runner, tin
     src = _tiny_text_model(tiny)
     kls = {}
     for method in ("unit", "scalar", "lsq", "kl"):
-        res, doc = _run(runner, "qknorm", src, tmp_path / method, "--method", method, "--steps", "20",
-                        "--calib", text, "--calib-tokens", "256", "--calib-seq-len", "64", "-f", "json")
+        res, doc = _run(
+            runner,
+            "qknorm",
+            src,
+            tmp_path / method,
+            "--method",
+            method,
+            "--steps",
+            "20",
+            "--calib",
+            text,
+            "--calib-tokens",
+            "256",
+            "--calib-seq-len",
+            "64",
+            "-f",
+            "json",
+        )
         assert res.exit_code == 0, res.output
         assert doc["head_dim_after"] == 8 and not doc["attention_bias"]
         kls[method] = sum(r["attention_kl"] for r in doc["layers"])
@@ -173,8 +239,11 @@ def test_qknorm_fitted_methods_keep_head_dim_and_kl_improves_on_unit(runner, tin
 
 
 def test_qknorm_refusals(runner, tiny, tmp_path):
-    for family, code, words in (("qwen3", 2, "already has QK-norm"), ("olmo2", 2, "already has QK-norm"),
-                                ("gemma2", 1, "supports llama, mistral, qwen2")):
+    for family, code, words in (
+        ("qwen3", 2, "already has QK-norm"),
+        ("olmo2", 2, "already has QK-norm"),
+        ("gemma2", 1, "supports llama, mistral, qwen2"),
+    ):
         res, _ = _run(runner, "qknorm", tiny(family), tmp_path / "o", "--method", "pad")
         assert res.exit_code == code and words in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.output
     for method in ("lsq", "anchor"):
@@ -185,6 +254,7 @@ def test_qknorm_refusals(runner, tiny, tmp_path):
 
 
 # ----- qkclip -----
+
 
 def test_qkclip_clips_only_heads_above_tau(runner, tiny, text, tmp_path):
     src = _tiny_text_model(tiny)
@@ -225,6 +295,7 @@ def test_qkclip_refuses_shared_qk_norm_and_bad_tau(runner, tiny, text, tmp_path)
 
 
 # ----- real model -----
+
 
 @pytest.mark.real_model
 def test_smollm2_through_all_three_retrofits(runner, tmp_path):

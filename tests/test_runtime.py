@@ -25,7 +25,11 @@ def test_read_texts_txt_jsonl_and_literal(tmp_path):
     (tmp_path / "a.txt").write_text("first document")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "second"}) + "\n\n" + json.dumps({"text": "third"}) + "\n")
     assert list(read_texts([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")], "fourth")) == [
-        "first document", "second", "third", "fourth"]
+        "first document",
+        "second",
+        "third",
+        "fourth",
+    ]
 
 
 def test_read_texts_errors(tmp_path):
@@ -41,7 +45,9 @@ def test_read_texts_errors(tmp_path):
 def test_make_windows_joins_documents_with_eos_and_cuts_full_windows(tok):
     windows = make_windows(tok, ["abc", "de"], seq_len=2)
     # a b c </s> d e -> 6 tokens -> 3 windows of 2
-    expected = [vocab for vocab in (tok.convert_tokens_to_ids(list("abc")) + [2] + tok.convert_tokens_to_ids(list("de")))]
+    expected = [
+        vocab for vocab in (tok.convert_tokens_to_ids(list("abc")) + [2] + tok.convert_tokens_to_ids(list("de")))
+    ]
     assert windows.tolist() == [expected[0:2], expected[2:4], expected[4:6]]
     assert make_windows(tok, ["abc", "de"], seq_len=2, max_tokens=5).shape == (2, 2)
     assert make_windows(tok, [PROSE], seq_len=16).equal(make_windows(tok, [PROSE], seq_len=16))

@@ -29,16 +29,23 @@ main()
 """
 
 
-@pytest.mark.parametrize("signum, code, message", [
-    (signal.SIGTERM, 143, "error: terminated (SIGTERM)"),
-    (signal.SIGINT, 130, "error: interrupted"),
-])
+@pytest.mark.parametrize(
+    "signum, code, message",
+    [
+        (signal.SIGTERM, 143, "error: terminated (SIGTERM)"),
+        (signal.SIGINT, 130, "error: interrupted"),
+    ],
+)
 def test_a_signal_mid_write_removes_the_temp_folder(tiny, tmp_path, signum, code, message):
     src = tiny("llama_gqa")
     before = tree(src)
     out, ready = tmp_path / "out", tmp_path / "ready"
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(src), str(out), str(ready)],
-                             stderr=subprocess.PIPE, text=True, env={**os.environ, "ATTNKIT_DEBUG": ""})
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(src), str(out), str(ready)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "ATTNKIT_DEBUG": ""},
+    )
     deadline = time.monotonic() + 120
     while not ready.exists() and child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)

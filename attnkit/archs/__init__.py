@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import reprlib
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -59,7 +59,7 @@ def _lookup(config: dict, dotted: str) -> Any:
     return node
 
 
-@lru_cache(maxsize=None)
+@cache
 def _registry() -> dict[str, Arch]:
     by_type: dict[str, Arch] = {}
     for entry in sorted(resources.files("attnkit.archs").joinpath("data").iterdir(), key=lambda p: p.name):
@@ -93,6 +93,4 @@ def get_arch(model_type: str | None) -> Arch:
     reg = _registry()
     if isinstance(model_type, str) and model_type in reg:
         return reg[model_type]
-    raise AttnkitError(
-        f"unsupported model_type {reprlib.repr(model_type)}; supported: {', '.join(sorted(reg))}"
-    )
+    raise AttnkitError(f"unsupported model_type {reprlib.repr(model_type)}; supported: {', '.join(sorted(reg))}")

@@ -120,7 +120,9 @@ def attention_spec(config: dict) -> AttentionSpec:
     num_kv_heads = _int(arch, config, "num_kv_heads", num_heads)
     head_dim = _int(arch, config, "head_dim") or hidden // num_heads
     if head_dim < 1:
-        raise AttnkitError(f"config: hidden_size {hidden} is smaller than its {num_heads} heads and no head_dim is given")
+        raise AttnkitError(
+            f"config: hidden_size {hidden} is smaller than its {num_heads} heads and no head_dim is given"
+        )
     v_head_dim = head_dim
     mla = None
     if arch.qkv_layout == "mla":

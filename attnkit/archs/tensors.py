@@ -42,23 +42,38 @@ def find_prefix(arch: Arch, names: Iterable[str]) -> str:
 def role_shape(arch: Arch, spec: AttentionSpec, role: str) -> tuple[int, ...]:
     """Shape a `role` tensor must have (PyTorch Linear layout: [out, in]; GPT-2 Conv1D: [in, out])."""
     d, h, hkv, dk, dv = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim
-    fused = (h * dk + hkv * dk + hkv * dv)
+    fused = h * dk + hkv * dk + hkv * dv
     if spec.mla is not None:
         m = spec.mla
         q_in = m.q_lora_rank or d
         shapes = {
-            "q": (h * dk, d), "q_a": (q_in, d), "q_a_bias": (q_in,), "q_a_norm": (q_in,), "q_b": (h * dk, q_in),
-            "kv_a": (m.kv_lora_rank + m.qk_rope_head_dim, d), "kv_a_bias": (m.kv_lora_rank + m.qk_rope_head_dim,),
-            "kv_a_norm": (m.kv_lora_rank,), "kv_b": (h * (m.qk_nope_head_dim + dv), m.kv_lora_rank),
-            "o": (d, h * dv), "o_bias": (d,),
+            "q": (h * dk, d),
+            "q_a": (q_in, d),
+            "q_a_bias": (q_in,),
+            "q_a_norm": (q_in,),
+            "q_b": (h * dk, q_in),
+            "kv_a": (m.kv_lora_rank + m.qk_rope_head_dim, d),
+            "kv_a_bias": (m.kv_lora_rank + m.qk_rope_head_dim,),
+            "kv_a_norm": (m.kv_lora_rank,),
+            "kv_b": (h * (m.qk_nope_head_dim + dv), m.kv_lora_rank),
+            "o": (d, h * dv),
+            "o_bias": (d,),
         }
     else:
         per_head_norm = spec.qk_norm == "per_head"
         shapes = {
-            "q": (h * dk, d), "k": (hkv * dk, d), "v": (hkv * dv, d), "o": (d, h * dv),
-            "q_bias": (h * dk,), "k_bias": (hkv * dk,), "v_bias": (hkv * dv,), "o_bias": (d,),
-            "qkv": (d, fused) if arch.qkv_layout == "conv1d_concat" else (fused, d), "qkv_bias": (fused,),
-            "q_norm": (dk,) if per_head_norm else (h * dk,), "k_norm": (dk,) if per_head_norm else (hkv * dk,),
+            "q": (h * dk, d),
+            "k": (hkv * dk, d),
+            "v": (hkv * dv, d),
+            "o": (d, h * dv),
+            "q_bias": (h * dk,),
+            "k_bias": (hkv * dk,),
+            "v_bias": (hkv * dv,),
+            "o_bias": (d,),
+            "qkv": (d, fused) if arch.qkv_layout == "conv1d_concat" else (fused, d),
+            "qkv_bias": (fused,),
+            "q_norm": (dk,) if per_head_norm else (h * dk,),
+            "k_norm": (dk,) if per_head_norm else (hkv * dk,),
             "sinks": (h,),
         }
     if role not in shapes:
@@ -98,8 +113,14 @@ def expected_names(arch: Arch, spec: AttentionSpec, config: dict, prefix: str) -
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
-def check_tensors(arch: Arch, spec: AttentionSpec, config: dict, shapes: Mapping[str, tuple], where,
-                  dtypes: Mapping[str, str] | None = None) -> str:
+def check_tensors(
+    arch: Arch,
+    spec: AttentionSpec,
+    config: dict,
+    shapes: Mapping[str, tuple],
+    where,
+    dtypes: Mapping[str, str] | None = None,
+) -> str:
     """Check that `shapes` (tensor name -> shape) holds every tensor the config implies, with attention tensors
     of the shapes it implies, embeddings and head of vocab_size x hidden_size rows, and (with `dtypes`,
     name -> safetensors dtype code) floating-point weights; returns the name prefix. AttnkitError naming `where`
@@ -108,26 +129,33 @@ def check_tensors(arch: Arch, spec: AttentionSpec, config: dict, shapes: Mapping
     expected = expected_names(arch, spec, config, prefix)
     missing = [name for name in expected if name not in shapes]
     if missing:
-        raise AttnkitError(f"{where}: incomplete checkpoint: {len(missing)} tensor(s) that its config implies are "
-                           f"missing, e.g. {missing[0]!r} (an interrupted download, or an index that leaves out "
-                           "a shard?)")
+        raise AttnkitError(
+            f"{where}: incomplete checkpoint: {len(missing)} tensor(s) that its config implies are "
+            f"missing, e.g. {missing[0]!r} (an interrupted download, or an index that leaves out "
+            "a shard?)"
+        )
     for role in arch.tensors:
         for layer in range(spec.num_layers):
             name = arch.tensor_name(role, layer, prefix)
             if name in shapes and tuple(shapes[name]) != role_shape(arch, spec, role):
-                raise AttnkitError(f"{where}: tensor {name!r} has shape {list(shapes[name])} but the config implies "
-                                   f"{list(role_shape(arch, spec, role))}")
+                raise AttnkitError(
+                    f"{where}: tensor {name!r} has shape {list(shapes[name])} but the config implies "
+                    f"{list(role_shape(arch, spec, role))}"
+                )
     _check_vocabulary(arch, spec, config, shapes, prefix, where)
     if dtypes is not None:
         for name in expected:
             if dtypes[name] not in FLOAT_DTYPES:
-                raise AttnkitError(f"{where}: tensor {name!r} is stored as {dtypes[name]}; weights must be floating "
-                                   f"point ({', '.join(FLOAT_DTYPES)})")
+                raise AttnkitError(
+                    f"{where}: tensor {name!r} is stored as {dtypes[name]}; weights must be floating "
+                    f"point ({', '.join(FLOAT_DTYPES)})"
+                )
     return prefix
 
 
-def _check_vocabulary(arch: Arch, spec: AttentionSpec, config: dict, shapes: Mapping[str, tuple], prefix: str,
-                      where) -> None:
+def _check_vocabulary(
+    arch: Arch, spec: AttentionSpec, config: dict, shapes: Mapping[str, tuple], prefix: str, where
+) -> None:
     """The token embedding (the first of the architecture's required model tensors) and the output head have
     one row of hidden_size values per vocabulary entry."""
     vocab = arch.config_value(config, "vocab_size")
@@ -138,6 +166,8 @@ def _check_vocabulary(arch: Arch, spec: AttentionSpec, config: dict, shapes: Map
     for name in names:
         shape = tuple(shapes.get(name, ()))
         if len(shape) != 2 or (vocab is not None and shape[0] != vocab) or shape[1] != spec.hidden_size:
-            raise AttnkitError(f"{where}: tensor {name!r} has shape {list(shape)} but the config implies "
-                               f"[{vocab if vocab is not None else 'vocab_size'}, {spec.hidden_size}] "
-                               "(vocab_size x hidden_size)")
+            raise AttnkitError(
+                f"{where}: tensor {name!r} has shape {list(shape)} but the config implies "
+                f"[{vocab if vocab is not None else 'vocab_size'}, {spec.hidden_size}] "
+                "(vocab_size x hidden_size)"
+            )

@@ -20,21 +20,36 @@ MAX_EXPERTS = 1 << 16
 #: role -> (kind, lowest, highest); kinds: int, number (finite), bool, str, str_list. None values are absent.
 #: num_experts may be 0: an all-dense DeepseekV3 (what convert mla writes) has no routed experts.
 RULES: dict[str, tuple[str, float | None, float | None]] = {
-    "num_layers": ("int", 1, MAX_LAYERS), "num_heads": ("int", 1, MAX_HEADS), "num_kv_heads": ("int", 1, MAX_HEADS),
-    "head_dim": ("int", 1, MAX_HEAD_DIM), "hidden_size": ("int", 1, MAX_WIDTH), "vocab_size": ("int", 1, MAX_VOCAB),
-    "intermediate_size": ("int", 1, MAX_WIDTH), "max_positions": ("int", 1, MAX_POSITIONS),
-    "sliding_window": ("int", 1, MAX_POSITIONS), "sliding_window_pattern": ("int", 1, MAX_LAYERS),
+    "num_layers": ("int", 1, MAX_LAYERS),
+    "num_heads": ("int", 1, MAX_HEADS),
+    "num_kv_heads": ("int", 1, MAX_HEADS),
+    "head_dim": ("int", 1, MAX_HEAD_DIM),
+    "hidden_size": ("int", 1, MAX_WIDTH),
+    "vocab_size": ("int", 1, MAX_VOCAB),
+    "intermediate_size": ("int", 1, MAX_WIDTH),
+    "max_positions": ("int", 1, MAX_POSITIONS),
+    "sliding_window": ("int", 1, MAX_POSITIONS),
+    "sliding_window_pattern": ("int", 1, MAX_LAYERS),
     "max_window_layers": ("int", 0, MAX_LAYERS),
-    "kv_lora_rank": ("int", 1, MAX_WIDTH), "q_lora_rank": ("int", 1, MAX_WIDTH),
-    "qk_rope_head_dim": ("int", 1, MAX_HEAD_DIM), "qk_nope_head_dim": ("int", 1, MAX_HEAD_DIM),
+    "kv_lora_rank": ("int", 1, MAX_WIDTH),
+    "q_lora_rank": ("int", 1, MAX_WIDTH),
+    "qk_rope_head_dim": ("int", 1, MAX_HEAD_DIM),
+    "qk_nope_head_dim": ("int", 1, MAX_HEAD_DIM),
     "v_head_dim": ("int", 1, MAX_HEAD_DIM),
-    "num_experts": ("int", 0, MAX_EXPERTS), "moe_intermediate_size": ("int", 1, MAX_WIDTH),
-    "num_shared_experts": ("int", 0, MAX_EXPERTS), "first_dense_layers": ("int", 0, MAX_LAYERS),
-    "rope_theta": ("number", 0, None), "rope_local_theta": ("number", 0, None), "partial_rotary_factor": ("number", 0, 1),
-    "attn_softcap": ("number", 0, None), "final_softcap": ("number", 0, None),
+    "num_experts": ("int", 0, MAX_EXPERTS),
+    "moe_intermediate_size": ("int", 1, MAX_WIDTH),
+    "num_shared_experts": ("int", 0, MAX_EXPERTS),
+    "first_dense_layers": ("int", 0, MAX_LAYERS),
+    "rope_theta": ("number", 0, None),
+    "rope_local_theta": ("number", 0, None),
+    "partial_rotary_factor": ("number", 0, 1),
+    "attn_softcap": ("number", 0, None),
+    "final_softcap": ("number", 0, None),
     "query_pre_attn_scalar": ("number", 0, None),
-    "rope_type": ("str", None, None), "layer_types": ("str_list", None, None),
-    "use_sliding_window": ("bool", None, None), "tie_word_embeddings": ("bool", None, None),
+    "rope_type": ("str", None, None),
+    "layer_types": ("str_list", None, None),
+    "use_sliding_window": ("bool", None, None),
+    "tie_word_embeddings": ("bool", None, None),
     "attention_bias": ("bool", None, None),
 }
 #: Roles every config must give (MLA configs also their latent and head dims).
@@ -45,8 +60,18 @@ REQUIRED_MLA = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_
 #: RoPE types transformers computes frequencies for ("default" plus its ROPE_INIT_FUNCTIONS, 5.x).
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
 #: RoPE parameters that are positive numbers wherever a config gives them.
-ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
-                "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
+ROPE_NUMBERS = (
+    "rope_theta",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "attention_factor",
+    "mscale",
+    "mscale_all_dim",
+)
 
 
 def check_rope(config: dict) -> None:
@@ -69,8 +94,10 @@ def check_rope(config: dict) -> None:
 def _check_rope_block(name: str, params: dict) -> None:
     kind = params.get("rope_type", params.get("type"))
     if kind is not None and kind not in ROPE_TYPES:
-        raise AttnkitError(f"config value {name}.rope_type = {reprlib.repr(kind)} is not a RoPE type transformers "
-                           f"knows ({', '.join(ROPE_TYPES)})")
+        raise AttnkitError(
+            f"config value {name}.rope_type = {reprlib.repr(kind)} is not a RoPE type transformers "
+            f"knows ({', '.join(ROPE_TYPES)})"
+        )
     for key in ROPE_NUMBERS:
         value = params.get(key)
         problem = None if value is None else _problem(value, "number", 0, None)

@@ -38,15 +38,18 @@ def _version(value: bool) -> None:
 
 
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
 ) -> None:
     """Analyse and rewrite the attention layers of transformer checkpoints."""
 
 
 def build_app(names: list[str] | None = None) -> typer.Typer:
     """The typer app with the commands in `names` (None: all of them)."""
-    app = typer.Typer(name="attnkit", help=HELP, no_args_is_help=True, add_completion=False,
-                      pretty_exceptions_enable=False)
+    app = typer.Typer(
+        name="attnkit", help=HELP, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False
+    )
     app.callback()(_root)
     for name in COMMANDS if names is None else names:
         importlib.import_module(f"attnkit.cli.{COMMANDS[name]}").register(app)

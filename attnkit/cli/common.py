@@ -16,7 +16,7 @@ from attnkit.errors import EXIT_RUNTIME, AttnkitError, Terminated
 F = TypeVar("F", bound=Callable)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _stderr_console():
     from rich.console import Console
 
@@ -40,9 +40,7 @@ class OutputFormat(str, Enum):
     markdown = "markdown"
 
 
-FORMAT_OPTION = typer.Option(
-    OutputFormat.table, "--format", "-f", help="Output format: table, json, csv or markdown."
-)
+FORMAT_OPTION = typer.Option(OutputFormat.table, "--format", "-f", help="Output format: table, json, csv or markdown.")
 #: --device and --dtype of the commands that run a model (eval, probe).
 DEVICE_OPTION = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps.")
 DTYPE_OPTION = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16 (or fp32, bf16, fp16).")
@@ -98,8 +96,14 @@ def _os_message(exc: OSError) -> str:
     where = f" {os.fsdecode(filename)}" if isinstance(filename, (str, bytes)) else ""
     if exc.errno == errno.ENOSPC:
         return _one_line(f"disk full{' while writing' + where if where else ''}")
-    what = {errno.EACCES: "permission denied", errno.EROFS: "read-only file system", errno.ELOOP: "symlink loop",
-            errno.ENOTDIR: "not a folder", errno.EISDIR: "is a folder", errno.ENOENT: "no such file or folder"}
+    what = {
+        errno.EACCES: "permission denied",
+        errno.EROFS: "read-only file system",
+        errno.ELOOP: "symlink loop",
+        errno.ENOTDIR: "not a folder",
+        errno.EISDIR: "is a folder",
+        errno.ENOENT: "no such file or folder",
+    }
     return _one_line(f"cannot use{where or ' a file'}: {what.get(exc.errno) or exc.strerror or _describe(exc)}")
 
 
@@ -108,8 +112,10 @@ def _library_message(exc: BaseException) -> str | None:
     name = type(exc).__name__
     first = _describe(exc).split(". ")[0]
     if name == "LinAlgError":
-        return (f"a matrix factorization failed ({first}); the calibration text may be too short or too "
-                "repetitive: give more varied --calib text")
+        return (
+            f"a matrix factorization failed ({first}); the calibration text may be too short or too "
+            "repetitive: give more varied --calib text"
+        )
     if name == "OutOfMemoryError":
         return f"out of GPU memory ({first}); try fewer tokens, a smaller --batch-size or --device cpu"
     return None
@@ -193,8 +199,10 @@ def handle_errors(fn: F) -> F:
         except Exception as exc:  # noqa: BLE001 - last-resort one-line report
             if debug_enabled():
                 raise
-            fail(_library_message(exc) or
-                 f"{type(exc).__name__}: {_describe(exc)} (set ATTNKIT_DEBUG=1 for the traceback)")
+            fail(
+                _library_message(exc)
+                or f"{type(exc).__name__}: {_describe(exc)} (set ATTNKIT_DEBUG=1 for the traceback)"
+            )
 
     return wrapper  # type: ignore[return-value]
 

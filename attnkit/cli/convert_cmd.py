@@ -18,141 +18,236 @@ def _err(v) -> str:
 
 def _eval_caption(e: dict) -> str:
     """The quality part of a convert caption: perplexity of source and result, KL, top-1 agreement."""
-    return (f"; perplexity {e['source_perplexity']:.3f} -> {e['perplexity']:.3f}, KL {e['kl_mean']:.4f}, "
-            f"top-1 agreement {e['top1_agreement']:.3f}")
+    return (
+        f"; perplexity {e['source_perplexity']:.3f} -> {e['perplexity']:.3f}, KL {e['kl_mean']:.4f}, "
+        f"top-1 agreement {e['top1_agreement']:.3f}"
+    )
 
 
 #: Options of `convert gqa` and `convert mqa` beyond the shared ones.
 _GQA = dict(
-    method=typer.Option("mean", "--method", "-m", help="mean (GQA paper), first, or merge (calibrated; needs --calib)."),
-    sequential=typer.Option(False, "--sequential/--no-sequential",
-                            help="Calibrate each layer on the converted layers' outputs (measured worse; see docs)."),
-    value_weight=typer.Option("o_proj", "--value-weight",
-                              help="merge: value error measured after o_proj (o_proj) or not (none)."),
-    key_weight=typer.Option("attention", "--key-weight",
-                            help="merge: weight heads by query energy (query), uniformly, or also tokens by attention."),
-    o_refit=typer.Option(0.1, "--o-refit",
-                         help="merge: ridge of the o_proj least-squares refit to the source attention output; 0 = off."),
+    method=typer.Option(
+        "mean", "--method", "-m", help="mean (GQA paper), first, or merge (calibrated; needs --calib)."
+    ),
+    sequential=typer.Option(
+        False,
+        "--sequential/--no-sequential",
+        help="Calibrate each layer on the converted layers' outputs (measured worse; see docs).",
+    ),
+    value_weight=typer.Option(
+        "o_proj", "--value-weight", help="merge: value error measured after o_proj (o_proj) or not (none)."
+    ),
+    key_weight=typer.Option(
+        "attention",
+        "--key-weight",
+        help="merge: weight heads by query energy (query), uniformly, or also tokens by attention.",
+    ),
+    o_refit=typer.Option(
+        0.1, "--o-refit", help="merge: ridge of the o_proj least-squares refit to the source attention output; 0 = off."
+    ),
 )
 
 
-def _gqa(kv_heads: int, method: str, sequential: bool, value_weight: str, key_weight: str, o_refit: float,
-         fmt: OutputFormat, shared: dict) -> None:
+def _gqa(
+    kv_heads: int,
+    method: str,
+    sequential: bool,
+    value_weight: str,
+    key_weight: str,
+    o_refit: float,
+    fmt: OutputFormat,
+    shared: dict,
+) -> None:
     from attnkit.commands.convert.gqa import ConvertRequest, convert_gqa
     from attnkit.ops.gqa import MergeOptions
 
-    req = ConvertRequest(**request_fields(shared), kv_heads=kv_heads, method=method, sequential=sequential,
-                         options=MergeOptions(value_weight=value_weight, key_weight=key_weight,
-                                              o_refit=o_refit or None))
+    req = ConvertRequest(
+        **request_fields(shared),
+        kv_heads=kv_heads,
+        method=method,
+        sequential=sequential,
+        options=MergeOptions(value_weight=value_weight, key_weight=key_weight, o_refit=o_refit or None),
+    )
     report = convert_gqa(req, log=lambda msg: stderr.print(msg, style="dim", soft_wrap=True, markup=False))
     kv = report["kv_bytes_per_token"]
-    caption = (f"{report['model_type']}: {report['kv_heads_before']} -> {report['kv_heads_after']} KV heads; "
-               f"KV cache {kv['before']:,.0f} -> {kv['after']:,.0f} bytes/token ({kv['dtype']})")
+    caption = (
+        f"{report['model_type']}: {report['kv_heads_before']} -> {report['kv_heads_after']} KV heads; "
+        f"KV cache {kv['before']:,.0f} -> {kv['after']:,.0f} bytes/token ({kv['dtype']})"
+    )
     if report["dry_run"]:
         caption += "; dry run, nothing written"
     else:
         caption += f"; errors on {report['error_basis']}; wrote {report['output']} in {report['seconds']:.1f}s"
     if report["eval"]:
         caption += _eval_caption(report["eval"])
-    columns = [Column("layer", "layer"), Column("key_path", "keys", justify="left"),
-               Column("value_path", "values", justify="left"), Column("k_err", "K rel. error", _err),
-               Column("v_err", "V rel. error", _err)]
+    columns = [
+        Column("layer", "layer"),
+        Column("key_path", "keys", justify="left"),
+        Column("value_path", "values", justify="left"),
+        Column("k_err", "K rel. error", _err),
+        Column("v_err", "V rel. error", _err),
+    ]
     render(report["layers"], columns, fmt, title=f"convert gqa: {shared['model']}", json_obj=report, caption=caption)
     render_samples(report["eval"], fmt)
 
 
-@app.command("gqa", epilog=examples(
-    "attnkit convert gqa ./my-model ./gqa2 --kv-heads 2",
-    "attnkit convert gqa ./my-model ./gqa2 --kv-heads 2 --method merge --calib calib.txt --eval heldout.txt"))
+@app.command(
+    "gqa",
+    epilog=examples(
+        "attnkit convert gqa ./my-model ./gqa2 --kv-heads 2",
+        "attnkit convert gqa ./my-model ./gqa2 --kv-heads 2 --method merge --calib calib.txt --eval heldout.txt",
+    ),
+)
 @handle_errors
 @writes(DEVICE, CALIB, EVAL, SAMPLES)
 def gqa(
-    kv_heads: int = typer.Option(..., "--kv-heads", "-g", help="KV heads after conversion; must divide the current count."),
-    method: str = _GQA["method"], sequential: bool = _GQA["sequential"], value_weight: str = _GQA["value_weight"],
-    key_weight: str = _GQA["key_weight"], o_refit: float = _GQA["o_refit"], fmt: OutputFormat = FORMAT_OPTION,
+    kv_heads: int = typer.Option(
+        ..., "--kv-heads", "-g", help="KV heads after conversion; must divide the current count."
+    ),
+    method: str = _GQA["method"],
+    sequential: bool = _GQA["sequential"],
+    value_weight: str = _GQA["value_weight"],
+    key_weight: str = _GQA["key_weight"],
+    o_refit: float = _GQA["o_refit"],
+    fmt: OutputFormat = FORMAT_OPTION,
     shared: dict = None,
 ) -> None:
     """Merge KV heads into --kv-heads groups (GQA); writes the source architecture with fewer KV heads."""
     _gqa(kv_heads, method, sequential, value_weight, key_weight, o_refit, fmt, shared)
 
 
-@app.command("mqa", epilog=examples(
-    "attnkit convert mqa ./my-model ./mqa-model",
-    "attnkit convert mqa ./my-model ./mqa-model --method merge --calib calib.txt --eval heldout.txt"))
+@app.command(
+    "mqa",
+    epilog=examples(
+        "attnkit convert mqa ./my-model ./mqa-model",
+        "attnkit convert mqa ./my-model ./mqa-model --method merge --calib calib.txt --eval heldout.txt",
+    ),
+)
 @handle_errors
 @writes(DEVICE, CALIB, EVAL, SAMPLES)
 def mqa(
-    method: str = _GQA["method"], sequential: bool = _GQA["sequential"], value_weight: str = _GQA["value_weight"],
-    key_weight: str = _GQA["key_weight"], o_refit: float = _GQA["o_refit"], fmt: OutputFormat = FORMAT_OPTION,
+    method: str = _GQA["method"],
+    sequential: bool = _GQA["sequential"],
+    value_weight: str = _GQA["value_weight"],
+    key_weight: str = _GQA["key_weight"],
+    o_refit: float = _GQA["o_refit"],
+    fmt: OutputFormat = FORMAT_OPTION,
     shared: dict = None,
 ) -> None:
     """Merge all KV heads into one (MQA): `convert gqa --kv-heads 1`."""
     _gqa(1, method, sequential, value_weight, key_weight, o_refit, fmt, shared)
 
 
-@app.command("mla", epilog=examples(
-    "attnkit convert mla ./my-model ./mla-model --kv-budget 0.5 --calib calib.txt --eval heldout.txt",
-    "attnkit convert mla ./my-model ./mla-model -R 512 -P 64 --engine vllm --calib calib.txt"))
+@app.command(
+    "mla",
+    epilog=examples(
+        "attnkit convert mla ./my-model ./mla-model --kv-budget 0.5 --calib calib.txt --eval heldout.txt",
+        "attnkit convert mla ./my-model ./mla-model -R 512 -P 64 --engine vllm --calib calib.txt",
+    ),
+)
 @handle_errors
 @writes(DEVICE, CALIB, EVAL, SAMPLES)
 def mla(
-    kv_lora_rank: int = typer.Option(None, "--kv-lora-rank", "-R",
-                                     help="R: latent values cached per token and layer (one is the norm constant)."),
+    kv_lora_rank: int = typer.Option(
+        None, "--kv-lora-rank", "-R", help="R: latent values cached per token and layer (one is the norm constant)."
+    ),
     rope_dim: int = typer.Option(None, "--rope-dim", "-P", help="P: dims of the shared RoPE key (even, <= head dim)."),
-    kv_budget: float = typer.Option(None, "--kv-budget", help="Fraction of the source's KV values per token; picks R and P."),
-    sequential: bool = typer.Option(True, "--sequential/--no-sequential",
-                                    help="Fit each layer on the converted layers' outputs (as docs/benchmarks.md "
-                                         "measured)."),
-    key_weight: str = typer.Option("query", "--key-weight", help="Key error as logit error (query) or plain (uniform)."),
-    value_weight: str = typer.Option("o_proj", "--value-weight",
-                                     help="Value error measured after o_proj (o_proj) or not (none)."),
-    residual: str = typer.Option("keep", "--residual",
-                                 help="Key parts that lose RoPE: keep them position-free, fade them by E[cos] or drop them."),
-    o_refit: float = typer.Option(0.1, "--o-refit", help="Ridge of the o_proj refit to the source attention output (0: off)."),
-    shrink: float = typer.Option(0.5, "--shrink",
-                                 help="Shrink the calibration covariance toward its diagonal by this much (0-1); "
-                                      "0.5 generalizes best to text unlike --calib (docs/convert-mla.md)."),
-    weight_only: bool = typer.Option(False, "--weight-only",
-                                     help="Ablation: plain SVD of the weights, no activations or read-out weights."),
-    latent_norm: str = typer.Option("auto", "--latent-norm",
-                                    help="How kv_a_layernorm stays linear: auto (per layer, the better of anchor "
-                                         "and span; no bias tensors), anchor, span, or bias (exact, but engines "
-                                         "drop the bias: transformers only)."),
-    engine: str = typer.Option("any", "--engine",
-                               help="Engines the output must load in: any (llama.cpp, vllm, sglang), llama.cpp, "
-                                    "vllm, sglang or transformers; naming one snaps --kv-budget to a shape its "
-                                    "kernels take (vllm: 512+64)."),
+    kv_budget: float = typer.Option(
+        None, "--kv-budget", help="Fraction of the source's KV values per token; picks R and P."
+    ),
+    sequential: bool = typer.Option(
+        True,
+        "--sequential/--no-sequential",
+        help="Fit each layer on the converted layers' outputs (as docs/benchmarks.md measured).",
+    ),
+    key_weight: str = typer.Option(
+        "query", "--key-weight", help="Key error as logit error (query) or plain (uniform)."
+    ),
+    value_weight: str = typer.Option(
+        "o_proj", "--value-weight", help="Value error measured after o_proj (o_proj) or not (none)."
+    ),
+    residual: str = typer.Option(
+        "keep",
+        "--residual",
+        help="Key parts that lose RoPE: keep them position-free, fade them by E[cos] or drop them.",
+    ),
+    o_refit: float = typer.Option(
+        0.1, "--o-refit", help="Ridge of the o_proj refit to the source attention output (0: off)."
+    ),
+    shrink: float = typer.Option(
+        0.5,
+        "--shrink",
+        help="Shrink the calibration covariance toward its diagonal by this much (0-1); "
+        "0.5 generalizes best to text unlike --calib (docs/convert-mla.md).",
+    ),
+    weight_only: bool = typer.Option(
+        False, "--weight-only", help="Ablation: plain SVD of the weights, no activations or read-out weights."
+    ),
+    latent_norm: str = typer.Option(
+        "auto",
+        "--latent-norm",
+        help="How kv_a_layernorm stays linear: auto (per layer, the better of anchor "
+        "and span; no bias tensors), anchor, span, or bias (exact, but engines "
+        "drop the bias: transformers only).",
+    ),
+    engine: str = typer.Option(
+        "any",
+        "--engine",
+        help="Engines the output must load in: any (llama.cpp, vllm, sglang), llama.cpp, "
+        "vllm, sglang or transformers; naming one snaps --kv-budget to a shape its "
+        "kernels take (vllm: 512+64).",
+    ),
     fmt: OutputFormat = FORMAT_OPTION,
     shared: dict = None,
 ) -> None:
-    """Rewrite an MHA/GQA model as a stock DeepseekV3 (MLA) checkpoint: a calibrated KV latent plus a shared RoPE key."""
+    """Rewrite an MHA/GQA model as a stock DeepseekV3 (MLA) checkpoint: a calibrated KV latent and a shared RoPE key."""
     from attnkit.commands.convert.mla import MLARequest, convert_mla
     from attnkit.ops.mla import MLAOptions
 
-    options = MLAOptions(key_weight="uniform" if weight_only else key_weight,
-                         value_weight="none" if weight_only else value_weight, residual=residual,
-                         window=shared["calib_seq_len"], whiten=not weight_only,
-                         o_refit=0.0 if weight_only else o_refit, shrink=shrink)
-    req = MLARequest(**request_fields(shared), kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, kv_budget=kv_budget,
-                     sequential=sequential, options=options, latent_norm=latent_norm, engine=engine)
+    options = MLAOptions(
+        key_weight="uniform" if weight_only else key_weight,
+        value_weight="none" if weight_only else value_weight,
+        residual=residual,
+        window=shared["calib_seq_len"],
+        whiten=not weight_only,
+        o_refit=0.0 if weight_only else o_refit,
+        shrink=shrink,
+    )
+    req = MLARequest(
+        **request_fields(shared),
+        kv_lora_rank=kv_lora_rank,
+        rope_dim=rope_dim,
+        kv_budget=kv_budget,
+        sequential=sequential,
+        options=options,
+        latent_norm=latent_norm,
+        engine=engine,
+    )
     report = convert_mla(req, log=lambda message: stderr.print(message, style="dim", markup=False))
     kv = report["kv_bytes_per_token"]
-    caption = (f"{report['model_type']} -> deepseek_v3: R={report['kv_lora_rank']} + P={report['rope_dim']} = "
-               f"{kv['elements_after']} cached values per token and layer (source {kv['elements_before']}); "
-               f"KV cache {kv['before']:,.0f} -> {kv['after']:,.0f} bytes/token ({kv['dtype']})")
+    caption = (
+        f"{report['model_type']} -> deepseek_v3: R={report['kv_lora_rank']} + P={report['rope_dim']} = "
+        f"{kv['elements_after']} cached values per token and layer (source {kv['elements_before']}); "
+        f"KV cache {kv['before']:,.0f} -> {kv['after']:,.0f} bytes/token ({kv['dtype']})"
+    )
     if report["dry_run"]:
         caption += "; dry run, nothing written"
     else:
-        caption += (f"; wrote {report['output']} in {report['seconds']:.1f}s, peak RSS "
-                    f"{human_bytes(report['peak_rss_bytes'])}")
+        caption += (
+            f"; wrote {report['output']} in {report['seconds']:.1f}s, peak RSS {human_bytes(report['peak_rss_bytes'])}"
+        )
     if report["eval"]:
         e = report["eval"]
-        caption += (_eval_caption(e) + f"; cache holds {e['cache']['values_per_token_layer']} "
-                    "values per token and layer")
+        caption += _eval_caption(e) + f"; cache holds {e['cache']['values_per_token_layer']} values per token and layer"
     print_notes(report["notes"], report["warnings"])
-    columns = [Column("layer", "layer"), Column("k_err", "K rel. error", _err), Column("v_err", "V rel. error", _err),
-               Column("position_free", "K energy w/o RoPE", _err),
-               Column("latent_norm", "latent norm", justify="left"), Column("norm_error", "norm scale error", _err)]
+    columns = [
+        Column("layer", "layer"),
+        Column("k_err", "K rel. error", _err),
+        Column("v_err", "V rel. error", _err),
+        Column("position_free", "K energy w/o RoPE", _err),
+        Column("latent_norm", "latent norm", justify="left"),
+        Column("norm_error", "norm scale error", _err),
+    ]
     render(report["layers"], columns, fmt, title=f"convert mla: {shared['model']}", json_obj=report, caption=caption)
     render_samples(report["eval"], fmt)
 

@@ -9,8 +9,10 @@ from attnkit.cli.output import Column, render
 from attnkit.cli.shared import request_fields, writes
 from attnkit.units import human_bytes
 
-EXAMPLES = examples("attnkit export SmolLM2-135M-Instruct.Q4_1.gguf ./smollm2",
-                    "attnkit export model.gguf ./model-bf16 --dtype bf16 --overwrite")
+EXAMPLES = examples(
+    "attnkit export SmolLM2-135M-Instruct.Q4_1.gguf ./smollm2",
+    "attnkit export model.gguf ./model-bf16 --dtype bf16 --overwrite",
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -18,8 +20,9 @@ def register(app: typer.Typer) -> None:
     @handle_errors
     @writes(model_help="A .gguf file (or a folder holding one).")
     def export_(
-        dtype: str = typer.Option("float32", "--dtype", help="Weights dtype: float32, bfloat16 or float16 "
-                                                             "(or fp32, bf16, fp16)."),
+        dtype: str = typer.Option(
+            "float32", "--dtype", help="Weights dtype: float32, bfloat16 or float16 (or fp32, bf16, fp16)."
+        ),
         fmt: OutputFormat = FORMAT_OPTION,
         shared: dict = None,
     ) -> None:
@@ -28,8 +31,15 @@ def register(app: typer.Typer) -> None:
         from attnkit.commands.export import ExportRequest, export
 
         report = export(ExportRequest(**request_fields(shared), dtype=dtype))
-        caption = ("dry run, nothing written" if report["dry_run"] else
-                   f"wrote {report['tensors']} tensors, {human_bytes(report['bytes'])}, in {report['seconds']:.1f}s")
-        columns = [Column("source", "source", justify="left"), Column("output", "output", justify="left"),
-                   Column("model_type", "model_type", justify="left"), Column("dtype", "dtype", justify="left")]
+        caption = (
+            "dry run, nothing written"
+            if report["dry_run"]
+            else f"wrote {report['tensors']} tensors, {human_bytes(report['bytes'])}, in {report['seconds']:.1f}s"
+        )
+        columns = [
+            Column("source", "source", justify="left"),
+            Column("output", "output", justify="left"),
+            Column("model_type", "model_type", justify="left"),
+            Column("dtype", "dtype", justify="left"),
+        ]
         render([report], columns, fmt, title="export", json_obj=report, caption=caption)

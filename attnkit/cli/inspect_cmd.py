@@ -17,9 +17,14 @@ def csv_row(report: dict) -> dict:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("inspect", epilog=examples("attnkit inspect ./my-model",
-                                            "attnkit inspect SmolLM2-135M-Instruct.Q4_1.gguf --format json",
-                                            "attnkit inspect llama-3.1-8b --format csv"))
+    @app.command(
+        "inspect",
+        epilog=examples(
+            "attnkit inspect ./my-model",
+            "attnkit inspect SmolLM2-135M-Instruct.Q4_1.gguf --format json",
+            "attnkit inspect llama-3.1-8b --format csv",
+        ),
+    )
     @handle_errors
     def inspect(
         model: str = typer.Argument(..., help="Folder, .safetensors, .gguf, config.json, hub id[@rev] or preset name."),
@@ -33,5 +38,10 @@ def register(app: typer.Typer) -> None:
             rows = [csv_row(report)]
         else:
             rows = [{"field": k, "value": v} for k, v in report["summary"].items()]
-        render(rows, [Column("field", "field", justify="left"), Column("value", "value", justify="left")],
-               fmt, title=f"attention layout: {model}", json_obj=report)
+        render(
+            rows,
+            [Column("field", "field", justify="left"), Column("value", "value", justify="left")],
+            fmt,
+            title=f"attention layout: {model}",
+            json_obj=report,
+        )

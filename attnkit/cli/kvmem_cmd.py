@@ -16,21 +16,37 @@ def _bytes(v) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("kvmem", epilog=examples(
-        "attnkit kvmem llama-3.1-8b --context 4k,32k,128k --batch 1,8 --gpu-mem 80GiB",
-        "attnkit kvmem llama-3.1-70b --context 8k,128k --dtype bf16,fp8,int4 --gpu-mem 80GiB --tp 8",
-        "attnkit kvmem llama-2-7b --variant native,gqa:4,mqa,mla:512+64 --format markdown"))
+    @app.command(
+        "kvmem",
+        epilog=examples(
+            "attnkit kvmem llama-3.1-8b --context 4k,32k,128k --batch 1,8 --gpu-mem 80GiB",
+            "attnkit kvmem llama-3.1-70b --context 8k,128k --dtype bf16,fp8,int4 --gpu-mem 80GiB --tp 8",
+            "attnkit kvmem llama-2-7b --variant native,gqa:4,mqa,mla:512+64 --format markdown",
+        ),
+    )
     @handle_errors
     def kvmem(
-        model: str = typer.Argument(..., help="Preset name (see `attnkit presets`), folder, file, config.json or hub id."),
-        context: str = typer.Option("4k,32k,128k", "--context", "-c", help="Context lengths, e.g. 4k,32k,128k (k = 1024)."),
+        model: str = typer.Argument(
+            ..., help="Preset name (see `attnkit presets`), folder, file, config.json or hub id."
+        ),
+        context: str = typer.Option(
+            "4k,32k,128k", "--context", "-c", help="Context lengths, e.g. 4k,32k,128k (k = 1024)."
+        ),
         batch: str = typer.Option("1", "--batch", "-b", help="Batch sizes, e.g. 1,8,32."),
-        dtype: str = typer.Option("bf16", "--dtype", help="Cache dtypes: fp32,bf16,fp16,fp8,fp8-token,int8,int4,int2 (bfloat16 etc. also accepted)."),
+        dtype: str = typer.Option(
+            "bf16",
+            "--dtype",
+            help="Cache dtypes: fp32,bf16,fp16,fp8,fp8-token,int8,int4,int2 (bfloat16 etc. also accepted).",
+        ),
         variant: str = typer.Option("native", "--variant", help="What-if variants: native,mha,gqa:G,mqa,mla:R+P."),
-        gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Memory of one GPU, e.g. 80GiB; adds fit columns."),
+        gpu_mem: Optional[str] = typer.Option(
+            None, "--gpu-mem", help="Memory of one GPU, e.g. 80GiB; adds fit columns."
+        ),
         tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel degree (GPUs sharing the model)."),
         reserve: str = typer.Option("0", "--reserve", help="Memory per GPU kept for activations etc., e.g. 4GiB."),
-        weight_dtype: Optional[str] = typer.Option(None, "--weight-dtype", help="Weights dtype for the fit (fp32,bf16,fp16,fp8,int8,int4); default: as stored."),
+        weight_dtype: Optional[str] = typer.Option(
+            None, "--weight-dtype", help="Weights dtype for the fit (fp32,bf16,fp16,fp8,int8,int4); default: as stored."
+        ),
         fmt: OutputFormat = FORMAT_OPTION,
     ) -> None:
         """KV-cache bytes per token and in total, and with --gpu-mem what fits on each GPU."""
@@ -46,24 +62,33 @@ def register(app: typer.Typer) -> None:
         variants = parse_list(variant, check_variant)
         if weight_dtype is not None:
             weight_dtype = weight_dtype_name(weight_dtype)
-        gpu = GpuBudget(parse_bytes(gpu_mem, "--gpu-mem"), tp,
-                        parse_bytes(reserve, "--reserve") if reserve != "0" else 0) if gpu_mem else None
+        gpu = (
+            GpuBudget(parse_bytes(gpu_mem, "--gpu-mem"), tp, parse_bytes(reserve, "--reserve") if reserve != "0" else 0)
+            if gpu_mem
+            else None
+        )
         if gpu is None and tp != 1:
             raise UsageError("--tp needs --gpu-mem")
         info = model_info(model)
         rows = kvmem_rows(info, variants, dtypes, contexts, batches, gpu, weight_dtype)
 
         columns = [
-            Column("variant", "variant", justify="left"), Column("attention", "attention", justify="left"),
-            Column("dtype", "dtype", justify="left"), Column("context", "context", human_tokens),
-            Column("batch", "batch"), Column("bytes_per_token", "bytes/token", lambda v: f"{v:,.0f}"),
+            Column("variant", "variant", justify="left"),
+            Column("attention", "attention", justify="left"),
+            Column("dtype", "dtype", justify="left"),
+            Column("context", "context", human_tokens),
+            Column("batch", "batch"),
+            Column("bytes_per_token", "bytes/token", lambda v: f"{v:,.0f}"),
             Column("kv_bytes", "KV total", _bytes),
         ]
         if gpu is not None:
             columns += [
-                Column("weights_per_gpu", "weights/GPU", _bytes), Column("kv_per_gpu", "KV/GPU", _bytes),
-                Column("total_per_gpu", "total/GPU", _bytes), Column("fits", "fits"),
-                Column("max_context", "max context", lambda v: f"{v:,}"), Column("max_batch", "max batch"),
+                Column("weights_per_gpu", "weights/GPU", _bytes),
+                Column("kv_per_gpu", "KV/GPU", _bytes),
+                Column("total_per_gpu", "total/GPU", _bytes),
+                Column("fits", "fits"),
+                Column("max_context", "max context", lambda v: f"{v:,}"),
+                Column("max_batch", "max batch"),
             ]
         weights = info.weights_bytes_as(weight_dtype)
         doc = {
@@ -74,10 +99,15 @@ def register(app: typer.Typer) -> None:
             "parameters": info.parameters,
             "parameters_origin": info.parameters_origin,
             "weight_bytes": weights,
-            "gpu": None if gpu is None else {"mem_bytes": gpu.mem_bytes, "tp": gpu.tp, "reserve_bytes": gpu.reserve_bytes},
+            "gpu": None
+            if gpu is None
+            else {"mem_bytes": gpu.mem_bytes, "tp": gpu.tp, "reserve_bytes": gpu.reserve_bytes},
             "rows": rows,
         }
-        caption = f"{info.spec.variant}, {info.spec.num_layers} layers; weights {human_bytes(weights)} ({info.parameters_origin})"
+        caption = (
+            f"{info.spec.variant}, {info.spec.num_layers} layers; weights {human_bytes(weights)} "
+            f"({info.parameters_origin})"
+        )
         if info.source:
             caption += f"; source: {info.source}"
         if any(r["exceeds_max_positions"] for r in rows):

@@ -117,9 +117,16 @@ def render_samples(evaluation: dict | None, fmt: OutputFormat) -> None:
     lines = []
     for sample in evaluation["samples"]:
         if fmt == OutputFormat.markdown:
-            lines += [f"\n**greedy sample:** {sample['prompt']}", "", f"- source: {sample['source']!r}",
-                      f"- result: {sample['result']!r}"]
+            lines += [
+                f"\n**greedy sample:** {sample['prompt']}",
+                "",
+                f"- source: {sample['source']!r}",
+                f"- result: {sample['result']!r}",
+            ]
         else:
-            lines += [f"greedy sample: {sample['prompt']!r}", f"  source: {sample['source']!r}",
-                      f"  result: {sample['result']!r}"]
+            lines += [
+                f"greedy sample: {sample['prompt']!r}",
+                f"  source: {sample['source']!r}",
+                f"  result: {sample['result']!r}",
+            ]
     sys.stdout.write("\n".join(lines) + "\n")

@@ -19,11 +19,24 @@ def register(app: typer.Typer) -> None:
         rows = []
         for p in all_presets().values():
             spec = attention_spec(p.config)
-            rows.append({"name": p.name, "model_type": spec.model_type, "variant": spec.variant,
-                         "layers": spec.num_layers, "parameters": p.parameters, "source": p.source,
-                         "url": p.url, "aliases": list(p.aliases)})
-        columns = [Column("name", "name", justify="left"), Column("model_type", "model_type", justify="left"),
-                   Column("variant", "variant", justify="left"), Column("layers", "layers"),
-                   Column("parameters", "parameters", lambda v: f"{v / 1e9:.2f}B"),
-                   Column("source", "source", justify="left")]
+            rows.append(
+                {
+                    "name": p.name,
+                    "model_type": spec.model_type,
+                    "variant": spec.variant,
+                    "layers": spec.num_layers,
+                    "parameters": p.parameters,
+                    "source": p.source,
+                    "url": p.url,
+                    "aliases": list(p.aliases),
+                }
+            )
+        columns = [
+            Column("name", "name", justify="left"),
+            Column("model_type", "model_type", justify="left"),
+            Column("variant", "variant", justify="left"),
+            Column("layers", "layers"),
+            Column("parameters", "parameters", lambda v: f"{v / 1e9:.2f}B"),
+            Column("source", "source", justify="left"),
+        ]
         render(rows, columns, fmt, title="model presets", json_obj=rows)

@@ -23,21 +23,31 @@ def _num(v) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("probe", epilog=examples(
-        "attnkit probe ./my-model prose.txt --fail-if 'max_logit>100' --plot heads.png",
-        "attnkit probe ./my-model ./clipped heldout.txt --out heads.parquet --format json"))
+    @app.command(
+        "probe",
+        epilog=examples(
+            "attnkit probe ./my-model prose.txt --fail-if 'max_logit>100' --plot heads.png",
+            "attnkit probe ./my-model ./clipped heldout.txt --out heads.parquet --format json",
+        ),
+    )
     @handle_errors
     def probe_(
-        args: List[str] = typer.Argument(..., help="Models (folder, .safetensors, .gguf, hub id), then text files "
-                                                   "(.txt, .jsonl with 'text'; '-' = stdin)."),
+        args: List[str] = typer.Argument(
+            ...,
+            help="Models (folder, .safetensors, .gguf, hub id), then text files "
+            "(.txt, .jsonl with 'text'; '-' = stdin).",
+        ),
         text: Optional[str] = typer.Option(None, "--text", help="Literal text (besides any files)."),
         seq_len: int = typer.Option(512, "--seq-len", help="Tokens per window."),
         max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="At most this many tokens per model."),
         batch_size: int = typer.Option(1, "--batch-size", help="Windows per forward pass."),
         threshold: float = typer.Option(100.0, "--threshold", help="Count attention logits above this value."),
         z_lambda: float = typer.Option(1e-4, "--z-lambda", help="z-loss weight: lambda * mean((log Z)^2)."),
-        fail_if: Optional[List[str]] = typer.Option(None, "--fail-if", help="Exit 3 when crossed, e.g. 'max_logit>100' "
-                                                    "(also logz_max, entropy_min, z_loss, ...); repeatable."),
+        fail_if: Optional[List[str]] = typer.Option(
+            None,
+            "--fail-if",
+            help="Exit 3 when crossed, e.g. 'max_logit>100' (also logz_max, entropy_min, z_loss, ...); repeatable.",
+        ),
         out: Optional[str] = typer.Option(None, "--out", help="Write per-head rows to FILE.parquet or FILE.csv."),
         plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG: max-logit heatmap and log Z per layer."),
         top: int = typer.Option(20, "--top", min=0, help="Heads shown in the table (worst max logit first); 0 = all."),
@@ -50,9 +60,21 @@ def register(app: typer.Typer) -> None:
         from attnkit.commands.analyse.probe_rules import check_rules
 
         models, text_files = _split(args)
-        req = ProbeRequest(models=models, texts=text_files, text=text, seq_len=seq_len, max_tokens=max_tokens,
-                           batch_size=batch_size, threshold=threshold, z_lambda=z_lambda, fail_if=list(fail_if or []),
-                           out=out, plot=plot, device=device, dtype=dtype)
+        req = ProbeRequest(
+            models=models,
+            texts=text_files,
+            text=text,
+            seq_len=seq_len,
+            max_tokens=max_tokens,
+            batch_size=batch_size,
+            threshold=threshold,
+            z_lambda=z_lambda,
+            fail_if=list(fail_if or []),
+            out=out,
+            plot=plot,
+            device=device,
+            dtype=dtype,
+        )
         results, rules = run_probe(req, log=lambda message: stderr.print(message, style="dim", markup=False))
         _render(results, fmt, top, threshold)
         check_rules(results, rules)
@@ -60,13 +82,22 @@ def register(app: typer.Typer) -> None:
 
 def _render(results, fmt: OutputFormat, top: int, threshold: float) -> None:
     rows = [row for res in results for row in res.heads]
-    columns = [Column("model", "model", justify="left"), Column("layer", "layer"), Column("head", "head"),
-               Column("max_logit", "max logit", _num), Column("max_logit_precap", "pre-cap max", _num),
-               Column("mean_logit", "mean", _num), Column("std_logit", "std", _num),
-               Column("frac_above", f"> {threshold:g}", _num), Column("logz_mean", "logZ mean", _num),
-               Column("logz_max", "logZ max", _num), Column("entropy_mean", "entropy", _num),
-               Column("max_prob_mean", "max p", _num), Column("q_rms_max", "|q| rms max", _num),
-               Column("k_rms_max", "|k| rms max", _num)]
+    columns = [
+        Column("model", "model", justify="left"),
+        Column("layer", "layer"),
+        Column("head", "head"),
+        Column("max_logit", "max logit", _num),
+        Column("max_logit_precap", "pre-cap max", _num),
+        Column("mean_logit", "mean", _num),
+        Column("std_logit", "std", _num),
+        Column("frac_above", f"> {threshold:g}", _num),
+        Column("logz_mean", "logZ mean", _num),
+        Column("logz_max", "logZ max", _num),
+        Column("entropy_mean", "entropy", _num),
+        Column("max_prob_mean", "max p", _num),
+        Column("q_rms_max", "|q| rms max", _num),
+        Column("k_rms_max", "|k| rms max", _num),
+    ]
     doc = {"models": [res.to_dict() for res in results]}
     if fmt in (OutputFormat.table, OutputFormat.markdown):
         rows = sorted(rows, key=lambda r: -(r["max_logit"] if r["max_logit"] is not None else -float("inf")))
@@ -75,8 +106,11 @@ def _render(results, fmt: OutputFormat, top: int, threshold: float) -> None:
             columns = columns[1:]
         if all(r["max_logit"] == r["max_logit_precap"] for r in rows):
             columns = [c for c in columns if c.key != "max_logit_precap"]
-    caption = "; ".join(f"{res.model}: final logits max {_num(res.final['final_logit_max'])}, "
-                        f"logZ mean {_num(res.final['final_logz_mean'])} std {_num(res.final['final_logz_std'])} "
-                        f"max {_num(res.final['final_logz_max'])}, z-loss {_num(res.final['z_loss'])} "
-                        f"({res.tokens} tokens)" for res in results)
+    caption = "; ".join(
+        f"{res.model}: final logits max {_num(res.final['final_logit_max'])}, "
+        f"logZ mean {_num(res.final['final_logz_mean'])} std {_num(res.final['final_logz_std'])} "
+        f"max {_num(res.final['final_logz_max'])}, z-loss {_num(res.final['z_loss'])} "
+        f"({res.tokens} tokens)"
+        for res in results
+    )
     render(rows, columns, fmt, title="attention probe (worst heads first)", json_obj=doc, caption=caption)

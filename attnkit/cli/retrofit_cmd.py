@@ -10,8 +10,11 @@ from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_err
 from attnkit.cli.output import Column, render, render_samples
 from attnkit.cli.shared import CALIB, DEVICE, EVAL, SAMPLES, request_fields, writes
 
-app = typer.Typer(name="retrofit", no_args_is_help=True,
-                  help="Add soft-capping, QK-norm or QK-clip to an existing checkpoint and measure the cost.")
+app = typer.Typer(
+    name="retrofit",
+    no_args_is_help=True,
+    help="Add soft-capping, QK-norm or QK-clip to an existing checkpoint and measure the cost.",
+)
 
 
 def _num(v, fmt: str = "{:.4g}") -> str:
@@ -22,8 +25,10 @@ def _eval_caption(report: dict) -> str:
     e = report.get("eval")
     if not e:
         return ""
-    return (f"; perplexity {e['source_perplexity']:.3f} -> {e['perplexity']:.3f} on {e['tokens']} tokens, "
-            f"KL {e['kl_mean']:.4g}, top-1 agreement {e['top1_agreement']:.3f}")
+    return (
+        f"; perplexity {e['source_perplexity']:.3f} -> {e['perplexity']:.3f} on {e['tokens']} tokens, "
+        f"KL {e['kl_mean']:.4g}, top-1 agreement {e['top1_agreement']:.3f}"
+    )
 
 
 def _finish(report: dict, rows: list, columns: list, fmt: OutputFormat, title: str, caption: str) -> None:
@@ -38,13 +43,19 @@ def _finish(report: dict, rows: list, columns: list, fmt: OutputFormat, title: s
     probe = report.get("probe")
     if probe and fmt in (OutputFormat.table, OutputFormat.markdown):
         cols = [Column("layer", "layer")] + [
-            Column(f"{k}_{w}", f"{label} {w}", _num) for k, label in
-            (("max_logit", "max logit"), ("logz_mean", "mean log Z"), ("logz_max", "max log Z"))
-            for w in ("before", "after")]
+            Column(f"{k}_{w}", f"{label} {w}", _num)
+            for k, label in (("max_logit", "max logit"), ("logz_mean", "mean log Z"), ("logz_max", "max log Z"))
+            for w in ("before", "after")
+        ]
         final = probe["final"]
-        render(probe["layers"], cols, fmt, title="probe on --eval text: source (before) vs result (after)",
-               caption="final logits: " + ", ".join(
-                   f"{k} {_num(v['before'])} -> {_num(v['after'])}" for k, v in final.items()))
+        render(
+            probe["layers"],
+            cols,
+            fmt,
+            title="probe on --eval text: source (before) vs result (after)",
+            caption="final logits: "
+            + ", ".join(f"{k} {_num(v['before'])} -> {_num(v['after'])}" for k, v in final.items()),
+        )
 
 
 def _cap(text: Optional[str], name: str):
@@ -58,17 +69,29 @@ def _cap(text: Optional[str], name: str):
         raise UsageError(f"{name} must be a positive number or 'auto', got {text!r}") from None
 
 
-@app.command("softcap", epilog=examples(
-    "attnkit retrofit softcap ./my-model ./capped --attn-cap 50 --eval heldout.txt",
-    "attnkit retrofit softcap ./my-model ./capped --auto --calib calib.txt --final-cap 30"))
+@app.command(
+    "softcap",
+    epilog=examples(
+        "attnkit retrofit softcap ./my-model ./capped --attn-cap 50 --eval heldout.txt",
+        "attnkit retrofit softcap ./my-model ./capped --auto --calib calib.txt --final-cap 30",
+    ),
+)
 @handle_errors
 @writes(DEVICE, CALIB, EVAL, SAMPLES)
 def softcap(
-    attn_cap: Optional[str] = typer.Option(None, "--attn-cap", help="Attention logit cap C (cap * tanh(z / cap)), or auto."),
+    attn_cap: Optional[str] = typer.Option(
+        None, "--attn-cap", help="Attention logit cap C (cap * tanh(z / cap)), or auto."
+    ),
     final_cap: Optional[str] = typer.Option(None, "--final-cap", help="Final (output) logit cap F, or auto."),
-    auto: bool = typer.Option(False, "--auto", help="Pick the attention cap from --calib text (same as --attn-cap auto)."),
-    affect_fraction: float = typer.Option(1e-4, "--affect-fraction", help="auto: fraction of logits the cap may affect."),
-    affect_rel: float = typer.Option(0.01, "--affect-rel", help="A logit is affected when the cap moves it by more than this fraction."),
+    auto: bool = typer.Option(
+        False, "--auto", help="Pick the attention cap from --calib text (same as --attn-cap auto)."
+    ),
+    affect_fraction: float = typer.Option(
+        1e-4, "--affect-fraction", help="auto: fraction of logits the cap may affect."
+    ),
+    affect_rel: float = typer.Option(
+        0.01, "--affect-rel", help="A logit is affected when the cap moves it by more than this fraction."
+    ),
     fmt: OutputFormat = FORMAT_OPTION,
     shared: dict = None,
 ) -> None:
@@ -78,33 +101,55 @@ def softcap(
 
     if auto and attn_cap is not None:
         raise UsageError("give either --attn-cap or --auto, not both")
-    req = SoftcapRequest(**request_fields(shared), attn_cap="auto" if auto else _cap(attn_cap, "--attn-cap"),
-                         final_cap=_cap(final_cap, "--final-cap"), affect_fraction=affect_fraction,
-                         affect_rel=affect_rel)
+    req = SoftcapRequest(
+        **request_fields(shared),
+        attn_cap="auto" if auto else _cap(attn_cap, "--attn-cap"),
+        final_cap=_cap(final_cap, "--final-cap"),
+        affect_fraction=affect_fraction,
+        affect_rel=affect_rel,
+    )
     report = retrofit_softcap(req)
     auto_info = report["auto"] or {}
-    rows = [{"logits": which, "before": report["before"][f"{key}_cap"], "after": report[f"{key}_cap"],
-             "affected": (auto_info.get(key) or {}).get("affected_fraction"),
-             "max_abs": (auto_info.get(key) or {}).get("max_abs_logit")}
-            for which, key in (("attention", "attn"), ("final", "final"))]
-    columns = [Column("logits", "logits", justify="left"), Column("before", "cap before"),
-               Column("after", "cap after"), Column("affected", "affected (calib)"),
-               Column("max_abs", "max |logit| (calib)")]
+    rows = [
+        {
+            "logits": which,
+            "before": report["before"][f"{key}_cap"],
+            "after": report[f"{key}_cap"],
+            "affected": (auto_info.get(key) or {}).get("affected_fraction"),
+            "max_abs": (auto_info.get(key) or {}).get("max_abs_logit"),
+        }
+        for which, key in (("attention", "attn"), ("final", "final"))
+    ]
+    columns = [
+        Column("logits", "logits", justify="left"),
+        Column("before", "cap before"),
+        Column("after", "cap after"),
+        Column("affected", "affected (calib)"),
+        Column("max_abs", "max |logit| (calib)"),
+    ]
     _finish(report, rows, columns, fmt, f"retrofit softcap: {shared['model']}", f"{report['model_type']}")
 
 
-@app.command("qknorm", epilog=examples(
-    "attnkit retrofit qknorm ./my-model ./qknormed --calib calib.txt --eval heldout.txt"))
+@app.command(
+    "qknorm", epilog=examples("attnkit retrofit qknorm ./my-model ./qknormed --calib calib.txt --eval heldout.txt")
+)
 @handle_errors
 @writes(DEVICE, CALIB, EVAL, SAMPLES)
 def qknorm(
-    method: str = typer.Option("anchor", "--method", "-m",
-                               help="anchor (no bias tensors, a head size engines run; needs --calib), pad (exact, "
-                                    "head_dim + 2, bias tensors: transformers only), kl, lsq, scalar or unit "
-                                    "(keep head_dim, fitted on --calib)."),
-    head_dim: int = typer.Option(None, "--head-dim",
-                                 help="anchor: new head size (default: the source's, giving up its weakest RoPE pair, "
-                                      "when vLLM's CPU kernels run it; else the smallest >= head_dim + 2 they run)."),
+    method: str = typer.Option(
+        "anchor",
+        "--method",
+        "-m",
+        help="anchor (no bias tensors, a head size engines run; needs --calib), pad (exact, "
+        "head_dim + 2, bias tensors: transformers only), kl, lsq, scalar or unit "
+        "(keep head_dim, fitted on --calib).",
+    ),
+    head_dim: int = typer.Option(
+        None,
+        "--head-dim",
+        help="anchor: new head size (default: the source's, giving up its weakest RoPE pair, "
+        "when vLLM's CPU kernels run it; else the smallest >= head_dim + 2 they run).",
+    ),
     steps: int = typer.Option(150, "--steps", min=0, help="kl: gradient steps per layer."),
     fmt: OutputFormat = FORMAT_OPTION,
     shared: dict = None,
@@ -113,15 +158,24 @@ def qknorm(
     from attnkit.commands.retrofit.qknorm import QKNormRequest, retrofit_qknorm
 
     report = retrofit_qknorm(QKNormRequest(**request_fields(shared), method=method, steps=steps, head_dim=head_dim))
-    columns = [Column("layer", "layer"), Column("pad_bias_q", "pad bias q", _num), Column("pad_bias_k", "pad bias k", _num),
-               Column("max_rel_error", "max rel. error", _num), Column("attention_kl", "attention KL (calib)", _num)]
-    caption = (f"{report['model_type']} -> qwen3, method {report['method']}, head_dim {report['head_dim_before']} -> "
-               f"{report['head_dim_after']}, attention_bias {report['attention_bias']}")
+    columns = [
+        Column("layer", "layer"),
+        Column("pad_bias_q", "pad bias q", _num),
+        Column("pad_bias_k", "pad bias k", _num),
+        Column("max_rel_error", "max rel. error", _num),
+        Column("attention_kl", "attention KL (calib)", _num),
+    ]
+    caption = (
+        f"{report['model_type']} -> qwen3, method {report['method']}, head_dim {report['head_dim_before']} -> "
+        f"{report['head_dim_after']}, attention_bias {report['attention_bias']}"
+    )
     _finish(report, report["layers"], columns, fmt, f"retrofit qknorm: {shared['model']}", caption)
 
 
-@app.command("qkclip", epilog=examples(
-    "attnkit retrofit qkclip ./my-model ./clipped --tau 100 --calib calib.txt --eval heldout.txt"))
+@app.command(
+    "qkclip",
+    epilog=examples("attnkit retrofit qkclip ./my-model ./clipped --tau 100 --calib calib.txt --eval heldout.txt"),
+)
 @handle_errors
 @writes(DEVICE, CALIB, EVAL, SAMPLES)
 def qkclip(
@@ -134,9 +188,14 @@ def qkclip(
 
     report = retrofit_qkclip(QKClipRequest(**request_fields(shared), tau=tau))
     rows = report["heads"] if fmt == OutputFormat.json else [r for r in report["heads"] if r["clipped"]]
-    columns = [Column("layer", "layer"), Column("head", "head"), Column("max_logit_before", "max logit source", _num),
-               Column("max_logit_seen", "max logit seen", _num), Column("factor", "W_q factor", _num),
-               Column("max_logit_after", "max logit after", _num)]
+    columns = [
+        Column("layer", "layer"),
+        Column("head", "head"),
+        Column("max_logit_before", "max logit source", _num),
+        Column("max_logit_seen", "max logit seen", _num),
+        Column("factor", "W_q factor", _num),
+        Column("max_logit_after", "max logit after", _num),
+    ]
     caption = f"{report['model_type']}, tau {report['tau']:g}: {report['clipped_heads']} head(s) clipped"
     _finish(report, rows, columns, fmt, f"retrofit qkclip: {shared['model']} (clipped heads)", caption)
 

@@ -24,8 +24,10 @@ MODEL_HELP = "Source: folder, .safetensors, .gguf (dequantized first) or hub id[
 
 #: name -> (annotation, typer default) of each group.
 OUTPUT = {
-    "max_shard_size": (str, typer.Option("1GiB", "--max-shard-size", help="Largest output shard (also the write "
-                                                                          "buffer).")),
+    "max_shard_size": (
+        str,
+        typer.Option("1GiB", "--max-shard-size", help="Largest output shard (also the write buffer)."),
+    ),
     "overwrite": (bool, typer.Option(False, "--overwrite", help="Replace a non-empty OUT.")),
     "dry_run": (bool, typer.Option(False, "--dry-run", help="Check everything and print the plan; write nothing.")),
 }
@@ -36,31 +38,45 @@ CALIB = {
     "calib_seq_len": (int, typer.Option(512, "--calib-seq-len", min=2, help="Tokens per calibration window.")),
 }
 EVAL = {
-    "eval_files": (List[str], typer.Option([], "--eval", help="Held-out text file(s): perplexity and KL of the "
-                                                              "result against the source.")),
+    "eval_files": (
+        List[str],
+        typer.Option([], "--eval", help="Held-out text file(s): perplexity and KL of the result against the source."),
+    ),
     "eval_tokens": (int, typer.Option(4096, "--eval-tokens", min=2, help="At most this many evaluation tokens.")),
     "eval_seq_len": (int, typer.Option(512, "--eval-seq-len", min=2, help="Tokens per evaluation window.")),
 }
 SAMPLES = {
-    "sample_prompts": (List[str], typer.Option([], "--sample-prompt",
-                                               help="With --eval: a prompt both models continue greedily (16 "
-                                                    "tokens) in the report; repeatable (default: 'The capital of "
-                                                    "the United States is').")),
+    "sample_prompts": (
+        List[str],
+        typer.Option(
+            [],
+            "--sample-prompt",
+            help="With --eval: a prompt both models continue greedily (16 "
+            "tokens) in the report; repeatable (default: 'The capital of "
+            "the United States is').",
+        ),
+    ),
 }
 
 
 def writes(*groups: dict, model_help: str = MODEL_HELP) -> Callable:
     """Decorator of a command that writes a checkpoint: MODEL and OUT go first, the groups' options and the output
     options last; the command receives their values as `shared` (a dict by parameter name)."""
-    head = {"model": (str, typer.Argument(..., metavar="MODEL", help=model_help)),
-            "out": (Path, typer.Argument(..., metavar="OUT", help="Output folder (must be empty or absent unless "
-                                                                  "--overwrite)."))}
+    head = {
+        "model": (str, typer.Argument(..., metavar="MODEL", help=model_help)),
+        "out": (
+            Path,
+            typer.Argument(..., metavar="OUT", help="Output folder (must be empty or absent unless --overwrite)."),
+        ),
+    }
     tail = {name: spec for group in (*groups, OUTPUT) for name, spec in group.items()}
 
     def decorate(fn: Callable) -> Callable:
         own = [p for p in inspect.signature(fn).parameters.values() if p.name != "shared"]
-        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
-                 for name, (annotation, default) in {**head, **tail}.items()]
+        added = [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+            for name, (annotation, default) in {**head, **tail}.items()
+        ]
 
         @functools.wraps(fn)
         def command(**kwargs):
@@ -68,7 +84,8 @@ def writes(*groups: dict, model_help: str = MODEL_HELP) -> Callable:
             return fn(**kwargs, shared=shared)
 
         command.__signature__ = inspect.Signature(
-            [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in added[:2] + own] + added[2:])
+            [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in added[:2] + own] + added[2:]
+        )
         return command
 
     return decorate
@@ -79,17 +96,24 @@ def request_fields(shared: dict) -> dict:
     from attnkit.commands.rewrite import DEFAULT_PROMPTS
     from attnkit.units import parse_bytes
 
-    fields = dict(model=shared["model"], out=shared["out"], overwrite=shared["overwrite"],
-                  dry_run=shared["dry_run"], max_shard_bytes=parse_bytes(shared["max_shard_size"], "--max-shard-size"),
-                  command=shlex.join(["attnkit", *sys.argv[1:]]))
+    fields = dict(
+        model=shared["model"],
+        out=shared["out"],
+        overwrite=shared["overwrite"],
+        dry_run=shared["dry_run"],
+        max_shard_bytes=parse_bytes(shared["max_shard_size"], "--max-shard-size"),
+        command=shlex.join(["attnkit", *sys.argv[1:]]),
+    )
     if "device" in shared:
         fields["device"] = shared["device"]
     if "calib" in shared:
-        fields.update(calib=list(shared["calib"]), calib_tokens=shared["calib_tokens"],
-                      calib_seq_len=shared["calib_seq_len"])
+        fields.update(
+            calib=list(shared["calib"]), calib_tokens=shared["calib_tokens"], calib_seq_len=shared["calib_seq_len"]
+        )
     if "eval_files" in shared:
-        fields.update(eval=list(shared["eval_files"]), eval_tokens=shared["eval_tokens"],
-                      eval_seq_len=shared["eval_seq_len"])
+        fields.update(
+            eval=list(shared["eval_files"]), eval_tokens=shared["eval_tokens"], eval_seq_len=shared["eval_seq_len"]
+        )
     if "sample_prompts" in shared:
         fields["sample_prompts"] = list(shared["sample_prompts"]) or list(DEFAULT_PROMPTS)
     return fields

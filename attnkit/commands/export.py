@@ -49,11 +49,12 @@ def _write(src, req: ExportRequest, writer) -> dict:
     """Every tensor of the cached folder in req.dtype (floating-point ones only)."""
     import torch
 
-
     dtype = getattr(torch, req.dtype)
     expected = {}
-    with LazyReader(src.ckpt.weight_files) as reader, \
-            phase(f"writing {req.out}", len(reader.names()), "tensors") as advance:
+    with (
+        LazyReader(src.ckpt.weight_files) as reader,
+        phase(f"writing {req.out}", len(reader.names()), "tensors") as advance,
+    ):
         for name in reader.names():
             tensor = reader.get(name)
             writer.add(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
@@ -66,9 +67,16 @@ def export(req: ExportRequest) -> dict:
     """Run (or with dry_run, plan) the export; returns the report (see docs/checkpoints.md)."""
     started = time.perf_counter()
     ckpt = check_request(req)
-    report = {"source": req.model, "output": str(req.out), "dry_run": req.dry_run, "model_type": ckpt.model_type,
-              "dtype": req.dtype, "cache": str(gguf_cache_folder(ckpt.gguf_file)), "tensors": None,
-              "bytes": None}
+    report = {
+        "source": req.model,
+        "output": str(req.out),
+        "dry_run": req.dry_run,
+        "model_type": ckpt.model_type,
+        "dtype": req.dtype,
+        "cache": str(gguf_cache_folder(ckpt.gguf_file)),
+        "tensors": None,
+        "bytes": None,
+    }
     if req.dry_run:
         report["seconds"] = time.perf_counter() - started
         return report
@@ -81,8 +89,9 @@ def export(req: ExportRequest) -> dict:
         report["tensors"] = len(expected)
         return expected
 
-    out = write_checkpoint(req, src, "export", config=config, weights=weights,
-                           body=lambda: {"parameters": {"dtype": req.dtype}})
+    out = write_checkpoint(
+        req, src, "export", config=config, weights=weights, body=lambda: {"parameters": {"dtype": req.dtype}}
+    )
     report["bytes"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     report["seconds"] = time.perf_counter() - started
     return report

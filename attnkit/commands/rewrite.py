@@ -10,7 +10,7 @@ from pathlib import Path
 from attnkit.errors import UsageError
 from attnkit.io.writer import OutputDir
 from attnkit.runtime.loader import resolve_device
-from attnkit.runtime.texts import check_text_files, make_windows, read_texts
+from attnkit.runtime.texts import check_text_files, check_window_options, make_windows, read_texts
 from attnkit.units import MAX_TOKENS, check_bounds
 
 #: Prompt of the greedy sample when none is given: a fact a small model knows and a damaged one gets wrong.
@@ -67,24 +67,41 @@ def check_write(req: WriteRequest, inputs: list[str] | None = None) -> None:
 def check_rewrite(req: RewriteRequest) -> None:
     """check_write, plus: text files are UTF-8 text, token budgets hold a window, and a window has room."""
     check_text_files([*req.calib, *req.eval])
-    for kind, files, tokens, seq_len in (("calib", req.calib, req.calib_tokens, req.calib_seq_len),
-                                         ("eval", req.eval, req.eval_tokens, req.eval_seq_len)):
-        check_bounds(f"--{kind}-seq-len", seq_len, 2, MAX_TOKENS)
+    for kind, files, tokens, seq_len in (
+        ("calib", req.calib, req.calib_tokens, req.calib_seq_len),
+        ("eval", req.eval, req.eval_tokens, req.eval_seq_len),
+    ):
+        check_window_options(seq_len, tokens if files else None, (f"--{kind}-seq-len", f"--{kind}-tokens"))
         if tokens is not None:
             check_bounds(f"--{kind}-tokens", tokens, 1, MAX_TOKENS)
-        if files and tokens is not None and tokens < seq_len:
-            raise UsageError(f"--{kind}-tokens {tokens} is shorter than one window (--{kind}-seq-len {seq_len})")
     check_bounds("the greedy samples' new tokens", req.sample_tokens, 1, MAX_TOKENS)
     check_write(req)
 
 
 def calib_windows(tokenizer, req: RewriteRequest):
     """The --calib text as windows [N, --calib-seq-len], at most --calib-tokens in all."""
-    return make_windows(tokenizer, read_texts(req.calib), req.calib_seq_len, req.calib_tokens,
-                        flags=("--calib-seq-len", "--calib-tokens"))
+    return make_windows(
+        tokenizer,
+        read_texts(req.calib),
+        req.calib_seq_len,
+        req.calib_tokens,
+        flags=("--calib-seq-len", "--calib-tokens"),
+    )
+
+
+def calib_info(req: RewriteRequest, windows, **extra) -> dict:
+    """The "calibration" entry of a report: the --calib files and the windows [N, T] made of them."""
+    return {
+        "files": list(req.calib),
+        "tokens": int(windows.numel()),
+        "windows": int(windows.shape[0]),
+        "seq_len": int(windows.shape[1]),
+        **extra,
+    }
 
 
 def eval_windows(tokenizer, req: RewriteRequest):
     """The --eval text as windows [N, --eval-seq-len], at most --eval-tokens in all."""
-    return make_windows(tokenizer, read_texts(req.eval), req.eval_seq_len, req.eval_tokens,
-                        flags=("--eval-seq-len", "--eval-tokens"))
+    return make_windows(
+        tokenizer, read_texts(req.eval), req.eval_seq_len, req.eval_tokens, flags=("--eval-seq-len", "--eval-tokens")
+    )

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from attnkit.archs import Arch, get_arch
 from attnkit.archs.spec import AttentionSpec, attention_spec
@@ -74,13 +74,20 @@ class Source:
         revision = ckpt.revision
         if revision is None and ckpt.kind == "hub" and ckpt.root is not None:
             revision = Path(ckpt.root).name  # snapshots/<commit>
-        return {"ref": self.ref, "kind": "gguf" if gguf else ckpt.kind, "repo_id": ckpt.repo_id,
-                "revision": revision, "model_type": self.spec.model_type,
-                "dequantized": str(ckpt.root) if gguf else None, "digest": self.digest}
+        return {
+            "ref": self.ref,
+            "kind": "gguf" if gguf else ckpt.kind,
+            "repo_id": ckpt.repo_id,
+            "revision": revision,
+            "model_type": self.spec.model_type,
+            "dequantized": str(ckpt.root) if gguf else None,
+            "digest": self.digest,
+        }
 
 
-def open_source(ref: str, purpose: str, check: Callable[[Arch, AttentionSpec, dict], None] | None = None, *,
-                causal: bool = True) -> Source:
+def open_source(
+    ref: str, purpose: str, check: Callable[[Arch, AttentionSpec, dict], None] | None = None, *, causal: bool = True
+) -> Source:
     """The checked Source of `ref`. `purpose` ends "a config file has no weights to ..." (e.g. "convert");
     `check(arch, spec, config)` raises the caller's refusals before any GGUF file is dequantized; `causal`:
     refuse families that are not causal language models."""

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from attnkit import __version__
 from attnkit.commands.rewrite import WriteRequest, local_sources
@@ -30,19 +30,35 @@ MANIFEST = "attnkit.json"
 def manifest(req: WriteRequest, source: Source, operation: str, body: dict) -> dict:
     """The attnkit.json document: the common head, then `body` (parameters, warnings and eval default to
     {}, [] and null)."""
-    return {"attnkit_version": __version__, "operation": operation, "command": req.command,
-            "source": source.record(), "parameters": {}, "warnings": [], "eval": None, **body}
+    return {
+        "attnkit_version": __version__,
+        "operation": operation,
+        "command": req.command,
+        "source": source.record(),
+        "parameters": {},
+        "warnings": [],
+        "eval": None,
+        **body,
+    }
 
 
-def write_checkpoint(req: WriteRequest, source: Source, operation: str, *, config,
-                     weights: Callable[[ShardedWriter], dict[str, tuple]], body: Callable[[], dict],
-                     check: Callable[[Path], None] | None = None,
-                     score: Callable[[Path], dict] | None = None,
-                     inputs: list[Path] | None = None) -> Path:
+def write_checkpoint(
+    req: WriteRequest,
+    source: Source,
+    operation: str,
+    *,
+    config,
+    weights: Callable[[ShardedWriter], dict[str, tuple]],
+    body: Callable[[], dict],
+    check: Callable[[Path], None] | None = None,
+    score: Callable[[Path], dict] | None = None,
+    inputs: list[Path] | None = None,
+) -> Path:
     """Write OUT from `source`; returns OUT.
 
-    config: a dict (written as JSON), a config.json to copy byte for byte, or a transformers config. weights(writer) adds every
-    tensor to the sharded writer (or copies weight files into writer.folder) and returns {name: shape}; `check(folder)` runs after the standard checks;
+    config: a dict (written as JSON), a config.json to copy byte for byte, or a transformers config.
+    weights(writer) adds every tensor to the sharded writer (or copies weight files into writer.folder) and
+    returns {name: shape}; `check(folder)` runs after the standard checks;
     `score(folder)` returns manifest entries computed on the written folder (e.g. {"eval": ...}); body() gives
     the operation's own entries, asked for once the weights are written and checked. `inputs`:
     further folders or files OUT must not overwrite (the source's are always included)."""
@@ -59,7 +75,9 @@ def write_checkpoint(req: WriteRequest, source: Source, operation: str, *, confi
         else:
             config.save_pretrained(out.path)
         copy_side_files(source.root, out.path)
-        verify_output(out.path, expected, scan=False)  # the writer scanned what it wrote; copies are of a scanned source
+        verify_output(
+            out.path, expected, scan=False
+        )  # the writer scanned what it wrote; copies are of a scanned source
         if check is not None:
             check(out.path)
         scores = score(out.path) if score else {}

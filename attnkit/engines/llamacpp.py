@@ -68,8 +68,9 @@ def find_llama_cpp(folder: str | None, python: str) -> LlamaCpp | str:
 
 def _run(cmd: list[str], what: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     try:
-        proc = subprocess.run(cmd, capture_output=True, encoding="utf-8", errors="replace",
-                              timeout=timeout, env=env)  # a continuation may end inside a UTF-8 character
+        proc = subprocess.run(
+            cmd, capture_output=True, encoding="utf-8", errors="replace", timeout=timeout, env=env
+        )  # a continuation may end inside a UTF-8 character
     except subprocess.TimeoutExpired:
         raise AttnkitError(f"llama.cpp {what} did not finish in {timeout:.0f}s") from None
     if proc.returncode != 0:
@@ -80,8 +81,12 @@ def _run(cmd: list[str], what: str, timeout: float, env: dict | None = None) -> 
 
 def convert(tools: LlamaCpp, folder: Path, gguf: Path, timeout: float = 1800) -> None:
     """convert_hf_to_gguf.py FOLDER --outtype f32 --outfile GGUF."""
-    _run([tools.python, str(tools.converter), str(folder), "--outtype", "f32", "--outfile", str(gguf)],
-         "convert_hf_to_gguf.py", timeout, tools.env())
+    _run(
+        [tools.python, str(tools.converter), str(folder), "--outtype", "f32", "--outfile", str(gguf)],
+        "convert_hf_to_gguf.py",
+        timeout,
+        tools.env(),
+    )
 
 
 def added_bos(gguf: Path) -> int | None:
@@ -118,7 +123,7 @@ def write_kld_base(path: Path, tokens: list[int], n_ctx: int, vocab: int, chunk_
             out = np.zeros((rows.shape[0], width), dtype=np.uint16)
             header = np.concatenate([scale, low - top - lse], axis=1).astype(np.float32)  # [rows, 2]
             out[:, :4] = header.view(np.uint16)
-            out[:, 4:4 + vocab] = q
+            out[:, 4 : 4 + vocab] = q
             fh.write(out.tobytes())
 
 
@@ -127,8 +132,25 @@ _FLOAT = r"([-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
 
 def perplexity(tools: LlamaCpp, gguf: Path, base: Path, n_ctx: int, threads: int, timeout: float = 1800) -> dict:
     """Score the base file's tokens: llama.cpp's perplexity, the base's, mean KL and same-top-1 share."""
-    proc = _run([str(tools.perplexity), "-m", str(gguf), "--kl-divergence-base", str(base), "--kl-divergence",
-                 "-c", str(n_ctx), "-b", str(n_ctx), "-t", str(threads), "--no-warmup"], "llama-perplexity", timeout)
+    proc = _run(
+        [
+            str(tools.perplexity),
+            "-m",
+            str(gguf),
+            "--kl-divergence-base",
+            str(base),
+            "--kl-divergence",
+            "-c",
+            str(n_ctx),
+            "-b",
+            str(n_ctx),
+            "-t",
+            str(threads),
+            "--no-warmup",
+        ],
+        "llama-perplexity",
+        timeout,
+    )
     log = proc.stdout + proc.stderr
 
     def grab(label: str) -> float:
@@ -137,16 +159,46 @@ def perplexity(tools: LlamaCpp, gguf: Path, base: Path, n_ctx: int, threads: int
             raise AttnkitError(f"llama-perplexity printed no '{label}' line")
         return float(found.group(1))
 
-    return {"perplexity": grab("Mean PPL(Q)"), "base_perplexity": grab("Mean PPL(base)"),
-            "kl_mean": grab("Mean    KLD"), "same_top1": grab("Same top p") / 100.0}
+    return {
+        "perplexity": grab("Mean PPL(Q)"),
+        "base_perplexity": grab("Mean PPL(base)"),
+        "kl_mean": grab("Mean    KLD"),
+        "same_top1": grab("Same top p") / 100.0,
+    }
 
 
-def complete(tools: LlamaCpp, gguf: Path, prompt: str, new_tokens: int, n_ctx: int, threads: int,
-             timeout: float = 600) -> tuple[list[int], str]:
+def complete(
+    tools: LlamaCpp, gguf: Path, prompt: str, new_tokens: int, n_ctx: int, threads: int, timeout: float = 600
+) -> tuple[list[int], str]:
     """(prompt token ids as llama.cpp tokenized them, greedy continuation text) for `prompt`."""
-    proc = _run([str(tools.completion), "-m", str(gguf), "-p", prompt, "-n", str(new_tokens), "--temp", "0",
-                 "-no-cnv", "--no-warmup", "--ignore-eos", "-s", "1", "-t", str(threads), "-c", str(n_ctx),
-                 "--no-display-prompt", "--verbose-prompt", "--no-escape", "-sp"], "llama-completion", timeout)
+    proc = _run(
+        [
+            str(tools.completion),
+            "-m",
+            str(gguf),
+            "-p",
+            prompt,
+            "-n",
+            str(new_tokens),
+            "--temp",
+            "0",
+            "-no-cnv",
+            "--no-warmup",
+            "--ignore-eos",
+            "-s",
+            "1",
+            "-t",
+            str(threads),
+            "-c",
+            str(n_ctx),
+            "--no-display-prompt",
+            "--verbose-prompt",
+            "--no-escape",
+            "-sp",
+        ],
+        "llama-completion",
+        timeout,
+    )
     ids = [int(m.group(1)) for m in re.finditer(r"^(?:\S+ I)?\s*(\d+) -> '", proc.stderr, flags=re.M)]
     text = proc.stdout
     return ids, text[:-2] if text.endswith("\n\n") else text  # it ends its output with a blank line

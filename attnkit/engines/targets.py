@@ -16,7 +16,10 @@ from __future__ import annotations
 TARGETS = ("any", "llama.cpp", "vllm", "sglang", "transformers")
 #: (kv_lora_rank, qk_rope_head_dim) the engine's MLA kernels take; None: any (even RoPE dims).
 MLA_SHAPES: dict[str, tuple[tuple[int, int], ...] | None] = {
-    "llama.cpp": None, "vllm": ((512, 64),), "sglang": None, "transformers": None,
+    "llama.cpp": None,
+    "vllm": ((512, 64),),
+    "sglang": None,
+    "transformers": None,
 }
 #: Layer counts for which llama.cpp's deepseek2 loader wants no q_lora (its "lite" models).
 LLAMA_CPP_LITE_LAYERS = (26, 27)

@@ -17,9 +17,14 @@ def kv_cache_spec(llm) -> dict:
     """Per attention layer: bytes per token (page size / block size), kind, block size; from the engine core."""
     core = llm.llm_engine.engine_core.engine_core  # the in-process EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     specs = core.model_executor.get_kv_cache_specs()[0]
-    return {name: {"kind": type(spec).__name__, "block_size": spec.block_size,
-                   "bytes_per_token": spec.page_size_bytes / spec.block_size}
-            for name, spec in specs.items()}
+    return {
+        name: {
+            "kind": type(spec).__name__,
+            "block_size": spec.block_size,
+            "bytes_per_token": spec.page_size_bytes / spec.block_size,
+        }
+        for name, spec in specs.items()
+    }
 
 
 def main() -> None:
@@ -33,9 +38,15 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs = {"model": req["model"], "dtype": "float32", "enforce_eager": True, "seed": 0,
-              "max_model_len": req["max_model_len"], "skip_tokenizer_init": True,
-              "kv_cache_memory_bytes": req.get("kv_cache_bytes", 256 << 20)}
+    kwargs = {
+        "model": req["model"],
+        "dtype": "float32",
+        "enforce_eager": True,
+        "seed": 0,
+        "max_model_len": req["max_model_len"],
+        "skip_tokenizer_init": True,
+        "kv_cache_memory_bytes": req.get("kv_cache_bytes", 256 << 20),
+    }
     if req.get("attention_backend"):
         kwargs["attention_backend"] = req["attention_backend"]
     if req.get("custom_ops"):
@@ -43,15 +54,18 @@ def main() -> None:
     llm = LLM(**kwargs)
     # no progress bars: with TQDM_DISABLE set (attnkit sets it when stderr is not a terminal) vLLM's bar divides
     # by an elapsed time of 0 (ZeroDivisionError)
-    greedy = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]],
-                          SamplingParams(temperature=0.0, max_tokens=req["new_tokens"], ignore_eos=True),
-                          use_tqdm=False)
-    scored = llm.generate([TokensPrompt(prompt_token_ids=w) for w in req["windows"]],
-                          SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    nll = [[-out.prompt_logprobs[i][w[i]].logprob for i in range(1, len(w))]
-           for out, w in zip(scored, req["windows"])]
-    result = {"greedy": [list(out.outputs[0].token_ids) for out in greedy], "nll": nll,
-              "kv_cache": kv_cache_spec(llm)}
+    greedy = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]],
+        SamplingParams(temperature=0.0, max_tokens=req["new_tokens"], ignore_eos=True),
+        use_tqdm=False,
+    )
+    scored = llm.generate(
+        [TokensPrompt(prompt_token_ids=w) for w in req["windows"]],
+        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
+        use_tqdm=False,
+    )
+    nll = [[-out.prompt_logprobs[i][w[i]].logprob for i in range(1, len(w))] for out, w in zip(scored, req["windows"])]
+    result = {"greedy": [list(out.outputs[0].token_ids) for out in greedy], "nll": nll, "kv_cache": kv_cache_spec(llm)}
     with open(result_path, "w", encoding="utf-8") as fh:
         json.dump(result, fh)
 

@@ -11,8 +11,17 @@ from attnkit.io.jsonsafe import read_json_file
 
 INDEX_NAME = "model.safetensors.index.json"
 #: Files a command that runs the model needs besides weights.
-SIDE_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
-              "vocab.*", "merges.txt", "*.model", "chat_template*"]
+SIDE_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "chat_template*",
+]
 
 
 @dataclass

@@ -16,6 +16,12 @@ def checked_weights(ckpt: Checkpoint, arch, spec) -> tuple[dict[str, TensorInfo]
         side_files(ckpt.root)
     infos = read_headers(ckpt.weight_files)
     where = ckpt.root if ckpt.kind in ("folder", "hub") else ckpt.ref
-    prefix = check_tensors(arch, spec, ckpt.config, {name: info.shape for name, info in infos.items()}, where,
-                           {name: info.dtype for name, info in infos.items()})
+    prefix = check_tensors(
+        arch,
+        spec,
+        ckpt.config,
+        {name: info.shape for name, info in infos.items()},
+        where,
+        {name: info.dtype for name, info in infos.items()},
+    )
     return infos, prefix

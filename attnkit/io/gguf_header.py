@@ -60,7 +60,7 @@ class _Cursor:
             raise _Truncated
         if n > limit:
             raise ValueError(f"a {n:,}-byte string at offset {self.pos - 8}, over the {limit:,}-byte limit")
-        raw = bytes(self.buf[self.pos:self.pos + n])
+        raw = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
@@ -145,8 +145,9 @@ def _parse(path: Path, buf) -> GGUFHeader:
         raise ValueError(f"general.alignment must be a positive power of two, got {alignment!r}")
     misaligned = next((name for name, _, _, offset in header.tensors if offset % alignment), None)
     if misaligned is not None:
-        raise ValueError(f"tensor {misaligned!r} starts at an offset that is not a multiple of the alignment "
-                         f"{alignment}")
+        raise ValueError(
+            f"tensor {misaligned!r} starts at an offset that is not a multiple of the alignment {alignment}"
+        )
     header.data_start = math.ceil(cur.pos / alignment) * alignment
     return header
 

@@ -52,7 +52,9 @@ def load_gguf_model(gguf_path: Path, dtype: str = "float32"):
             loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as exc:  # transformers raises many types for unsupported/corrupt GGUF
-        raise AttnkitError(f"{gguf_path}: cannot load GGUF through transformers ({type(exc).__name__}: {exc})") from None
+        raise AttnkitError(
+            f"{gguf_path}: cannot load GGUF through transformers ({type(exc).__name__}: {exc})"
+        ) from None
     config_dict = loaded.config.to_dict()
     config_dict.pop("quantization_config", None)
     config_dict.pop("_name_or_path", None)

@@ -11,15 +11,29 @@ from attnkit.io.gguf_header import GGUFHeader, parse_gguf_header
 
 #: GGUF `general.architecture` -> Hugging Face `model_type`.
 GGUF_ARCH_TO_MODEL_TYPE = {
-    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-    "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3",
-    "olmo2": "olmo2", "gpt2": "gpt2", "gptneox": "gpt_neox", "bert": "bert",
-    "deepseek2": "deepseek_v2", "gpt-oss": "gpt_oss",
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+    "olmo2": "olmo2",
+    "gpt2": "gpt2",
+    "gptneox": "gpt_neox",
+    "bert": "bert",
+    "deepseek2": "deepseek_v2",
+    "gpt-oss": "gpt_oss",
 }
 
 #: Attention tensors every block of a GGUF architecture holds (llama.cpp's names, without ".weight").
-BLOCK_TENSORS = {"phi3": ("attn_qkv", "attn_output"), "gpt2": ("attn_qkv", "attn_output"),
-                 "gptneox": ("attn_qkv", "attn_output"), "deepseek2": ("attn_kv_a_mqa", "attn_output")}
+BLOCK_TENSORS = {
+    "phi3": ("attn_qkv", "attn_output"),
+    "gpt2": ("attn_qkv", "attn_output"),
+    "gptneox": ("attn_qkv", "attn_output"),
+    "deepseek2": ("attn_kv_a_mqa", "attn_output"),
+}
 SEPARATE_QKV = ("attn_q", "attn_k", "attn_v", "attn_output")
 
 #: GGUF key suffix (after "<arch>.") -> config key.
@@ -80,8 +94,10 @@ def read_gguf(path: str | Path) -> tuple[dict, list[GGUFTensor]]:
         raise AttnkitError(f"{path}: {exc}") from None
     if "head_dim" not in config:
         if config["hidden_size"] % config["num_attention_heads"]:
-            raise AttnkitError(f"{path}: embedding_length {config['hidden_size']} is not a multiple of its "
-                               f"{config['num_attention_heads']} heads and no key_length gives the head size")
+            raise AttnkitError(
+                f"{path}: embedding_length {config['hidden_size']} is not a multiple of its "
+                f"{config['num_attention_heads']} heads and no key_length gives the head size"
+            )
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]  # llama.cpp's default
     tensors = _tensors(path, header)
     _check_blocks(path, {t.name: t.shape for t in tensors}, arch, config)
@@ -107,20 +123,28 @@ def _check_blocks(path: Path, shapes: dict[str, tuple], arch: str, config: dict)
     blocks = {name.split(".")[1] for name in shapes if name.startswith("blk.") and name.count(".") > 1}
     missing = [i for i in range(layers) if str(i) not in blocks]
     if missing:
-        raise AttnkitError(f"{path}: incomplete GGUF (block_count is {layers} but block blk.{missing[0]} has no "
-                           f"tensors; {len(missing)} block(s) missing)")
+        raise AttnkitError(
+            f"{path}: incomplete GGUF (block_count is {layers} but block blk.{missing[0]} has no "
+            f"tensors; {len(missing)} block(s) missing)"
+        )
     roles = BLOCK_TENSORS.get(arch, SEPARATE_QKV)
     d, dim = config["hidden_size"], config["head_dim"]
-    want = {"attn_q": (d, config["num_attention_heads"] * dim), "attn_k": (d, config["num_key_value_heads"] * dim),
-            "attn_v": (d, config["num_key_value_heads"] * dim), "attn_output": (config["num_attention_heads"] * dim, d)}
+    want = {
+        "attn_q": (d, config["num_attention_heads"] * dim),
+        "attn_k": (d, config["num_key_value_heads"] * dim),
+        "attn_v": (d, config["num_key_value_heads"] * dim),
+        "attn_output": (config["num_attention_heads"] * dim, d),
+    }
     for i in range(layers):
         for role in roles:
             name = f"blk.{i}.{role}.weight"
             if name not in shapes:
                 raise AttnkitError(f"{path}: incomplete GGUF (no {name})")
             if roles is SEPARATE_QKV and tuple(shapes[name]) != want[role]:
-                raise AttnkitError(f"{path}: tensor {name} has dims {list(shapes[name])} but the header's head "
-                                   f"counts imply {list(want[role])}")
+                raise AttnkitError(
+                    f"{path}: tensor {name} has dims {list(shapes[name])} but the header's head "
+                    f"counts imply {list(want[role])}"
+                )
 
 
 def _tensors(path: Path, header: GGUFHeader) -> list[GGUFTensor]:

@@ -26,8 +26,9 @@ def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> AttnkitErr
     status = _http_status(exc)
     if status is not None and (status >= 500 or status == 429):
         why = "is overloaded (HTTP 429)" if status == 429 else f"answered HTTP {status} (a server error)"
-        return AttnkitError(f"hub model {name!r}: the hub {why}; try again later, or set HF_HUB_OFFLINE=1 "
-                            "to use the local cache")
+        return AttnkitError(
+            f"hub model {name!r}: the hub {why}; try again later, or set HF_HUB_OFFLINE=1 to use the local cache"
+        )
     if isinstance(exc, errors.LocalEntryNotFoundError):
         why = "HF_HUB_OFFLINE=1 forbids downloads" if hub_offline() else "the hub cannot be reached"
         return AttnkitError(f"hub model {name!r}: files are not in the local cache and {why}; download them first")
@@ -43,7 +44,9 @@ def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> AttnkitErr
         return AttnkitError(f"{name!r} is not a valid hub id or revision ({str(exc).splitlines()[0].rstrip('.')})")
     if isinstance(exc, OSError):
         return AttnkitError(f"hub model {name!r}: download failed ({exc.strerror or exc})")
-    return AttnkitError(f"hub model {name!r}: download failed ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+    return AttnkitError(
+        f"hub model {name!r}: download failed ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+    )
 
 
 def _http_status(exc: BaseException) -> int | None:
@@ -71,10 +74,14 @@ def resolve_hub(ref: str, *, need_weights: bool) -> Checkpoint:
     offline = hub_offline()
     try:
         if need_weights:
-            root = Path(snapshot_download(
-                repo_id, revision=revision, local_files_only=offline,
-                allow_patterns=SIDE_FILES + _weight_patterns(repo_id, revision, offline),
-            ))
+            root = Path(
+                snapshot_download(
+                    repo_id,
+                    revision=revision,
+                    local_files_only=offline,
+                    allow_patterns=SIDE_FILES + _weight_patterns(repo_id, revision, offline),
+                )
+            )
             config_path = root / "config.json"
         else:
             config_path = Path(hf_hub_download(repo_id, "config.json", revision=revision, local_files_only=offline))

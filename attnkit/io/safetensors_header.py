@@ -1,7 +1,8 @@
 """Read safetensors headers (names, dtypes, shapes, byte sizes) without torch, as strictly as the safetensors library.
 
 A header is accepted only when the library would accept it: an 8-byte length, then a JSON object
-(duplicate keys, which the library resolves silently, are refused), `__metadata__` a str -> str object, every tensor with a known
+(duplicate keys, which the library resolves silently, are refused), `__metadata__` a str -> str object, every
+tensor with a known
 dtype, a shape of non-negative integers and two integer offsets; the tensors' byte ranges tile the
 data section from 0 to the end of the file without gaps or overlaps, and each range holds exactly
 shape x dtype bytes. Anything else is an AttnkitError naming the file and what is wrong.
@@ -21,11 +22,28 @@ from attnkit.io.jsonsafe import JSONError, loads_strict
 
 #: Bits per element for every dtype the safetensors format defines.
 DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32,
-    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
-    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E4M3": 8,
+    "F8_E5M2": 8,
+    "F8_E8M0": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
 }
 #: Bytes per element (fractional for the sub-byte float formats).
 DTYPE_BYTES = {name: bits / 8 if bits % 8 else bits // 8 for name, bits in DTYPE_BITS.items()}
@@ -65,8 +83,10 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
                 raise AttnkitError(f"{path}: not a safetensors file (shorter than 8 bytes)")
             (header_len,) = struct.unpack("<Q", raw_len)
             if header_len > MAX_HEADER_BYTES:
-                raise AttnkitError(f"{path}: corrupt safetensors header (length {header_len} is over the "
-                                   f"{MAX_HEADER_BYTES:,}-byte limit)")
+                raise AttnkitError(
+                    f"{path}: corrupt safetensors header (length {header_len} is over the "
+                    f"{MAX_HEADER_BYTES:,}-byte limit)"
+                )
             if 8 + header_len > size:
                 raise AttnkitError(f"{path}: corrupt safetensors header (length {header_len} exceeds the file)")
             raw = fh.read(header_len)
@@ -77,6 +97,7 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
 
 def parse_header(raw: bytes, data_len: int, path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Validate the JSON header `raw` of a file whose data section has `data_len` bytes."""
+
     def bad(why: str) -> AttnkitError:
         return AttnkitError(f"{path}: corrupt safetensors header ({why})")
 
@@ -114,8 +135,10 @@ def _entry(name: str, entry, data_len: int, path: Path, bad) -> TensorInfo:
         raise AttnkitError(f"{path}: tensor {name!r} does not fit the file (truncated or corrupt safetensors)")
     bits = _bits(shape, DTYPE_BITS[dtype], 8 * data_len)
     if bits is None or bits % 8 or bits // 8 != end - begin:
-        raise AttnkitError(f"{path}: tensor {name!r} does not fit the file (its shape and dtype need a "
-                           f"different byte length than its offsets give)")
+        raise AttnkitError(
+            f"{path}: tensor {name!r} does not fit the file (its shape and dtype need a "
+            f"different byte length than its offsets give)"
+        )
     return TensorInfo(name, dtype, tuple(shape), (begin, end), path)
 
 

@@ -8,8 +8,8 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 from attnkit import interrupts
 from attnkit.errors import AttnkitError
@@ -19,10 +19,22 @@ from attnkit.io.tempdirs import OLD_TAG, clean_stale, make_temp_dir, remove_tree
 SINGLE_NAME = "model.safetensors"
 #: torch dtype name -> safetensors dtype code.
 TORCH_TO_SAFETENSORS = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
-    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0",
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e8m0fnu": "F8_E8M0",
 }
 
 
@@ -90,8 +102,9 @@ class OutputDir:
             if real == source or real in source.parents:
                 raise AttnkitError(f"{self.target}: output would replace the input {source}; choose another folder")
             if source in real.parents:
-                raise AttnkitError(f"{self.target}: output would be written inside the input {source}; "
-                                   "choose a folder outside it")
+                raise AttnkitError(
+                    f"{self.target}: output would be written inside the input {source}; choose a folder outside it"
+                )
         self._check_target()
 
     def _check_target(self) -> None:
@@ -247,8 +260,11 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> No
     offset = 0
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": torch_dtype_code(t.dtype), "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": torch_dtype_code(t.dtype),
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned

@@ -38,8 +38,9 @@ def scale_error(gains: torch.Tensor) -> tuple[float, float]:
     return m1 / m2, max(0.0, 1.0 - m1 * m1 / m2)
 
 
-def fold_o_bias(o: torch.Tensor, o_bias: torch.Tensor, num_heads: int, num_kv: int,
-                head_dim: int) -> tuple[torch.Tensor, float]:
+def fold_o_bias(
+    o: torch.Tensor, o_bias: torch.Tensor, num_heads: int, num_kv: int, head_dim: int
+) -> tuple[torch.Tensor, float]:
     """A value bias delta [Hkv*D] with the same effect as o_proj's bias (attention weights sum to 1, so a value
     bias reaches the output as o_proj of it): least squares of sum over each KV head's readers of o columns,
     and the relative residual |W delta - b| / |b| (0 when b is in the range of o_proj).  o: [n, H*D]."""

@@ -89,11 +89,11 @@ class LayerStats:
     heads: int
     kv_heads: int
     threshold: float = 100.0
-    window: int | None = None                  # sliding window of the layer, None = full attention
-    logits: Moments = field(init=False)        # q.k * scaling as used (after any soft-cap)
+    window: int | None = None  # sliding window of the layer, None = full attention
+    logits: Moments = field(init=False)  # q.k * scaling as used (after any soft-cap)
     precap_max: torch.Tensor = field(init=False)
-    above: torch.Tensor = field(init=False)    # count of logits > threshold
-    logz: Moments = field(init=False)          # per query row: logsumexp over visible keys
+    above: torch.Tensor = field(init=False)  # count of logits > threshold
+    logz: Moments = field(init=False)  # per query row: logsumexp over visible keys
     entropy: Moments = field(init=False)
     max_prob: Moments = field(init=False)
     q_rms: Moments = field(init=False)
@@ -133,9 +133,17 @@ def _mask5(mask: torch.Tensor | None, batch: int, kv_heads: int, groups: int):
     return mask.view(mask.shape[0], kv_heads, groups, *mask.shape[-2:])
 
 
-def accumulate_attention(stats: LayerStats, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, *,
-                         scaling: float, cap: float | None = None, sinks: torch.Tensor | None = None,
-                         causal: bool = True) -> None:
+def accumulate_attention(
+    stats: LayerStats,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    scaling: float,
+    cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    causal: bool = True,
+) -> None:
     """Add one attention call to `stats`.
 
     query [B, H, Tq, D] and key [B, Hkv, Tk, D] as the model uses them (after QK-norm and RoPE, before GQA
@@ -147,15 +155,17 @@ def accumulate_attention(stats: LayerStats, query: torch.Tensor, key: torch.Tens
     kv_heads, tk = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     offset = tk - tq
-    stats.q_rms.add(query.float().pow(2).mean(-1).sqrt())   # [B, H, Tq]
-    stats.k_rms.add(key.float().pow(2).mean(-1).sqrt())     # [B, Hkv, Tk]
+    stats.q_rms.add(query.float().pow(2).mean(-1).sqrt())  # [B, H, Tq]
+    stats.k_rms.add(key.float().pow(2).mean(-1).sqrt())  # [B, Hkv, Tk]
     qg = (query.float() * scaling).view(batch, kv_heads, groups, tq, dim)  # [B, Hkv, G, Tq, D]
-    kt = key.float().transpose(-1, -2)[:, :, None]                          # [B, Hkv, 1, D, Tk]
+    kt = key.float().transpose(-1, -2)[:, :, None]  # [B, Hkv, 1, D, Tk]
     mask5 = _mask5(mask, batch, kv_heads, groups)
     bk = min(tk, KEY_BLOCK)
     bq = max(1, min(tq, BLOCK_ELEMENTS // (batch * heads * bk)))
-    buffers = [torch.empty(batch * heads * bq * bk, dtype=torch.float32, device=query.device)  # scores, exp
-               for _ in range(2)]
+    buffers = [
+        torch.empty(batch * heads * bq * bk, dtype=torch.float32, device=query.device)  # scores, exp
+        for _ in range(2)
+    ]
     for a in range(0, tq, bq):
         b = min(tq, a + bq)
         _query_block(stats, qg[:, :, :, a:b], kt, mask5, causal, a, b, offset, bk, cap, sinks, buffers)
@@ -191,30 +201,35 @@ def _query_block(stats, q, kt, mask5, causal, a, b, offset, bk, cap, sinks, buff
         size = batch * kv_heads * groups * rows * (e - c)
         s = buffers[0][:size].view(batch, kv_heads, groups * rows, e - c)
         torch.matmul(q.reshape(batch, kv_heads, groups * rows, -1), kt[:, :, 0, :, c:e], out=s)
-        s = s.view(*shape, e - c)                                # [B, Hkv, G, bq, bk]
+        s = s.view(*shape, e - c)  # [B, Hkv, G, bq, bk]
         if cap is not None:
             raw = s if vis is None else s.masked_fill(~vis, -math.inf)
             stats.precap_max = torch.maximum(stats.precap_max, raw.amax((0, 3, 4)).reshape(-1).double().cpu())
             s.div_(cap).tanh_().mul_(cap)
         if vis is not None:
             s.masked_fill_(~vis, HIDDEN)
-        row_max = s.amax(-1)                                     # [B, Hkv, G, bq]
-        seen = row_max > HIDDEN / 2                              # rows that see a key in this block
+        row_max = s.amax(-1)  # [B, Hkv, G, bq]
+        seen = row_max > HIDDEN / 2  # rows that see a key in this block
         shift = torch.where(seen, row_max, 0.0)
-        z = s.sub_(shift[..., None])                             # s - row max: <= 0 where visible, ~HIDDEN elsewhere
+        z = s.sub_(shift[..., None])  # s - row max: <= 0 where visible, ~HIDDEN elsewhere
         count = torch.full_like(shift, e - c) if vis is None else vis.sum(-1).float().expand(shape)
-        z0 = z if vis is None else z * vis                       # hidden -> 0 (never below a visible min, which is <= 0)
+        z0 = z if vis is None else z * vis  # hidden -> 0 (never below a visible min, which is <= 0)
         s1 = z0.sum(-1)
         s2 = torch.mul(z0, z0, out=buffers[1][:size].view_as(z0)).sum(-1)
-        stats.logits.add_rows(_per_head(count), _per_head(shift), _per_head(s1), _per_head(s2),
-                              _per_head(torch.where(seen, z0.amin(-1) + shift, math.inf)),
-                              _per_head(torch.where(seen, row_max, -math.inf)))
+        stats.logits.add_rows(
+            _per_head(count),
+            _per_head(shift),
+            _per_head(s1),
+            _per_head(s2),
+            _per_head(torch.where(seen, z0.amin(-1) + shift, math.inf)),
+            _per_head(torch.where(seen, row_max, -math.inf)),
+        )
         if bool((row_max > stats.threshold).any()):
             over = (z > (stats.threshold - shift)[..., None]).sum(-1)
             stats.above += over.sum((0, 3)).reshape(-1).double().cpu()
         p = torch.clamp(z, min=EXP_FLOOR, out=buffers[1][:size].view_as(z)).exp_()  # exp(s - row max)
         l_blk = p.sum(-1)
-        t_blk = p.mul_(z0).sum(-1)                               # hidden: p = exp(EXP_FLOOR) and z0 = 0
+        t_blk = p.mul_(z0).sum(-1)  # hidden: p = exp(EXP_FLOOR) and z0 = 0
         m_blk = torch.where(seen, row_max, -math.inf)
         m_new = torch.maximum(m, m_blk)
         m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)

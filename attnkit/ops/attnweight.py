@@ -14,12 +14,13 @@ def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     """transformers' rotate-half RoPE on the first R = cos.shape[-1] dims.  x: [B, T, heads, D], cos/sin: [B, T, R]."""
     rot = cos.shape[-1]
     xr, xp = x[..., :rot], x[..., rot:]
-    half = torch.cat([-xr[..., rot // 2:], xr[..., :rot // 2]], dim=-1)
+    half = torch.cat([-xr[..., rot // 2 :], xr[..., : rot // 2]], dim=-1)
     return torch.cat([xr * cos[:, :, None] + half * sin[:, :, None], xp], dim=-1)
 
 
-def key_token_weights(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      scaling: float) -> torch.Tensor:
+def key_token_weights(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scaling: float
+) -> torch.Tensor:
     """w[j, b*T + n] = sum_{h reading j} sum_m p_hmn |q_hm|^2 under causal softmax attention.
 
     q: [B, T, H, D], k: [B, T, Hkv, D] (before RoPE), cos/sin: [B, T, R].  -> [Hkv, B*T] float64.
@@ -46,8 +47,9 @@ def weighted_group_covariance(x: torch.Tensor, weights: torch.Tensor, groups: in
     return torch.einsum("gn,ni,nj->gij", per_group, x, x)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     scaling: float) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scaling: float
+) -> torch.Tensor:
     """Per-head causal softmax attention output before o_proj (transformers' repeat_kv order).
     q: [B, T, H, D], k, v: [B, T, Hkv, D], cos/sin: [B, T, R].  -> [B, T, H*D]."""
     batch, t, heads, d = q.shape

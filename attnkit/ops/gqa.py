@@ -80,7 +80,7 @@ class LayerPlan:
 def split_fused(qkv: torch.Tensor, s: LayerShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows [q | k | v] of a fused qkv_proj (Phi-3).  [(H+2Hkv)*D, ...] -> q, k, v."""
     q_rows, kv_rows = s.num_heads * s.head_dim, s.num_kv * s.head_dim
-    return qkv[:q_rows], qkv[q_rows:q_rows + kv_rows], qkv[q_rows + kv_rows:]
+    return qkv[:q_rows], qkv[q_rows : q_rows + kv_rows], qkv[q_rows + kv_rows :]
 
 
 def augmented_rows(layer: dict, role: str, augment: bool) -> torch.Tensor:
@@ -108,8 +108,14 @@ def is_biased(layer: dict) -> bool:
     return any(r in layer for r in ("q_bias", "k_bias", "v_bias", "qkv_bias"))
 
 
-def plan_layer(layer: dict, s: LayerShape, method: str, cov: torch.Tensor | None = None,
-               options: MergeOptions | None = None, key_cov: torch.Tensor | None = None) -> LayerPlan:
+def plan_layer(
+    layer: dict,
+    s: LayerShape,
+    method: str,
+    cov: torch.Tensor | None = None,
+    options: MergeOptions | None = None,
+    key_cov: torch.Tensor | None = None,
+) -> LayerPlan:
     """Choose the new K/V heads of one layer.
 
     cov: E[x x^T] of the attention input (augmented [x; 1] when the layer has q/k/v biases), used by
@@ -128,9 +134,13 @@ def plan_layer(layer: dict, s: LayerShape, method: str, cov: torch.Tensor | None
     basis = None if cov is None else cov.to(torch.float64)  # None: errors on the weights (identity metric)
     pool = "first" if method == "first" else "mean"
     k_norm = layer.get("k_norm") if s.qk_norm == "full" else None
-    plan = LayerPlan(key_path=pool, value_path=pool, k=pool_heads(k, s.num_kv, s.groups, pool),
-                     v=pool_heads(v, s.num_kv, s.groups, pool),
-                     k_norm=None if k_norm is None else pool_heads(k_norm, s.num_kv, s.groups, pool))
+    plan = LayerPlan(
+        key_path=pool,
+        value_path=pool,
+        k=pool_heads(k, s.num_kv, s.groups, pool),
+        v=pool_heads(v, s.num_kv, s.groups, pool),
+        k_norm=None if k_norm is None else pool_heads(k_norm, s.num_kv, s.groups, pool),
+    )
     k_rec, v_rec = expand_heads(plan.k, s.groups, s.ratio), expand_heads(plan.v, s.groups, s.ratio)
     if method == "merge":
         o_gram = head_gram(layer["o"], s.num_heads, s.num_kv) if options.value_weight == "o_proj" else None
@@ -140,8 +150,9 @@ def plan_layer(layer: dict, s: LayerShape, method: str, cov: torch.Tensor | None
             q_gram = head_gram(augmented_rows(layer, "q", augment), s.num_heads, s.num_kv, basis)
             if options.key_weight == "uniform":
                 q_gram = torch.eye(s.head_dim, dtype=torch.float64).expand(s.num_kv, -1, -1)
-            km = merge_keys(k, basis if key_cov is None else key_cov, s.num_kv, s.groups, q_gram, s.rotary_dim,
-                            options.ridge)
+            km = merge_keys(
+                k, basis if key_cov is None else key_cov, s.num_kv, s.groups, q_gram, s.rotary_dim, options.ridge
+            )
             plan.k, plan.coef, plan.key_path, k_rec = km.shared, km.coef, "merge", km.reconstruction()
             plan.k_mix = None if km.rest is None else km.rest.mix
         else:

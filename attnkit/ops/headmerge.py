@@ -61,8 +61,14 @@ class ValueMerge:
         return (self.mix.reshape(groups, num_kv // groups, d, d) @ shared).reshape(num_kv * d, -1)
 
 
-def merge_rows(w: torch.Tensor, cov: torch.Tensor, num_kv: int, groups: int,
-               head_weights: torch.Tensor | None = None, ridge: float = 1e-6) -> ValueMerge:
+def merge_rows(
+    w: torch.Tensor,
+    cov: torch.Tensor,
+    num_kv: int,
+    groups: int,
+    head_weights: torch.Tensor | None = None,
+    ridge: float = 1e-6,
+) -> ValueMerge:
     """Whitened rank-D merge of each group's stacked head rows (values; non-rotary key dims).
 
     Per group, the shared D rows span the best rank-D subspace of S L (S: the group's stacked rows
@@ -78,7 +84,7 @@ def merge_rows(w: torch.Tensor, cov: torch.Tensor, num_kv: int, groups: int,
     cov_r = regularize(cov, ridge)
     shared, mixes = [], []
     for g in range(groups):
-        s = w[g * r * d:(g + 1) * r * d]  # [r*D, n]
+        s = w[g * r * d : (g + 1) * r * d]  # [r*D, n]
         if head_weights is None:
             weighted = s
         else:
@@ -129,15 +135,22 @@ class KeyMerge:
         groups = self.shared.shape[0] // d
         r = num_kv // groups
         sh = self.shared.reshape(groups, d, -1).repeat_interleave(r, dim=0)  # [Hkv, D, n]
-        z = torch.complex(sh[:, :half], sh[:, half:2 * half]) * self.coef[:, :, None]  # [Hkv, R/2, n]
+        z = torch.complex(sh[:, :half], sh[:, half : 2 * half]) * self.coef[:, :, None]  # [Hkv, R/2, n]
         parts = [z.real, z.imag]
         if self.rest is not None:
             parts.append(self.rest.reconstruction().reshape(num_kv, d - 2 * half, -1))
         return torch.cat(parts, dim=1).reshape(num_kv * d, -1)
 
 
-def merge_keys(w: torch.Tensor, cov: torch.Tensor, num_kv: int, groups: int, query_gram: torch.Tensor,
-               rotary_dim: int | None = None, ridge: float = 1e-6) -> KeyMerge:
+def merge_keys(
+    w: torch.Tensor,
+    cov: torch.Tensor,
+    num_kv: int,
+    groups: int,
+    query_gram: torch.Tensor,
+    rotary_dim: int | None = None,
+    ridge: float = 1e-6,
+) -> KeyMerge:
     """Rank-1 complex merge per RoPE frequency pair (rotate-half layout) of each group's key rows.
 
     Per group and pair i, K: [r, n] complex rows (row i + 1j * row i + R/2); weight each head by its
@@ -159,8 +172,8 @@ def merge_keys(w: torch.Tensor, cov: torch.Tensor, num_kv: int, groups: int, que
     coef = torch.empty(num_kv, half, dtype=torch.complex128)
     for g in range(groups):
         cov_c = regularize(covs[g], ridge).to(torch.complex128)
-        k = kc[g * r:(g + 1) * r].transpose(0, 1)  # [R/2, r, n]: per pair, the group's complex rows
-        sw = (energy[g * r:(g + 1) * r].T + 1e-30).sqrt().to(torch.complex128)[:, :, None]  # [R/2, r, 1]
+        k = kc[g * r : (g + 1) * r].transpose(0, 1)  # [R/2, r, n]: per pair, the group's complex rows
+        sw = (energy[g * r : (g + 1) * r].T + 1e-30).sqrt().to(torch.complex128)[:, :, None]  # [R/2, r, 1]
         a = sw * k  # [R/2, r, n]
         _, vecs = torch.linalg.eigh(a @ cov_c @ a.conj().transpose(1, 2))  # [R/2, r, r] ascending
         u = vecs[:, :, -1]  # [R/2, r]: top left singular vector of a L
@@ -168,12 +181,18 @@ def merge_keys(w: torch.Tensor, cov: torch.Tensor, num_kv: int, groups: int, que
         kcr = k @ cov_c @ row.conj()[:, :, None]  # [R/2, r, 1]
         c = kcr[:, :, 0] / torch.einsum("fn,nm,fm->f", row, cov_c, row.conj())[:, None]  # [R/2, r] least squares
         shared[g], c = _normalize(row, c)
-        coef[g * r:(g + 1) * r] = c.T
+        coef[g * r : (g + 1) * r] = c.T
     parts = [shared.real, shared.imag]
     rest = None
     if rot < d:
-        rest = merge_rows(heads[:, rot:].reshape(num_kv * (d - rot), -1), covs.mean(0), num_kv, groups,
-                          query_gram[:, rot:, rot:], ridge)
+        rest = merge_rows(
+            heads[:, rot:].reshape(num_kv * (d - rot), -1),
+            covs.mean(0),
+            num_kv,
+            groups,
+            query_gram[:, rot:, rot:],
+            ridge,
+        )
         parts.append(rest.shared.reshape(groups, d - rot, -1))
     return KeyMerge(torch.cat(parts, dim=1).reshape(groups * d, -1), coef, rest)
 
@@ -193,6 +212,6 @@ def fold_coef_into_q(q_w: torch.Tensor, coef: torch.Tensor, num_heads: int, head
     num_kv, half = coef.shape
     heads = q_w.to(torch.float64).reshape(num_heads, head_dim, -1).clone()  # [H, D, n]
     c = coef.conj().repeat_interleave(num_heads // num_kv, dim=0)[:, :, None]  # [H, R/2, 1]
-    z = c * torch.complex(heads[:, :half], heads[:, half:2 * half])  # [H, R/2, n]
-    heads[:, :half], heads[:, half:2 * half] = z.real, z.imag
+    z = c * torch.complex(heads[:, :half], heads[:, half : 2 * half])  # [H, R/2, n]
+    heads[:, :half], heads[:, half : 2 * half] = z.real, z.imag
     return heads.reshape(q_w.shape)

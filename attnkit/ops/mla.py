@@ -117,8 +117,9 @@ def fold_query_rope(q: torch.Tensor, coef: torch.Tensor, s: MLAShape) -> torch.T
     return torch.stack([z.real, z.imag], dim=2).reshape(s.num_heads * s.rope_dim, -1)  # [H*P, n']
 
 
-def factor_latent(rows: torch.Tensor, cov: torch.Tensor, rank: int, weight_roots: torch.Tensor,
-                  ridge: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def factor_latent(
+    rows: torch.Tensor, cov: torch.Tensor, rank: int, weight_roots: torch.Tensor, ridge: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rank-`rank` fit rows ~= up @ down minimising ||weight_roots (rows - up down) L||_F, L L^T = cov.
 
     rows: [m, n'], weight_roots: [m, m].  down: [rank, n'] (the top left singular vectors' combinations
@@ -152,8 +153,16 @@ def position_free_scale(freqs: torch.Tensor, residual: str, window: int) -> torc
     return torch.where(x > 0, torch.sin(x) / x.clamp_min(1e-300), torch.ones_like(x))
 
 
-def convert_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, cov: torch.Tensor,
-                  s: MLAShape, freqs: torch.Tensor, options: MLAOptions | None = None) -> MLALayer:
+def convert_layer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    cov: torch.Tensor,
+    s: MLAShape,
+    freqs: torch.Tensor,
+    options: MLAOptions | None = None,
+) -> MLALayer:
     """Convert one layer.  q: [H*D, n'], k, v: [Hkv*D, n'], o: [n, H*D] (o_proj weight), cov: [n', n'],
     freqs: [D/2] the source's rotary frequencies (radians per token)."""
     options = options or MLAOptions()
@@ -176,24 +185,28 @@ def convert_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
     else:
         v_roots = torch.eye(hkv * d, dtype=torch.float64)
     stacked = torch.cat([residual, v])  # [2*Hkv*D, n']
-    down, up, spectrum = factor_latent(stacked, fit, s.latent_rank, torch.block_diag(k_roots, v_roots),
-                                       options.ridge)
+    down, up, spectrum = factor_latent(stacked, fit, s.latent_rank, torch.block_diag(k_roots, v_roots), options.ridge)
     scale = torch.einsum("ri,ij,rj->r", down, cov, down).clamp_min(1e-300).sqrt()  # unit E[c_j^2] on the data
     down, up = down / scale[:, None], up * scale
     rec = up @ down  # [2*Hkv*D, n']
     k_rec = fitted + rec[: hkv * d]
     lost = k - fitted
     return MLALayer(
-        q_nope=q_nope, q_rope=fold_query_rope(q, coef, s), down=down,
-        up=_per_head_kv(up, hkv, d), rope=rope,
-        k_err=relative_error(k, k_rec, cov), v_err=relative_error(v, rec[hkv * d:], cov),
-        position_free=_weighted_fraction(lost, k, q_gram, cov), spectrum=spectrum,
+        q_nope=q_nope,
+        q_rope=fold_query_rope(q, coef, s),
+        down=down,
+        up=_per_head_kv(up, hkv, d),
+        rope=rope,
+        k_err=relative_error(k, k_rec, cov),
+        v_err=relative_error(v, rec[hkv * d :], cov),
+        position_free=_weighted_fraction(lost, k, q_gram, cov),
+        spectrum=spectrum,
     )
 
 
 def _per_head_kv(up: torch.Tensor, hkv: int, d: int) -> torch.Tensor:
     """[K rows of all heads; V rows of all heads] -> per KV head [k (D); v (D)].  [2*Hkv*D, r] -> same shape."""
-    k_up, v_up = up[: hkv * d].reshape(hkv, d, -1), up[hkv * d:].reshape(hkv, d, -1)
+    k_up, v_up = up[: hkv * d].reshape(hkv, d, -1), up[hkv * d :].reshape(hkv, d, -1)
     return torch.cat([k_up, v_up], dim=1).reshape(2 * hkv * d, -1)
 
 

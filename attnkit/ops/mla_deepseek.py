@@ -72,8 +72,12 @@ def kv_tensors(layer: MLALayer, s: MLAShape, augmented: bool) -> dict[str, torch
     per_kv = layer.up.reshape(s.num_kv, 2 * d, r)  # [Hkv, 2D, r]
     per_q = per_kv.repeat_interleave(s.num_heads // s.num_kv, dim=0)  # [H, 2D, r]
     kv_b = torch.cat([per_q * readout, torch.zeros(s.num_heads, 2 * d, 1, dtype=torch.float64)], dim=2)
-    return {"kv_a_proj_with_mqa.weight": rows[:, :n], "kv_a_proj_with_mqa.bias": bias,
-            "kv_a_layernorm.weight": norm, "kv_b_proj.weight": kv_b.reshape(s.num_heads * 2 * d, r + 1)}
+    return {
+        "kv_a_proj_with_mqa.weight": rows[:, :n],
+        "kv_a_proj_with_mqa.bias": bias,
+        "kv_a_layernorm.weight": norm,
+        "kv_b_proj.weight": kv_b.reshape(s.num_heads * 2 * d, r + 1),
+    }
 
 
 def q_lora_tensors(q: torch.Tensor, x_mean_sq: float) -> dict[str, torch.Tensor]:
@@ -87,12 +91,20 @@ def q_lora_tensors(q: torch.Tensor, x_mean_sq: float) -> dict[str, torch.Tensor]
     norm = torch.full((n + 1,), weight, dtype=torch.float64)
     norm[n] = 1.0  # the constant comes out as M / rms: its column in q_b carries b * rms / M
     q_b = torch.cat([q[:, :n] * readout, q[:, n:] * (readout * weight / big)], dim=1)  # [m, n+1]
-    return {"q_a_proj.weight": q_a, "q_a_proj.bias": q_a_bias, "q_a_layernorm.weight": norm,
-            "q_b_proj.weight": q_b}
+    return {"q_a_proj.weight": q_a, "q_a_proj.bias": q_a_bias, "q_a_layernorm.weight": norm, "q_b_proj.weight": q_b}
 
 
-def attention_tensors(layer: MLALayer, s: MLAShape, *, q_scale: float, augmented: bool, q_bias: bool,
-                      o: torch.Tensor, o_bias: torch.Tensor | None, x_mean_sq: float) -> dict[str, torch.Tensor]:
+def attention_tensors(
+    layer: MLALayer,
+    s: MLAShape,
+    *,
+    q_scale: float,
+    augmented: bool,
+    q_bias: bool,
+    o: torch.Tensor,
+    o_bias: torch.Tensor | None,
+    x_mean_sq: float,
+) -> dict[str, torch.Tensor]:
     """All DeepseekV3Attention tensors of one layer (names relative to self_attn), float64."""
     q = query_rows(layer, s, q_scale)  # [H*(D+P), n']
     out = kv_tensors(layer, s, augmented)
@@ -101,8 +113,7 @@ def attention_tensors(layer: MLALayer, s: MLAShape, *, q_scale: float, augmented
     else:
         out["q_proj.weight"] = q[:, : q.shape[1] - int(augmented)]
     out["o_proj.weight"] = o.to(torch.float64)
-    out["o_proj.bias"] = (torch.zeros(o.shape[0], dtype=torch.float64) if o_bias is None
-                          else o_bias.to(torch.float64))
+    out["o_proj.bias"] = torch.zeros(o.shape[0], dtype=torch.float64) if o_bias is None else o_bias.to(torch.float64)
     return out
 
 
@@ -121,12 +132,22 @@ def q_lora_readout(u: torch.Tensor, eps: float) -> float:
     return s
 
 
-def engine_tensors(layer: MLALayer, plan: NormPlan, s: MLAShape, *, gamma: torch.Tensor, anchor: torch.Tensor,
-                   q_scale: float, q_lora_scale: float | None, o: torch.Tensor) -> dict[str, torch.Tensor]:
+def engine_tensors(
+    layer: MLALayer,
+    plan: NormPlan,
+    s: MLAShape,
+    *,
+    gamma: torch.Tensor,
+    anchor: torch.Tensor,
+    q_scale: float,
+    q_lora_scale: float | None,
+    o: torch.Tensor,
+) -> dict[str, torch.Tensor]:
     """All DeepseekV3Attention tensors of one layer without biases (names relative to self_attn), float64.
 
     Rows act on u = x / gamma (input_layernorm written with weight 1); plan: the latent (attnkit.ops.latent_norm);
     q_lora_scale: None for a plain q_proj, else the q_lora read-out scale (q_a = identity on u)."""
+
     def on_u(rows):  # rows on x or [x; 1] -> rows on u, a constant column replaced by the anchor
         return substitute_constant(fold_gamma(rows, gamma), anchor)
 
@@ -136,9 +157,13 @@ def engine_tensors(layer: MLALayer, plan: NormPlan, s: MLAShape, *, gamma: torch
     if q_lora_scale is None:
         out["q_proj.weight"] = q
     else:
-        out.update({"q_a_proj.weight": torch.eye(n, dtype=torch.float64),
-                    "q_a_layernorm.weight": torch.ones(n, dtype=torch.float64),
-                    "q_b_proj.weight": q * q_lora_scale})
+        out.update(
+            {
+                "q_a_proj.weight": torch.eye(n, dtype=torch.float64),
+                "q_a_layernorm.weight": torch.ones(n, dtype=torch.float64),
+                "q_b_proj.weight": q * q_lora_scale,
+            }
+        )
     out["kv_a_proj_with_mqa.weight"] = torch.cat([plan.rows, on_u(layer.rope)])  # [R + P, n]
     out["kv_a_layernorm.weight"] = plan.norm_weight
     out["kv_b_proj.weight"] = per_query_head(layer.up, s) @ plan.readout.T  # [H*2D, R]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def refit_o(z_new: torch.Tensor, z_old: torch.Tensor, o_w: torch.Tensor, prior: torch.Tensor,
-            ridge: float = 1e-2) -> torch.Tensor:
+def refit_o(
+    z_new: torch.Tensor, z_old: torch.Tensor, o_w: torch.Tensor, prior: torch.Tensor, ridge: float = 1e-2
+) -> torch.Tensor:
     """argmin_O ||z_new O^T - z_old o_w^T||^2 + ridge * mean(diag(z_new^T z_new)) ||O - prior||^2.
 
     The ridge pulls toward `prior` (the folded o_proj), not toward zero. z_new, z_old: [N, H*D]

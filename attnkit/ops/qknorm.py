@@ -33,8 +33,12 @@ class LayerFit:
 
 def unit_fit(heads: int, kv_heads: int, dim: int, dtype=torch.float64) -> LayerFit:
     """All-ones weights: plain RMSNorm, no pre-scales."""
-    return LayerFit(torch.ones(dim, dtype=dtype), torch.ones(dim, dtype=dtype),
-                    torch.ones(heads, dim, dtype=dtype), torch.ones(kv_heads, dim, dtype=dtype))
+    return LayerFit(
+        torch.ones(dim, dtype=dtype),
+        torch.ones(dim, dtype=dtype),
+        torch.ones(heads, dim, dtype=dtype),
+        torch.ones(kv_heads, dim, dtype=dtype),
+    )
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -94,8 +98,19 @@ def _centered(x, p, visible):
     return (x - (p[..., None] * x).sum(-2, keepdim=True)).masked_fill(~visible[..., None], 0)
 
 
-def fit_layer(q, k, cos, sin, scaling: float, eps: float, method: str, *, window: int | None = None,
-              steps: int = 150, lr: float = 0.03) -> LayerFit:
+def fit_layer(
+    q,
+    k,
+    cos,
+    sin,
+    scaling: float,
+    eps: float,
+    method: str,
+    *,
+    window: int | None = None,
+    steps: int = 150,
+    lr: float = 0.03,
+) -> LayerFit:
     """Norm weights for one layer from calibration q [N, H, T, D], k [N, Hkv, T, D] (before RoPE and norm).
 
     scalar/lsq: weighted least squares of the row-centred logits (weights = source attention
@@ -126,10 +141,10 @@ def _least_squares(q, k, cos, sin, scaling, eps, target, visible, scalar: bool) 
     gram = torch.zeros(half, half, dtype=q.dtype)
     rhs = torch.zeros(half, dtype=q.dtype)
     for n in range(q.shape[0]):
-        t = target[n:n + 1]  # [1, H, T, T]
+        t = target[n : n + 1]  # [1, H, T, T]
         p = torch.softmax(t.masked_fill(~visible, float("-inf")), -1)
         y = _centered(t, p, visible)
-        feats = _centered(_pair_features(q[n:n + 1], k[n:n + 1], cos, sin, scaling, eps), p, visible)
+        feats = _centered(_pair_features(q[n : n + 1], k[n : n + 1], cos, sin, scaling, eps), p, visible)
         if scalar:
             feats = feats.sum(-1, keepdim=True).expand(*feats.shape[:-1], half)
         wf = feats * p[..., None]  # [1, H, T, T, D/2]
@@ -142,8 +157,12 @@ def _least_squares(q, k, cos, sin, scaling, eps, target, visible, scalar: bool) 
 
 def _descend(q, k, cos, sin, scaling, eps, start: LayerFit, target, visible, steps: int, lr: float) -> LayerFit:
     """Adam on (log a_q, log a_k, g_q, g_k) minimising the attention KL; keeps the best iterate."""
-    params = [start.a_q.log().clone().requires_grad_(), start.a_k.log().clone().requires_grad_(),
-              start.g_q.clone().requires_grad_(), start.g_k.clone().requires_grad_()]
+    params = [
+        start.a_q.log().clone().requires_grad_(),
+        start.a_k.log().clone().requires_grad_(),
+        start.g_q.clone().requires_grad_(),
+        start.g_k.clone().requires_grad_(),
+    ]
     opt = torch.optim.Adam(params, lr=lr)
     best, best_loss = start, float("inf")
     for _ in range(steps + 1):
@@ -159,6 +178,7 @@ def _descend(q, k, cos, sin, scaling, eps, start: LayerFit, target, visible, ste
 
 
 # ----- exact padding -----
+
 
 def pad_index(dim: int) -> torch.Tensor:
     """Positions of the D real dims inside D + 2: halves [0, D/2) and [D/2 + 1, D + 1); D/2 and D + 1 are the pads."""
@@ -192,6 +212,7 @@ def pad_norm_weight(dim: int, bias: float, eps: float, scale: float) -> torch.Te
 
 # --- anchor: the engine-safe retrofit (no bias tensors, a head size serving kernels take) ---------------------
 
+
 def widen_index(dim: int, new_dim: int) -> torch.Tensor:
     """Positions of the D real dims inside a rotate-half head of new_dim >= D: the halves [0, D/2) and
     [new_dim/2, new_dim/2 + D/2), so pair i stays a pair; the rest are pads."""
@@ -223,13 +244,13 @@ def anchor_slots(dim: int, new_dim: int, dropped_pair: int | None) -> tuple[int,
     return dropped_pair, [dropped_pair, dropped_pair + dim // 2]
 
 
-def weakest_pair(wq: torch.Tensor, wk: torch.Tensor, cov: torch.Tensor, heads: int, kv_heads: int,
-                 dim: int) -> int:
+def weakest_pair(wq: torch.Tensor, wk: torch.Tensor, cov: torch.Tensor, heads: int, kv_heads: int, dim: int) -> int:
     """The RoPE pair with the least logit energy: sum over query heads of E|q_pair|^2 E|k_pair|^2 (the pair's
     rows of its key head), from the input covariance.  wq: [H*D, n], wk: [Hkv*D, n], cov: [n, n]."""
+
     def pair_energy(w, count):  # [count, D/2]
         e = torch.einsum("ri,ij,rj->r", w, cov, w).reshape(count, dim)
-        return e[:, : dim // 2] + e[:, dim // 2:]
+        return e[:, : dim // 2] + e[:, dim // 2 :]
 
     eq, ek = pair_energy(wq.double(), heads), pair_energy(wk.double(), kv_heads)
     ek = ek.repeat_interleave(heads // kv_heads, dim=0)

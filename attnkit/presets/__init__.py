@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 
 from attnkit.errors import AttnkitError
@@ -30,13 +30,18 @@ def _validate(doc: dict, file: str) -> Preset:
     if unknown or missing or "model_type" not in doc.get("config", {}):
         raise AttnkitError(f"invalid preset file {file}: unknown {sorted(unknown)}, missing {sorted(missing)}")
     return Preset(
-        name=doc["name"], source=doc["source"], url=doc["url"], parameters=int(doc["parameters"]),
-        weight_dtype=doc.get("weight_dtype", "bf16"), config=doc["config"],
-        aliases=tuple(doc.get("aliases", ())), notes=doc.get("notes", ""),
+        name=doc["name"],
+        source=doc["source"],
+        url=doc["url"],
+        parameters=int(doc["parameters"]),
+        weight_dtype=doc.get("weight_dtype", "bf16"),
+        config=doc["config"],
+        aliases=tuple(doc.get("aliases", ())),
+        notes=doc.get("notes", ""),
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def all_presets() -> dict[str, Preset]:
     """Presets keyed by lower-case name."""
     presets: dict[str, Preset] = {}

@@ -11,7 +11,7 @@ attnkit.runtime.streaming.load_for_calibration, which keeps only the running dec
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from attnkit.errors import AttnkitError
 
@@ -110,5 +110,3 @@ def calibrate(model, windows, module_names: list[str], on_layer: Callable[..., d
             handle.remove()
     if sorted(reached) != list(range(len(module_names))):
         raise AttnkitError(f"calibration reached {len(reached)} of {len(module_names)} attention layers")
-
-

@@ -10,8 +10,8 @@ with a forward hook on the top-level model. SDPA cannot soft-cap, so a capped mo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 #: Name of attnkit's attention function in transformers' AttentionInterface.
 ATTN_NAME = "attnkit_softcap"
@@ -99,8 +99,7 @@ def _final_cap_hook(cap: float):
         output.logits = cap * torch.tanh(output.logits / cap)
         labels = kwargs.get("labels")
         if labels is not None and getattr(output, "loss", None) is not None:
-            output.loss = module.loss_function(logits=output.logits, labels=labels,
-                                               vocab_size=output.logits.shape[-1])
+            output.loss = module.loss_function(logits=output.logits, labels=labels, vocab_size=output.logits.shape[-1])
         return output
 
     return hook

@@ -16,11 +16,15 @@ def greedy(loaded, prompt: str, new_tokens: int) -> str | None:
     if tokenizer is None:
         return None
     ids = torch.tensor([prompt_ids(tokenizer, prompt)], device=loaded.device)  # [1, T]
-    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+    )
     with torch.no_grad():
         out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)  # [1, T + n]
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def cache_check(model, prompt_len: int = 8, new_tokens: int = 4) -> dict:
@@ -29,11 +33,21 @@ def cache_check(model, prompt_len: int = 8, new_tokens: int = 4) -> dict:
 
     ids = torch.arange(3, 3 + prompt_len, device=model.device)[None] % model.config.vocab_size
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             return_dict_in_generate=True, pad_token_id=model.config.pad_token_id)
+        out = model.generate(
+            ids,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+            pad_token_id=model.config.pad_token_id,
+        )
     layer = out.past_key_values.layers[0]
     k, v = layer.keys, layer.values  # [B, 1, T, R] and [B, 1, T, P]
     tokens = k.shape[2]
     per_token = (k.numel() + v.numel()) // (k.shape[0] * tokens)
-    return {"key_shape": list(k.shape), "value_shape": list(v.shape), "tokens": tokens,
-            "values_per_token_layer": per_token}
+    return {
+        "key_shape": list(k.shape),
+        "value_shape": list(v.shape),
+        "tokens": tokens,
+        "values_per_token_layer": per_token,
+    }

@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from attnkit.errors import AttnkitError
 
-PROBE = "attnkit_probe"              # wraps sdpa, gets sdpa's boolean masks
+PROBE = "attnkit_probe"  # wraps sdpa, gets sdpa's boolean masks
 PROBE_EAGER = "attnkit_probe_eager"  # wraps the model's own eager function, gets additive float masks
 PROBE_SOFTCAP = "attnkit_probe_softcap"  # wraps attnkit_softcap (runtime/capped_attention.py), additive float masks
 _BASES = {PROBE: "sdpa", PROBE_EAGER: "eager", PROBE_SOFTCAP: "attnkit_softcap"}

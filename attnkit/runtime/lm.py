@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 #: Elements of one fp32 logits chunk (64 MiB).
 CHUNK_ELEMENTS = 1 << 24
@@ -49,13 +49,13 @@ def final_hidden(model, ids):
     return hidden
 
 
-def logit_chunks(model, hidden) -> Iterator[tuple[int, "object"]]:
+def logit_chunks(model, hidden) -> Iterator[tuple[int, object]]:
     """Yield (start, fp32 logits [B, c, V]) over positions of hidden [B, T, d]."""
     batch, seq = hidden.shape[:2]
     vocab = model.get_output_embeddings().weight.shape[0]
     step = max(1, CHUNK_ELEMENTS // max(1, batch * vocab))
     for start in range(0, seq, step):
-        yield start, _head_logits(model, hidden[:, start:start + step])
+        yield start, _head_logits(model, hidden[:, start : start + step])
 
 
 def _input_device(model):

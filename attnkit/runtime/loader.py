@@ -9,8 +9,14 @@ from attnkit.errors import AttnkitError, UsageError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: kvmem's short spellings, accepted wherever a --dtype names a torch dtype.
-DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16",
-                 "half": "float16"}
+DTYPE_ALIASES = {
+    "fp32": "float32",
+    "f32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+}
 
 
 def dtype_name(dtype: str) -> str:
@@ -18,8 +24,9 @@ def dtype_name(dtype: str) -> str:
     name = str(dtype).strip().lower()
     name = DTYPE_ALIASES.get(name, name)
     if name not in DTYPES:
-        raise UsageError(f"unknown --dtype {dtype!r}; choose from auto, float32 (fp32), bfloat16 (bf16) or "
-                         "float16 (fp16)")
+        raise UsageError(
+            f"unknown --dtype {dtype!r}; choose from auto, float32 (fp32), bfloat16 (bf16) or float16 (fp16)"
+        )
     return name
 
 
@@ -118,8 +125,15 @@ def check_models(refs: list[str], device: str, dtype: str) -> None:
         check_checkpoint(ckpt)
 
 
-def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_map: str | None = None,
-               trust_remote_code: bool = False, attn_implementation: str | None = None) -> LoadedModel:
+def load_model(
+    ref: str,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    device_map: str | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+) -> LoadedModel:
     """Resolve `ref` and load it with AutoModelForCausalLM. A GGUF file is dequantized once into the cache
     (attnkit.io.gguf_load.dequantized) and loaded from there. transformers' own progress bars are turned off:
     attnkit's commands show theirs (attnkit.progress)."""
@@ -155,8 +169,9 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_ma
         raise AttnkitError(f"{ref}: cannot load model ({type(exc).__name__}: {exc})") from None
     missing = sorted(info["missing_keys"])
     if missing:  # transformers would run them with random values
-        raise AttnkitError(f"{ref}: incomplete checkpoint: {len(missing)} weight(s) the model needs are missing, "
-                           f"e.g. {missing[0]!r}")
+        raise AttnkitError(
+            f"{ref}: incomplete checkpoint: {len(missing)} weight(s) the model needs are missing, e.g. {missing[0]!r}"
+        )
     bad = next((name for name, p in model.named_parameters() if not is_finite(p.detach())), None)
     if bad is not None:
         raise AttnkitError(f"{ref}: tensor {bad!r} holds NaN or Inf")
@@ -165,8 +180,13 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto", device_ma
     tokenizer = load_tokenizer(ckpt.root)
     model.eval()
     apply_softcaps(model)  # config soft-caps that stock transformers ignores for this family
-    return LoadedModel(model=model, tokenizer=tokenizer, checkpoint=ckpt,
-                       device=next(model.parameters()).device if device_map else dev, dtype=torch_dtype)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        checkpoint=ckpt,
+        device=next(model.parameters()).device if device_map else dev,
+        dtype=torch_dtype,
+    )
 
 
 def unwrap(model):

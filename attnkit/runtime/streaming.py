@@ -57,8 +57,9 @@ def load_streaming(ref: str, device: str = "auto"):
         layer.register_forward_hook(_dropper, with_kwargs=True)
     model.eval()
     apply_softcaps(model)
-    return LoadedModel(model=model, tokenizer=load_tokenizer(ckpt.root), checkpoint=ckpt, device=dev,
-                       dtype=torch.float32)
+    return LoadedModel(
+        model=model, tokenizer=load_tokenizer(ckpt.root), checkpoint=ckpt, device=dev, dtype=torch.float32
+    )
 
 
 def load_for_calibration(ref: str, device: str = "auto"):
@@ -75,8 +76,11 @@ def _decoder_layers(model) -> list[tuple[str, object]]:
     """[(qualified name, module)] of the decoder layers: the children of the `layers` ModuleList."""
     import torch
 
-    found = [(name, module) for name, module in model.named_modules()
-             if re.search(r"(^|\.)(layers|h)$", name) and isinstance(module, torch.nn.ModuleList)]
+    found = [
+        (name, module)
+        for name, module in model.named_modules()
+        if re.search(r"(^|\.)(layers|h)$", name) and isinstance(module, torch.nn.ModuleList)
+    ]
     if len(found) != 1:
         raise StreamingUnsupported(f"{type(model).__name__}: no single decoder layer list to stream")
     prefix, layers = found[0]
@@ -86,11 +90,16 @@ def _decoder_layers(model) -> list[tuple[str, object]]:
 def _check_names(ref: str, model, layers, layer_param_ids: set[int], stored: set[str]) -> None:
     """Every non-layer parameter loaded, every layer parameter present in the checkpoint under its own name."""
     left = [n for n, p in model.named_parameters() if id(p) not in layer_param_ids and p.is_meta]
-    missing = [f"{prefix}.{n}" for prefix, layer in layers for n, _ in layer.named_parameters()
-               if f"{prefix}.{n}" not in stored]
+    missing = [
+        f"{prefix}.{n}"
+        for prefix, layer in layers
+        for n, _ in layer.named_parameters()
+        if f"{prefix}.{n}" not in stored
+    ]
     if left or missing:
-        raise StreamingUnsupported(f"{ref}: checkpoint tensors do not match the model's parameters "
-                                   f"(e.g. {(left + missing)[0]})")
+        raise StreamingUnsupported(
+            f"{ref}: checkpoint tensors do not match the model's parameters (e.g. {(left + missing)[0]})"
+        )
 
 
 def _set(module, name: str, value, device) -> None:

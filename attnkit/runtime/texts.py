@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from attnkit.errors import AttnkitError, UsageError
+from attnkit.units import MAX_TOKENS, check_bounds
 
 #: Bytes read at a time when checking that a text file is UTF-8.
 CHECK_CHUNK = 1 << 20
@@ -88,8 +89,8 @@ def _pieces(fh) -> Iterator[str]:
             carry = ""
             yield block
             continue
-        carry = block[cut + 1:]
-        yield block[:cut + 1]
+        carry = block[cut + 1 :]
+        yield block[: cut + 1]
     if carry:
         yield carry
 
@@ -190,7 +191,7 @@ def text_prefix(tokenizer) -> list[int]:
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a")["input_ids"]
     for start in range(len(full) - len(plain) + 1):
-        if full[start:start + len(plain)] == plain:
+        if full[start : start + len(plain)] == plain:
             return list(full[:start])
     return []
 
@@ -205,8 +206,13 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     return text_prefix(tokenizer) + encode(tokenizer, prompt)
 
 
-def token_windows(pieces: Iterable[tuple[list[int], bool]], prefix: list[int], eos: int | None, seq_len: int,
-                  max_windows: int | None = None):
+def token_windows(
+    pieces: Iterable[tuple[list[int], bool]],
+    prefix: list[int],
+    eos: int | None,
+    seq_len: int,
+    max_windows: int | None = None,
+):
     """LongTensor [N, seq_len] from tokenized pieces (ids, starts a document): each window is `prefix` and then
     seq_len - len(prefix) tokens of the stream of documents joined by EOS + `prefix`; at most `max_windows`
     full windows, reading no further than they need. Returns (windows, tokens of the stream read)."""
@@ -225,7 +231,7 @@ def token_windows(pieces: Iterable[tuple[list[int], bool]], prefix: list[int], e
     n = len(stream) // body
     if max_windows is not None:
         n = min(n, max_windows)
-    rows = [prefix + stream[w * body:(w + 1) * body] for w in range(n)]
+    rows = [prefix + stream[w * body : (w + 1) * body] for w in range(n)]
     return torch.tensor(rows, dtype=torch.long).view(n, seq_len), len(stream)
 
 
@@ -237,28 +243,52 @@ def _tokenized(tokenizer, texts) -> Iterator[tuple[list[int], bool]]:
         yield encode(tokenizer, piece), starts
 
 
-def make_windows(tokenizer, texts, seq_len: int, max_tokens: int | None = None, *,
-                 flags: tuple[str, str] = ("--seq-len", "--max-tokens")):
+def check_window_options(
+    seq_len: int, max_tokens: int | None, flags: tuple[str, str] = ("--seq-len", "--max-tokens")
+) -> None:
+    """A window length of at least 2 tokens, and a token budget (when given) that holds one window; both bounded
+    (attnkit.units). `flags` name the options, for the messages."""
+    seq_flag, tokens_flag = flags
+    check_bounds(seq_flag, seq_len, 2, MAX_TOKENS)
+    if max_tokens is not None:
+        check_bounds(tokens_flag, max_tokens, 1, MAX_TOKENS)
+        if max_tokens < seq_len:
+            raise UsageError(f"{tokens_flag} {max_tokens} is shorter than one window ({seq_flag} {seq_len})")
+
+
+def make_windows(
+    tokenizer,
+    texts,
+    seq_len: int,
+    max_tokens: int | None = None,
+    *,
+    flags: tuple[str, str] = ("--seq-len", "--max-tokens"),
+):
     """LongTensor [N, seq_len] of `texts` (Texts or document strings), <= max_tokens in all: every window starts
     as the tokenizer starts a text (see text_prefix) and holds seq_len tokens in all. `flags` name the options
     that set seq_len and max_tokens, for the messages."""
-    seq_flag, tokens_flag = flags
-    if seq_len < 2:
-        raise UsageError(f"{seq_flag} must be at least 2")
-    if max_tokens is not None and max_tokens < seq_len:
-        raise UsageError(f"{tokens_flag} {max_tokens} is shorter than one window ({seq_flag} {seq_len})")
+    seq_flag, _ = flags
+    check_window_options(seq_len, max_tokens, flags)
     if tokenizer is None:
         raise AttnkitError("the checkpoint has no tokenizer; cannot turn text into tokens")
     prefix = text_prefix(tokenizer)
     if seq_len <= len(prefix) + 1:
-        raise UsageError(f"{seq_flag} {seq_len} leaves no room for text after the tokenizer's {len(prefix)} "
-                         "start token(s)")
-    windows, read = token_windows(_tokenized(tokenizer, texts), prefix, tokenizer.eos_token_id, seq_len,
-                                  None if max_tokens is None else max_tokens // seq_len)
+        raise UsageError(
+            f"{seq_flag} {seq_len} leaves no room for text after the tokenizer's {len(prefix)} start token(s)"
+        )
+    windows, read = token_windows(
+        _tokenized(tokenizer, texts),
+        prefix,
+        tokenizer.eos_token_id,
+        seq_len,
+        None if max_tokens is None else max_tokens // seq_len,
+    )
     if windows.shape[0] == 0:
         after = f" after the tokenizer's {len(prefix)} start token(s)" if prefix else ""
-        raise AttnkitError(f"the text has {read} tokens, shorter than one window of {seq_len}{after}; "
-                           f"give more text or a smaller {seq_flag}")
+        raise AttnkitError(
+            f"the text has {read} tokens, shorter than one window of {seq_len}{after}; "
+            f"give more text or a smaller {seq_flag}"
+        )
     return windows
 
 
@@ -267,4 +297,4 @@ def batches(windows, batch_size: int) -> Iterator:
     if batch_size < 1:
         raise UsageError("--batch-size must be at least 1")
     for start in range(0, windows.shape[0], batch_size):
-        yield windows[start:start + batch_size]
+        yield windows[start : start + batch_size]

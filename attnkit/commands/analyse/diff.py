@@ -54,8 +54,16 @@ def config_changes(a: dict, b: dict) -> list[dict]:
     """Keys whose value differs (missing on one side: null there), in A's key order, then B's new keys."""
     fa, fb = flatten(a), flatten(b)
     keys = list(dict.fromkeys([*fa, *fb]))
-    return [{"key": k, "a": fa.get(k), "b": fb.get(k), "change": "added" if k not in fa else
-             "removed" if k not in fb else "changed"} for k in keys if fa.get(k, _MISSING) != fb.get(k, _MISSING)]
+    return [
+        {
+            "key": k,
+            "a": fa.get(k),
+            "b": fb.get(k),
+            "change": "added" if k not in fa else "removed" if k not in fb else "changed",
+        }
+        for k in keys
+        if fa.get(k, _MISSING) != fb.get(k, _MISSING)
+    ]
 
 
 _MISSING = object()
@@ -69,11 +77,28 @@ def tensor_changes(src_a, src_b, values: bool) -> tuple[list[dict], int]:
     rows = []
     for name in dict.fromkeys([*ha, *hb]):
         ia, ib = ha.get(name), hb.get(name)
-        change = ("added" if ia is None else "removed" if ib is None else "reshaped" if ia.shape != ib.shape
-                  else "recast" if ia.dtype != ib.dtype else None)
-        rows.append({"name": name, "change": change, "shape_a": list(ia.shape) if ia else None,
-                     "shape_b": list(ib.shape) if ib else None, "dtype_a": ia.dtype if ia else None,
-                     "dtype_b": ib.dtype if ib else None, "rel_change": None})
+        change = (
+            "added"
+            if ia is None
+            else "removed"
+            if ib is None
+            else "reshaped"
+            if ia.shape != ib.shape
+            else "recast"
+            if ia.dtype != ib.dtype
+            else None
+        )
+        rows.append(
+            {
+                "name": name,
+                "change": change,
+                "shape_a": list(ia.shape) if ia else None,
+                "shape_b": list(ib.shape) if ib else None,
+                "dtype_a": ia.dtype if ia else None,
+                "dtype_b": ib.dtype if ib else None,
+                "rel_change": None,
+            }
+        )
     if values:
         _compare_values(src_a, src_b, [r for r in rows if r["change"] in (None, "recast")])
     changed = [r for r in rows if r["change"] is not None]
@@ -84,9 +109,11 @@ def _compare_values(src_a, src_b, rows: list[dict]) -> None:
     """Fill rel_change (and change = "values" where they differ) for tensors of one shape on both sides."""
     import torch
 
-
-    with LazyReader(src_a.ckpt.weight_files) as ra, LazyReader(src_b.ckpt.weight_files) as rb, \
-            phase("comparing tensors", len(rows), "tensors") as advance:
+    with (
+        LazyReader(src_a.ckpt.weight_files) as ra,
+        LazyReader(src_b.ckpt.weight_files) as rb,
+        phase("comparing tensors", len(rows), "tensors") as advance,
+    ):
         for row in rows:
             ta, tb = ra.get(row["name"]), rb.get(row["name"])
             if ta.is_floating_point() or tb.is_floating_point():
@@ -107,9 +134,15 @@ def layout(src) -> dict:
     """Attention layout and KV bytes per token (bf16, the same basis for both sides)."""
 
     spec = src.spec
-    return {"model_type": spec.model_type, "variant": spec.variant, "layers": spec.num_layers,
-            "heads": spec.num_heads, "kv_heads": spec.num_kv_heads if spec.mla is None else None,
-            "head_dim": spec.head_dim, "kv_bytes_per_token_bf16": bytes_per_token(spec, cache_dtype("bf16"))}
+    return {
+        "model_type": spec.model_type,
+        "variant": spec.variant,
+        "layers": spec.num_layers,
+        "heads": spec.num_heads,
+        "kv_heads": spec.num_kv_heads if spec.mla is None else None,
+        "head_dim": spec.head_dim,
+        "kv_bytes_per_token_bf16": bytes_per_token(spec, cache_dtype("bf16")),
+    }
 
 
 def probe_deltas(req: DiffRequest) -> dict:
@@ -123,8 +156,7 @@ def probe_deltas(req: DiffRequest) -> dict:
     del a
     b = load_model(req.b, device=req.device, dtype=req.dtype)
     if b.model.config.vocab_size != vocab:
-        raise AttnkitError(f"probe deltas need one vocabulary: A has {vocab} tokens, B "
-                           f"{b.model.config.vocab_size}")
+        raise AttnkitError(f"probe deltas need one vocabulary: A has {vocab} tokens, B {b.model.config.vocab_size}")
     pb = probe(b, windows, name="B")
     heads_b = {(r["layer"], r["head"]): r for r in pb.heads}
     rows = []
@@ -137,9 +169,15 @@ def probe_deltas(req: DiffRequest) -> dict:
             row[f"{key}_a"], row[f"{key}_b"] = ra[key], rb[key]
             row[f"{key}_delta"] = None if ra[key] is None or rb[key] is None else rb[key] - ra[key]
         rows.append(row)
-    return {"tokens": int(windows.numel()), "windows": int(windows.shape[0]), "seq_len": req.seq_len,
-            "heads": rows, "final": {k: {"a": pa.final.get(k), "b": pb.final.get(k)}
-                                     for k in ("final_logit_max", "final_logz_mean", "z_loss")}}
+    return {
+        "tokens": int(windows.numel()),
+        "windows": int(windows.shape[0]),
+        "seq_len": req.seq_len,
+        "heads": rows,
+        "final": {
+            k: {"a": pa.final.get(k), "b": pb.final.get(k)} for k in ("final_logit_max", "final_logz_mean", "z_loss")
+        },
+    }
 
 
 def check_request(req: DiffRequest):
@@ -156,10 +194,16 @@ def diff_models(req: DiffRequest) -> dict:
     """The report of `attnkit diff` (see docs/diff.md)."""
     src_a, src_b = check_request(req)
     tensors, identical = tensor_changes(src_a, src_b, req.values)
-    report = {"a": req.a, "b": req.b, "layout": {"a": layout(src_a), "b": layout(src_b)},
-              "config": config_changes(src_a.raw_config(), src_b.raw_config()),
-              "tensors": tensors, "tensors_unchanged": identical,
-              "values_compared": req.values, "probe": None}
+    report = {
+        "a": req.a,
+        "b": req.b,
+        "layout": {"a": layout(src_a), "b": layout(src_b)},
+        "config": config_changes(src_a.raw_config(), src_b.raw_config()),
+        "tensors": tensors,
+        "tensors_unchanged": identical,
+        "values_compared": req.values,
+        "probe": None,
+    }
     if req.texts:
         report["probe"] = probe_deltas(req)
     return report

@@ -4,16 +4,16 @@ the scoring every command shares (rewrite reports, heal)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
-from attnkit.errors import AttnkitError, UsageError
+from attnkit.errors import AttnkitError
 from attnkit.progress import phase
 from attnkit.runtime import load_model, make_windows
 from attnkit.runtime.lm import final_hidden, logit_chunks
 from attnkit.runtime.loader import check_models, unwrap
-from attnkit.runtime.texts import batches, check_text_files, read_texts
-from attnkit.units import MAX_COUNT, MAX_TOKENS, check_bounds
+from attnkit.runtime.texts import batches, check_text_files, check_window_options, read_texts
+from attnkit.units import MAX_COUNT, check_bounds
 
 
 @dataclass
@@ -43,8 +43,9 @@ def _log_probs(model, ids):
         yield start, logits.log_softmax(-1)
 
 
-def evaluate(model, windows, *, reference=None, batch_size: int = 1,
-             progress: Callable[[int], None] | None = None) -> EvalResult:
+def evaluate(
+    model, windows, *, reference=None, batch_size: int = 1, progress: Callable[[int], None] | None = None
+) -> EvalResult:
     """NLL/perplexity of `model` on windows [N, T]; with `reference`, KL(ref || model) and top-1 agreement.
 
     Models are LoadedModel or nn.Module; both see identical windows. Sums are kept in float64.
@@ -52,7 +53,6 @@ def evaluate(model, windows, *, reference=None, batch_size: int = 1,
     import math
 
     import torch
-
 
     model, reference = unwrap(model), unwrap(reference) if reference is not None else None
     nll_sum = ref_nll_sum = kl_sum = 0.0
@@ -65,15 +65,17 @@ def evaluate(model, windows, *, reference=None, batch_size: int = 1,
             targets = ids[:, 1:]  # [B, T-1]
             ref_chunks = _log_probs(reference, ids) if reference is not None else None
             for start, logp in _log_probs(model, ids):  # logp [B, c, V]
-                tgt = targets[:, start:start + logp.shape[1]].to(logp.device)  # [B, c]
+                tgt = targets[:, start : start + logp.shape[1]].to(logp.device)  # [B, c]
                 nll_sum -= logp.gather(-1, tgt.unsqueeze(-1)).sum(dtype=torch.float64).item()
                 predicted += tgt.numel()
                 if ref_chunks is not None:
                     _, ref_logp = next(ref_chunks)
                     ref_logp = ref_logp.to(logp.device)
                     if ref_logp.shape != logp.shape:
-                        raise AttnkitError(f"vocabularies differ: reference has {ref_logp.shape[-1]} tokens, "
-                                           f"model has {logp.shape[-1]}")
+                        raise AttnkitError(
+                            f"vocabularies differ: reference has {ref_logp.shape[-1]} tokens, "
+                            f"model has {logp.shape[-1]}"
+                        )
                     ref_nll_sum -= ref_logp.gather(-1, tgt.unsqueeze(-1)).sum(dtype=torch.float64).item()
                     kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # [B, c]
                     kl_sum += kl.sum(dtype=torch.float64).item()
@@ -109,11 +111,7 @@ class EvalRequest:
 def check_request(req: EvalRequest):
     """Options, text files and both models, before the first model loads; the text inputs (attnkit.runtime.texts)."""
 
-    check_bounds("--seq-len", req.seq_len, 2, MAX_TOKENS)
-    if req.max_tokens is not None:
-        check_bounds("--max-tokens", req.max_tokens, 1, MAX_TOKENS)
-        if req.max_tokens < req.seq_len:
-            raise UsageError(f"--max-tokens {req.max_tokens} is shorter than one window (--seq-len {req.seq_len})")
+    check_window_options(req.seq_len, req.max_tokens)
     check_bounds("--batch-size", req.batch_size, 1, MAX_COUNT)
     check_text_files(req.texts)
     texts = read_texts(req.texts, req.text)
@@ -130,5 +128,11 @@ def run_eval(req: EvalRequest, log: Callable[[str], None] = lambda message: None
     ref = load_model(req.reference, device=req.device, dtype=req.dtype) if req.reference else None
     log(f"scoring {windows.shape[0]} window(s) of {req.seq_len} tokens")
     result = evaluate(loaded, windows, reference=ref, batch_size=req.batch_size)
-    return {"model": req.model, "reference": req.reference, "seq_len": req.seq_len, "windows": int(windows.shape[0]),
-            "dtype": str(loaded.dtype).removeprefix("torch."), **result.to_dict()}
+    return {
+        "model": req.model,
+        "reference": req.reference,
+        "seq_len": req.seq_len,
+        "windows": int(windows.shape[0]),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        **result.to_dict(),
+    }

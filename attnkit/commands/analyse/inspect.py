@@ -28,7 +28,9 @@ def inspect_model(ref: str) -> dict:
         "layers": spec.num_layers,
         "query heads (H)": spec.num_heads,
         "KV heads (Hkv)": spec.num_kv_heads if spec.mla is None else "-",
-        "head dim (D)": spec.head_dim if spec.head_dim == spec.v_head_dim else f"qk {spec.head_dim}, v {spec.v_head_dim}",
+        "head dim (D)": spec.head_dim
+        if spec.head_dim == spec.v_head_dim
+        else f"qk {spec.head_dim}, v {spec.v_head_dim}",
         "hidden size": spec.hidden_size,
         "variant": spec.variant,
         "MLA kv_lora_rank + rope": f"{spec.mla.kv_lora_rank} + {spec.mla.qk_rope_head_dim}" if spec.mla else "-",

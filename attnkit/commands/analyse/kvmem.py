@@ -15,8 +15,15 @@ class GpuBudget:
     reserve_bytes: int = 0  # activations, CUDA context, fragmentation
 
 
-def kvmem_rows(info: ModelInfo, variants: list[str], dtypes: list[str], contexts: list[int],
-               batches: list[int], gpu: GpuBudget | None, weight_dtype: str | None) -> list[dict]:
+def kvmem_rows(
+    info: ModelInfo,
+    variants: list[str],
+    dtypes: list[str],
+    contexts: list[int],
+    batches: list[int],
+    gpu: GpuBudget | None,
+    weight_dtype: str | None,
+) -> list[dict]:
     """One row per (variant, dtype, context, batch)."""
     rows = []
     weights = info.weights_bytes_as(weight_dtype)
@@ -29,8 +36,11 @@ def kvmem_rows(info: ModelInfo, variants: list[str], dtypes: list[str], contexts
             for context in contexts:
                 for batch in batches:
                     row = {
-                        "variant": variant, "attention": spec.variant, "dtype": dtype.name,
-                        "context": context, "batch": batch,
+                        "variant": variant,
+                        "attention": spec.variant,
+                        "dtype": dtype.name,
+                        "context": context,
+                        "batch": batch,
                         "bytes_per_token": per_token,
                         "kv_bytes": kvcache.kv_bytes(spec, dtype, context, batch),
                         "exceeds_max_positions": bool(max_positions and context > max_positions),

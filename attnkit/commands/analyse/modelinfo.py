@@ -56,9 +56,15 @@ def model_info(ref: str, *, use_presets: bool = True) -> ModelInfo:
     preset = find_preset(ref) if use_presets else None
     if preset is not None:
         return ModelInfo(
-            ref=ref, kind="preset", config=preset.config, spec=attention_spec(preset.config),
-            parameters=preset.parameters, weight_bytes=None, parameters_origin="preset",
-            weight_dtype=preset.weight_dtype, source=f"{preset.source} ({preset.url})",
+            ref=ref,
+            kind="preset",
+            config=preset.config,
+            spec=attention_spec(preset.config),
+            parameters=preset.parameters,
+            weight_bytes=None,
+            parameters_origin="preset",
+            weight_dtype=preset.weight_dtype,
+            source=f"{preset.source} ({preset.url})",
         )
     from attnkit.io.resolve import resolve  # presets need no file reading
 
@@ -68,9 +74,16 @@ def model_info(ref: str, *, use_presets: bool = True) -> ModelInfo:
     spec = attention_spec(ckpt.config)
     params, nbytes, origin, names = _weights(ckpt, spec)
     return ModelInfo(
-        ref=ref, kind=ckpt.kind, config=ckpt.config, spec=spec, parameters=params,
-        weight_bytes=nbytes, parameters_origin=origin, weight_dtype=config_weight_dtype(ckpt.config),
-        source=ckpt.repo_id, tensor_names=names,
+        ref=ref,
+        kind=ckpt.kind,
+        config=ckpt.config,
+        spec=spec,
+        parameters=params,
+        weight_bytes=nbytes,
+        parameters_origin=origin,
+        weight_dtype=config_weight_dtype(ckpt.config),
+        source=ckpt.repo_id,
+        tensor_names=names,
     )
 
 
@@ -85,8 +98,10 @@ def _check_not_a_typo(ref: str) -> None:
         return
     close = suggest(ref)
     if close is not None:
-        raise UsageError(f"{ref!r} is neither a preset nor a file or folder; did you mean {close}? "
-                         "(attnkit presets lists the presets)")
+        raise UsageError(
+            f"{ref!r} is neither a preset nor a file or folder; did you mean {close}? "
+            "(attnkit presets lists the presets)"
+        )
 
 
 def _weights(ckpt: Checkpoint, spec: AttentionSpec) -> tuple[int, float | None, str, tuple[str, ...]]:
@@ -113,8 +128,12 @@ def _weights(ckpt: Checkpoint, spec: AttentionSpec) -> tuple[int, float | None, 
         from attnkit.io.complete import checked_weights
 
         infos, _ = checked_weights(dataclasses.replace(ckpt, weight_files=files), get_arch(spec.model_type), spec)
-        return (sum(i.numel for i in infos.values()), float(sum(i.nbytes for i in infos.values())),
-                "headers", tuple(infos))
+        return (
+            sum(i.numel for i in infos.values()),
+            float(sum(i.nbytes for i in infos.values())),
+            "headers",
+            tuple(infos),
+        )
     from attnkit.param_count import estimate_parameters
 
     return estimate_parameters(ckpt.config, spec), None, "estimate", ()

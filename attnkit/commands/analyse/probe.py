@@ -5,8 +5,8 @@ rules of attnkit.commands.analyse.probe_rules) and the before/after summary rewr
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from attnkit.commands.analyse.probe_report import PLOT_SUFFIXES, TABLE_SUFFIXES, check_output_path, plot, write_table
 from attnkit.commands.analyse.probe_rules import max_logit_limit, parse_rule
@@ -17,8 +17,8 @@ from attnkit.runtime import load_model, make_windows
 from attnkit.runtime.hook import attention_hook, layer_index
 from attnkit.runtime.lm import final_hidden, logit_chunks
 from attnkit.runtime.loader import check_models, unwrap
-from attnkit.runtime.texts import batches, check_text_files, read_texts
-from attnkit.units import MAX_COUNT, MAX_TOKENS, check_bounds
+from attnkit.runtime.texts import batches, check_text_files, check_window_options, read_texts
+from attnkit.units import MAX_COUNT, check_bounds
 
 
 @dataclass
@@ -35,8 +35,16 @@ class ProbeResult:
     final: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "tokens": self.tokens, "windows": self.windows, "seq_len": self.seq_len,
-                "threshold": self.threshold, "z_lambda": self.z_lambda, "final": self.final, "heads": self.heads}
+        return {
+            "model": self.model,
+            "tokens": self.tokens,
+            "windows": self.windows,
+            "seq_len": self.seq_len,
+            "threshold": self.threshold,
+            "z_lambda": self.z_lambda,
+            "final": self.final,
+            "heads": self.heads,
+        }
 
 
 def _f(x) -> float | None:
@@ -52,25 +60,47 @@ def _head_rows(name: str, layers: dict) -> list[dict]:
         for h in range(st.heads):
             n = float(st.logits.n[h])
             kv = h // groups
-            rows.append({
-                "model": name, "layer": layer, "head": h, "kv_head": kv, "window": st.window, "scores": int(n),
-                "max_logit": _f(st.logits.max[h]), "max_logit_precap": _f(st.precap_max[h]),
-                "min_logit": _f(st.logits.min[h]), "mean_logit": _f(st.logits.mean[h]), "std_logit": _f(st.logits.std[h]),
-                "frac_above": float(st.above[h]) / n if n else None,
-                "logz_mean": _f(st.logz.mean[h]), "logz_std": _f(st.logz.std[h]),
-                "logz_min": _f(st.logz.min[h]), "logz_max": _f(st.logz.max[h]),
-                "entropy_mean": _f(st.entropy.mean[h]), "max_prob_mean": _f(st.max_prob.mean[h]),
-                "q_rms_mean": _f(st.q_rms.mean[h]), "q_rms_max": _f(st.q_rms.max[h]),
-                "k_rms_mean": _f(st.k_rms.mean[kv]), "k_rms_max": _f(st.k_rms.max[kv]),
-            })
+            rows.append(
+                {
+                    "model": name,
+                    "layer": layer,
+                    "head": h,
+                    "kv_head": kv,
+                    "window": st.window,
+                    "scores": int(n),
+                    "max_logit": _f(st.logits.max[h]),
+                    "max_logit_precap": _f(st.precap_max[h]),
+                    "min_logit": _f(st.logits.min[h]),
+                    "mean_logit": _f(st.logits.mean[h]),
+                    "std_logit": _f(st.logits.std[h]),
+                    "frac_above": float(st.above[h]) / n if n else None,
+                    "logz_mean": _f(st.logz.mean[h]),
+                    "logz_std": _f(st.logz.std[h]),
+                    "logz_min": _f(st.logz.min[h]),
+                    "logz_max": _f(st.logz.max[h]),
+                    "entropy_mean": _f(st.entropy.mean[h]),
+                    "max_prob_mean": _f(st.max_prob.mean[h]),
+                    "q_rms_mean": _f(st.q_rms.mean[h]),
+                    "q_rms_max": _f(st.q_rms.max[h]),
+                    "k_rms_mean": _f(st.k_rms.mean[kv]),
+                    "k_rms_max": _f(st.k_rms.max[kv]),
+                }
+            )
     return rows
 
 
-def probe(model, windows, *, threshold: float = 100.0, z_lambda: float = 1e-4, batch_size: int = 1,
-          progress: Callable[[int], None] | None = None, name: str = "model") -> ProbeResult:
+def probe(
+    model,
+    windows,
+    *,
+    threshold: float = 100.0,
+    z_lambda: float = 1e-4,
+    batch_size: int = 1,
+    progress: Callable[[int], None] | None = None,
+    name: str = "model",
+) -> ProbeResult:
     """Run `model` (LoadedModel or nn.Module) over windows [N, T] and collect per-head attention statistics."""
     import torch
-
 
     model = unwrap(model)
     layers: dict[int, LayerStats] = {}
@@ -83,10 +113,16 @@ def probe(model, windows, *, threshold: float = 100.0, z_lambda: float = 1e-4, b
             st = layers[layer] = LayerStats(query.shape[1], key.shape[1], threshold, kwargs.get("sliding_window"))
         scaling = kwargs.get("scaling")
         causal = kwargs.get("is_causal")
-        accumulate_attention(st, query.detach(), key.detach(), mask,
-                             scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
-                             cap=kwargs.get("softcap"), sinks=getattr(module, "sinks", None),
-                             causal=getattr(module, "is_causal", True) if causal is None else causal)
+        accumulate_attention(
+            st,
+            query.detach(),
+            key.detach(),
+            mask,
+            scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
+            cap=kwargs.get("softcap"),
+            sinks=getattr(module, "sinks", None),
+            causal=getattr(module, "is_causal", True) if causal is None else causal,
+        )
 
     final_logz, final_max = Moments(1), -math.inf
     sum_sq = 0.0
@@ -103,12 +139,24 @@ def probe(model, windows, *, threshold: float = 100.0, z_lambda: float = 1e-4, b
             if progress is not None:
                 progress(ids.shape[0])
     positions = int(final_logz.n[0])
-    final = {"positions": positions, "final_logit_max": _f(final_max), "final_logz_mean": _f(final_logz.mean[0]),
-             "final_logz_std": _f(final_logz.std[0]), "final_logz_max": _f(final_logz.max[0]),
-             "z_loss": z_lambda * sum_sq / positions}
-    return ProbeResult(model=name, tokens=int(windows.numel()), windows=int(windows.shape[0]),
-                       seq_len=int(windows.shape[1]), threshold=threshold, z_lambda=z_lambda,
-                       heads=_head_rows(name, layers), final=final)
+    final = {
+        "positions": positions,
+        "final_logit_max": _f(final_max),
+        "final_logz_mean": _f(final_logz.mean[0]),
+        "final_logz_std": _f(final_logz.std[0]),
+        "final_logz_max": _f(final_logz.max[0]),
+        "z_loss": z_lambda * sum_sq / positions,
+    }
+    return ProbeResult(
+        model=name,
+        tokens=int(windows.numel()),
+        windows=int(windows.shape[0]),
+        seq_len=int(windows.shape[1]),
+        threshold=threshold,
+        z_lambda=z_lambda,
+        heads=_head_rows(name, layers),
+        final=final,
+    )
 
 
 def _layer_summary(heads: list[dict]) -> dict[int, dict]:
@@ -131,11 +179,18 @@ def _max(a, b):
 def probe_summary(before: ProbeResult, after: ProbeResult) -> dict:
     """Per layer: max attention logit (over heads), mean and max log Z, before vs after; final-logit stats."""
     b, a = _layer_summary(before.heads), _layer_summary(after.heads)
-    rows = [{"layer": layer,
-             "max_logit_before": b[layer]["max_logit"], "max_logit_after": a[layer]["max_logit"],
-             "logz_mean_before": b[layer]["logz_mean"], "logz_mean_after": a[layer]["logz_mean"],
-             "logz_max_before": b[layer]["logz_max"], "logz_max_after": a[layer]["logz_max"]}
-            for layer in sorted(set(b) & set(a))]
+    rows = [
+        {
+            "layer": layer,
+            "max_logit_before": b[layer]["max_logit"],
+            "max_logit_after": a[layer]["max_logit"],
+            "logz_mean_before": b[layer]["logz_mean"],
+            "logz_mean_after": a[layer]["logz_mean"],
+            "logz_max_before": b[layer]["logz_max"],
+            "logz_max_after": a[layer]["logz_max"],
+        }
+        for layer in sorted(set(b) & set(a))
+    ]
     keys = ("final_logit_max", "final_logz_mean", "final_logz_max", "z_loss")
     return {"layers": rows, "final": {k: {"before": before.final.get(k), "after": after.final.get(k)} for k in keys}}
 
@@ -166,11 +221,7 @@ def check_request(req: ProbeRequest):
     if not req.models:
         raise UsageError("give at least one model")
     rules = [parse_rule(r) for r in req.fail_if]
-    check_bounds("--seq-len", req.seq_len, 2, MAX_TOKENS)
-    if req.max_tokens is not None:
-        check_bounds("--max-tokens", req.max_tokens, 1, MAX_TOKENS)
-        if req.max_tokens < req.seq_len:
-            raise UsageError(f"--max-tokens {req.max_tokens} is shorter than one window (--seq-len {req.seq_len})")
+    check_window_options(req.seq_len, req.max_tokens)
     check_bounds("--batch-size", req.batch_size, 1, MAX_COUNT)
     check_bounds("--threshold", req.threshold)
     check_bounds("--z-lambda", req.z_lambda, 0)
@@ -193,13 +244,12 @@ def run_probe(req: ProbeRequest, log: Callable[[str], None] = lambda message: No
         loaded = load_model(ref, device=req.device, dtype=req.dtype)
         windows = make_windows(loaded.tokenizer, texts, req.seq_len, req.max_tokens)
         log(f"probing {ref}: {windows.shape[0]} window(s) of {req.seq_len} tokens")
-        results.append(probe(loaded, windows, threshold=req.threshold, z_lambda=req.z_lambda,
-                             batch_size=req.batch_size, name=ref))
+        results.append(
+            probe(loaded, windows, threshold=req.threshold, z_lambda=req.z_lambda, batch_size=req.batch_size, name=ref)
+        )
         del loaded
     if req.out:
-
         write_table(results, req.out)
     if req.plot:
-
         plot(results, req.plot, limit=max_logit_limit(rules))
     return results, rules

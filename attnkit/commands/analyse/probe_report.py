@@ -81,7 +81,8 @@ def plot(results, path: str, limit: float | None = None) -> None:
         line.set(title=f"{res.model}: attention log Z per layer", xlabel="layer", ylabel="log Z")
         line.legend()
     notes = (["one colour scale for all models"] if len(results) > 1 else []) + (
-        [f"red line: the --fail-if bound {limit:g}"] if limit is not None else [])
+        [f"red line: the --fail-if bound {limit:g}"] if limit is not None else []
+    )
     if notes:
         fig.suptitle("; ".join(notes))
     fig.tight_layout()

@@ -14,9 +14,15 @@ if TYPE_CHECKING:
     from attnkit.commands.analyse.probe import ProbeResult
 
 #: Per-head metrics a --fail-if rule may test (entropy_min: the head's mean entropy, tested on every head).
-HEAD_METRICS = {"max_logit": "max_logit", "max_logit_precap": "max_logit_precap", "logz_max": "logz_max",
-                "logz_mean": "logz_mean", "frac_above": "frac_above", "entropy_min": "entropy_mean",
-                "max_prob_mean": "max_prob_mean"}
+HEAD_METRICS = {
+    "max_logit": "max_logit",
+    "max_logit_precap": "max_logit_precap",
+    "logz_max": "logz_max",
+    "logz_mean": "logz_mean",
+    "frac_above": "frac_above",
+    "entropy_min": "entropy_mean",
+    "max_prob_mean": "max_prob_mean",
+}
 MODEL_METRICS = ("z_loss", "final_logit_max", "final_logz_max")
 _OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
@@ -43,8 +49,9 @@ def parse_rule(text: str) -> Rule:
         raise UsageError(f"--fail-if {text!r}: expected METRIC>VALUE (or >=, <, <=)")
     metric, op, value = m.groups()
     if metric not in HEAD_METRICS and metric not in MODEL_METRICS:
-        raise UsageError(f"--fail-if {text!r}: unknown metric {metric!r}; choose from "
-                         f"{', '.join([*HEAD_METRICS, *MODEL_METRICS])}")
+        raise UsageError(
+            f"--fail-if {text!r}: unknown metric {metric!r}; choose from {', '.join([*HEAD_METRICS, *MODEL_METRICS])}"
+        )
     try:
         number = float(value)
     except ValueError:

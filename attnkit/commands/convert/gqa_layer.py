@@ -15,9 +15,15 @@ def reference_attention_ok(spec, layer: int, seq_len: int, rope, scaling, sinks:
     rotate-half RoPE tables covering the rotary dims."""
     window = spec.layer_windows[layer]
     rotary = int(spec.head_dim * spec.partial_rotary_factor)
-    return (spec.qk_norm == "none" and spec.attn_softcap is None and not sinks
-            and (window is None or window >= seq_len) and rope is not None and scaling is not None
-            and rope[0].shape[-1] == rotary - rotary % 2)
+    return (
+        spec.qk_norm == "none"
+        and spec.attn_softcap is None
+        and not sinks
+        and (window is None or window >= seq_len)
+        and rope is not None
+        and scaling is not None
+        and rope[0].shape[-1] == rotary - rotary % 2
+    )
 
 
 def _project(x, flat: dict, role: str, head_dim: int):
@@ -34,19 +40,18 @@ def attention_key_covariance(weights: dict, hidden, rope, scaling: float, shape,
     """Per-group key metric, tokens weighted by the layer's own attention (attnkit.ops.attnweight).  -> [G, n', n']"""
     import torch
 
-
     flat = unfused(weights, shape)
     x = hidden.detach().to(device="cpu", dtype=torch.float32)  # [B, T, n]
     cos, sin = (r.detach().to(device="cpu", dtype=torch.float32) for r in rope)  # [B, T, R]
-    w = key_token_weights(_project(x, flat, "q", shape.head_dim), _project(x, flat, "k", shape.head_dim),
-                          cos, sin, scaling)  # [Hkv, B*T]
+    w = key_token_weights(
+        _project(x, flat, "q", shape.head_dim), _project(x, flat, "k", shape.head_dim), cos, sin, scaling
+    )  # [Hkv, B*T]
     return weighted_group_covariance(token_rows(hidden, augment), w, shape.groups)
 
 
 def refit_output(weights: dict, plan, hidden, rope, scaling: float, shape, ridge: float):
     """o_proj refit so the converted layer's attention output matches the source's on these tokens.  -> [hidden, H*D]"""
     import torch
-
 
     x = hidden.detach().to(device="cpu", dtype=torch.float32)  # [B, T, n]
     cos, sin = (r.detach().to(device="cpu", dtype=torch.float32) for r in rope)

@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 from attnkit.commands.convert.mla_layer import convert_one, refit_o_proj, without_o_bias
 from attnkit.commands.convert.mla_target import expected_shapes, target_config
 from attnkit.commands.quality import score_rewrite
-from attnkit.commands.rewrite import RewriteRequest, calib_windows, check_rewrite
+from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows, check_rewrite
 from attnkit.commands.source import Source, open_source
 from attnkit.commands.write import write_checkpoint
 from attnkit.engines.targets import TARGETS, engine_safe, mla_shapes, needs_q_lora
 from attnkit.errors import AttnkitError, UsageError
-from attnkit.units import check_bounds
 from attnkit.io.reader import LazyReader
 from attnkit.kvcache import apply_variant, bytes_per_token, cache_dtype
 from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, VALUE_WEIGHTS, MLAOptions, MLAShape
@@ -34,13 +33,14 @@ from attnkit.runtime.attention import replace_output_once
 from attnkit.runtime.calibrate import attention_module_name, calibrate
 from attnkit.runtime.generate import cache_check
 from attnkit.runtime.streaming import load_for_calibration
+from attnkit.units import check_bounds
 
 #: Families whose attention maps onto DeepseekV3 (the rest are refused with the reason in REFUSED).
 SUPPORTED = ("llama", "mistral", "qwen2", "gemma")
 REFUSED = {
     "qwen3": "per-head QK-norm (RMSNorm of each head's q and k before RoPE) is not linear in the input and "
-             "DeepseekV3 has no per-head norm: its gains could be folded into the weights, its 1/rms(q), "
-             "1/rms(k) per token cannot",
+    "DeepseekV3 has no per-head norm: its gains could be folded into the weights, its 1/rms(q), "
+    "1/rms(k) per token cannot",
     "olmo2": "QK-norm over the full projection width is not linear in the input and DeepseekV3 has no such norm",
     "gemma2": "attention logit soft-capping and post-attention/post-MLP norms have no DeepseekV3 counterpart",
     "gemma3": "per-head QK-norm and post-attention/post-MLP norms have no DeepseekV3 counterpart",
@@ -121,28 +121,36 @@ def _ranks(req: MLARequest, spec, augmented: bool) -> tuple[int, int]:
             fitting = [s for s in shapes if sum(s) <= total]
             if not fitting:
                 smallest = min(shapes, key=sum)
-                raise UsageError(f"--engine {req.engine}: its MLA kernels take only "
-                                 f"{', '.join(f'{r}+{p}' for r, p in shapes)} cached values per token, and "
-                                 f"--kv-budget {req.kv_budget} allows {total} of the source's {source}; the "
-                                 f"smallest needs --kv-budget {sum(smallest) / source:.3g}")
+                raise UsageError(
+                    f"--engine {req.engine}: its MLA kernels take only "
+                    f"{', '.join(f'{r}+{p}' for r, p in shapes)} cached values per token, and "
+                    f"--kv-budget {req.kv_budget} allows {total} of the source's {source}; the "
+                    f"smallest needs --kv-budget {sum(smallest) / source:.3g}"
+                )
             rank, rope = max(fitting, key=sum)
     else:
         if req.kv_lora_rank is None or req.rope_dim is None:
             raise UsageError("give --kv-lora-rank and --rope-dim, or --kv-budget")
         rank, rope = req.kv_lora_rank, req.rope_dim
         if shapes is not None and (rank, rope) not in shapes:
-            raise UsageError(f"--engine {req.engine}: its MLA kernels take "
-                             f"{', '.join(f'--kv-lora-rank {r} --rope-dim {p}' for r, p in shapes)}, "
-                             f"not {rank}+{rope}")
+            raise UsageError(
+                f"--engine {req.engine}: its MLA kernels take "
+                f"{', '.join(f'--kv-lora-rank {r} --rope-dim {p}' for r, p in shapes)}, "
+                f"not {rank}+{rope}"
+            )
     bias_route = req.latent_norm == "bias"
     top_rope = d if bias_route else max(d, 64)
     if rope < 2 or rope % 2 or rope > top_rope:
-        raise UsageError(f"--rope-dim must be even and between 2 and {top_rope} (head dim {d}"
-                         f"{'' if bias_route else '; more pads the RoPE key up to 64'}), got {rope}")
+        raise UsageError(
+            f"--rope-dim must be even and between 2 and {top_rope} (head dim {d}"
+            f"{'' if bias_route else '; more pads the RoPE key up to 64'}), got {rope}"
+        )
     top = max_rank(spec, augmented) if bias_route else 8192
     if rank < 2 or rank > top:
-        raise UsageError(f"--kv-lora-rank must be between 2 and {top}"
-                         f"{' (rank of the stacked keys and values + 1)' if bias_route else ''}, got {rank}")
+        raise UsageError(
+            f"--kv-lora-rank must be between 2 and {top}"
+            f"{' (rank of the stacked keys and values + 1)' if bias_route else ''}, got {rank}"
+        )
     return rank, rope
 
 
@@ -183,8 +191,10 @@ def check_request(req: MLARequest) -> MLASource:
 
     def check(arch, spec, _config) -> None:  # on a GGUF file's header config: before dequantizing
         if arch.family in REFUSED or arch.family not in SUPPORTED:
-            why = REFUSED.get(arch.family) or (f"{arch.qkv_layout} attention with {arch.position} positions is not "
-                                               "an MHA/GQA RoPE decoder this converter maps onto DeepseekV3")
+            why = REFUSED.get(arch.family) or (
+                f"{arch.qkv_layout} attention with {arch.position} positions is not "
+                "an MHA/GQA RoPE decoder this converter maps onto DeepseekV3"
+            )
             raise AttnkitError(f"{arch.family} cannot be converted to MLA: {why}; supported: {', '.join(SUPPORTED)}")
         if spec.partial_rotary_factor != 1.0:
             raise AttnkitError(f"{req.model}: partial rotary embeddings are not converted")
@@ -194,8 +204,10 @@ def check_request(req: MLARequest) -> MLASource:
     spec, arch, prefix = src.spec, src.arch, src.prefix
     rope = _rope_parameters(src.ckpt)
     if rope["rope_type"] not in ROPE_TYPES:
-        raise AttnkitError(f"{req.model}: rope_type {rope['rope_type']!r} depends on the rotary width; "
-                           f"convertible: {', '.join(ROPE_TYPES)}")
+        raise AttnkitError(
+            f"{req.model}: rope_type {rope['rope_type']!r} depends on the rotary width; "
+            f"convertible: {', '.join(ROPE_TYPES)}"
+        )
     layer_names = []
     for layer in range(spec.num_layers):
         roles = {r: arch.tensor_name(r, layer, prefix) for r in ATTN_ROLES}
@@ -219,8 +231,9 @@ def _check_route(req: MLARequest) -> None:
     if req.latent_norm not in LATENT_NORMS:
         raise UsageError(f"--latent-norm must be one of {', '.join(LATENT_NORMS)}, got {req.latent_norm!r}")
     if req.latent_norm == "bias" and req.engine not in ("any", "transformers"):
-        raise UsageError(f"--latent-norm bias writes bias tensors that {req.engine} has no slot for; "
-                         "use --latent-norm auto")
+        raise UsageError(
+            f"--latent-norm bias writes bias tensors that {req.engine} has no slot for; use --latent-norm auto"
+        )
 
 
 def _check_engine(req: MLARequest, src: MLASource) -> None:
@@ -229,35 +242,46 @@ def _check_engine(req: MLARequest, src: MLASource) -> None:
     spec = src.spec
     if req.latent_norm == "bias":
         src.q_lora = "q_bias" in src.layer_names[0]
-        src.warnings.append("--latent-norm bias: kv_a_proj_with_mqa and o_proj get bias tensors that llama.cpp, "
-                            "vLLM and SGLang drop (vLLM without a word): this output is right in transformers only")
+        src.warnings.append(
+            "--latent-norm bias: kv_a_proj_with_mqa and o_proj get bias tensors that llama.cpp, "
+            "vLLM and SGLang drop (vLLM without a word): this output is right in transformers only"
+        )
         return
     src.q_lora = needs_q_lora(req.engine, spec.num_layers)
     if engine_safe(req.engine):
         act = src.config.get("hidden_activation") or src.config.get("hidden_act")
         if act != "silu":
-            raise AttnkitError(f"{req.model}: MLP activation {act!r}; the engines' DeepSeek MLPs are silu only "
-                               "(pass --engine transformers for an output that only transformers runs)")
+            raise AttnkitError(
+                f"{req.model}: MLP activation {act!r}; the engines' DeepSeek MLPs are silu only "
+                "(pass --engine transformers for an output that only transformers runs)"
+            )
         if src.rope["rope_type"] != "default":
-            raise AttnkitError(f"{req.model}: rope_type {src.rope['rope_type']!r}; vLLM and SGLang read any "
-                               "non-default DeepSeek RoPE as YaRN (pass --engine transformers for an output that "
-                               "only transformers runs)")
+            raise AttnkitError(
+                f"{req.model}: rope_type {src.rope['rope_type']!r}; vLLM and SGLang read any "
+                "non-default DeepSeek RoPE as YaRN (pass --engine transformers for an output that "
+                "only transformers runs)"
+            )
     values = src.rank + src.shape.rope_dim
     source = 2 * spec.num_kv_heads * spec.head_dim
     if values > source:
         src.warnings.append(f"the cache grows: {values} values per token and layer against the source's {source}")
     if src.shape.rope_dim > spec.head_dim:
-        src.warnings.append(f"RoPE key padded from the head dim {spec.head_dim} to {src.shape.rope_dim} dims "
-                            "(zero rows)")
+        src.warnings.append(
+            f"RoPE key padded from the head dim {spec.head_dim} to {src.shape.rope_dim} dims (zero rows)"
+        )
     if src.rank > max_rank(spec, src.augmented):
-        src.warnings.append(f"latent padded: the source's keys and values have rank "
-                            f"{max_rank(spec, src.augmented) - 1}; the extra channels steady the latent norm")
+        src.warnings.append(
+            f"latent padded: the source's keys and values have rank "
+            f"{max_rank(spec, src.augmented) - 1}; the extra channels steady the latent norm"
+        )
 
 
 def _check_options(o: MLAOptions) -> None:
-    for value, allowed, flag in ((o.key_weight, KEY_WEIGHTS, "--key-weight"),
-                                 (o.value_weight, VALUE_WEIGHTS, "--value-weight"),
-                                 (o.residual, RESIDUALS, "--residual")):
+    for value, allowed, flag in (
+        (o.key_weight, KEY_WEIGHTS, "--key-weight"),
+        (o.value_weight, VALUE_WEIGHTS, "--value-weight"),
+        (o.residual, RESIDUALS, "--residual"),
+    ):
         if value not in allowed:
             raise UsageError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
     if not o.key_balance > 0:
@@ -280,15 +304,16 @@ def input_gamma(src: MLASource, weight):
 
     gamma = weight.to(torch.float64) + (1.0 if src.arch.family == "gemma" else 0.0)
     if bool((gamma.abs() < 1e-12).any()):
-        raise AttnkitError(f"{src.ref}: input_layernorm has zero weights, which cannot be folded into the "
-                           "projections; use --latent-norm bias (transformers only)")
+        raise AttnkitError(
+            f"{src.ref}: input_layernorm has zero weights, which cannot be folded into the "
+            "projections; use --latent-norm bias (transformers only)"
+        )
     return gamma
 
 
 def _calibrate_and_convert(req: MLARequest, src: MLASource, config, writer, expected: dict) -> tuple[list, dict]:
     """One pass over the calibration windows; each layer is converted (and written) when reached."""
     import torch
-
 
     loaded = load_for_calibration(str(src.root), req.device)  # decoder layers streamed when possible
     windows = calib_windows(loaded.tokenizer, req)
@@ -305,13 +330,25 @@ def _calibrate_and_convert(req: MLARequest, src: MLASource, config, writer, expe
                 weights = without_o_bias(src, weights)
                 gamma = input_gamma(src, reader.get(input_norm_name(src, layer)))
                 scale = (1.0 / gamma).to(torch.float32)
-            tensors, rows[layer] = convert_one(src, weights, hidden, gamma, freqs, req.options, dtype,
-                                               req.latent_norm, config.rms_norm_eps)
+            tensors, rows[layer] = convert_one(
+                src, weights, hidden, gamma, freqs, req.options, dtype, req.latent_norm, config.rms_norm_eps
+            )
             if req.options.o_refit > 0:
                 if rope is None or scaling is None:
                     raise AttnkitError("o_proj refit needs the source's rotary embedding and softmax scale")
-                tensors["o_proj.weight"] = refit_o_proj(config, layer, tensors, weights, hidden, rope, scaling,
-                                                    src.shape, req.options.o_refit, loaded.device, scale)
+                tensors["o_proj.weight"] = refit_o_proj(
+                    config,
+                    layer,
+                    tensors,
+                    weights,
+                    hidden,
+                    rope,
+                    scaling,
+                    src.shape,
+                    req.options.o_refit,
+                    loaded.device,
+                    scale,
+                )
             rows[layer]["layer"] = layer
             for name, t in tensors.items():
                 full = f"model.layers.{layer}.self_attn.{name}"
@@ -319,13 +356,13 @@ def _calibrate_and_convert(req: MLARequest, src: MLASource, config, writer, expe
                     raise AttnkitError(f"internal: {full} is not a DeepseekV3 tensor")
                 writer.add(full, t)
             if req.sequential:
-                replace_output_once(loaded.model.get_submodule(modules[layer]), config, layer, tensors,
-                                    loaded.device, scale)
+                replace_output_once(
+                    loaded.model.get_submodule(modules[layer]), config, layer, tensors, loaded.device, scale
+                )
             return None
 
         calibrate(loaded.model, windows, modules, on_layer)
-    info = {"tokens": int(windows.numel()), "windows": int(windows.shape[0]), "seq_len": req.calib_seq_len,
-            "sequential": req.sequential, "files": list(req.calib)}
+    info = calib_info(req, windows, sequential=req.sequential)
     return [{"layer": r.pop("layer"), **r} for r in rows], info
 
 
@@ -352,7 +389,7 @@ def _copy_rest(reader, src: MLASource, writer, expected: dict, fold_input_norm: 
         if name == embed_name and "lm_head.weight" in expected and "lm_head.weight" not in reader.names():
             writer.add("lm_head.weight", t)  # a tied source head, written out for engines that never tie
         if gemma and name == embed_name:
-            t = t * torch.tensor(src.spec.hidden_size ** 0.5, dtype=t.dtype)  # Gemma's normalizer, in its dtype
+            t = t * torch.tensor(src.spec.hidden_size**0.5, dtype=t.dtype)  # Gemma's normalizer, in its dtype
         writer.add(name, t)
 
 
@@ -360,21 +397,41 @@ def _kv_bytes(src: MLASource, rank: int) -> dict:
 
     dtype = cache_dtype(str(src.config.get("torch_dtype") or src.config.get("dtype") or "bfloat16"))
     after = apply_variant(src.spec, f"mla:{rank}+{src.shape.rope_dim}")
-    return {"dtype": dtype.name, "before": bytes_per_token(src.spec, dtype), "after": bytes_per_token(after, dtype),
-            "elements_before": 2 * src.spec.num_kv_heads * src.spec.head_dim,
-            "elements_after": rank + src.shape.rope_dim}
+    return {
+        "dtype": dtype.name,
+        "before": bytes_per_token(src.spec, dtype),
+        "after": bytes_per_token(after, dtype),
+        "elements_before": 2 * src.spec.num_kv_heads * src.spec.head_dim,
+        "elements_after": rank + src.shape.rope_dim,
+    }
 
 
 def _parameters(req: MLARequest, src: MLASource) -> dict:
     o = req.options
-    return {"kv_lora_rank": src.shape.latent_rank + 1, "latent_rank": src.shape.latent_rank,
-            "rope_dim": src.shape.rope_dim, "rope_pairs": src.shape.pairs, "kv_budget": req.kv_budget,
-            "calib": list(req.calib), "calib_tokens": req.calib_tokens, "calib_seq_len": req.calib_seq_len,
-            "sequential": req.sequential, "key_weight": o.key_weight, "value_weight": o.value_weight,
-            "residual": o.residual, "fade_window": o.window, "key_balance": o.key_balance, "ridge": o.ridge,
-            "o_refit": o.o_refit, "whiten": o.whiten, "shrink": o.shrink, "latent_norm": req.latent_norm, "engine": req.engine,
-            "q_lora_rank": (src.spec.hidden_size + int(req.latent_norm == "bias")) if src.q_lora else None,
-            "max_shard_bytes": req.max_shard_bytes}
+    return {
+        "kv_lora_rank": src.shape.latent_rank + 1,
+        "latent_rank": src.shape.latent_rank,
+        "rope_dim": src.shape.rope_dim,
+        "rope_pairs": src.shape.pairs,
+        "kv_budget": req.kv_budget,
+        "calib": list(req.calib),
+        "calib_tokens": req.calib_tokens,
+        "calib_seq_len": req.calib_seq_len,
+        "sequential": req.sequential,
+        "key_weight": o.key_weight,
+        "value_weight": o.value_weight,
+        "residual": o.residual,
+        "fade_window": o.window,
+        "key_balance": o.key_balance,
+        "ridge": o.ridge,
+        "o_refit": o.o_refit,
+        "whiten": o.whiten,
+        "shrink": o.shrink,
+        "latent_norm": req.latent_norm,
+        "engine": req.engine,
+        "q_lora_rank": (src.spec.hidden_size + int(req.latent_norm == "bias")) if src.q_lora else None,
+        "max_shard_bytes": req.max_shard_bytes,
+    }
 
 
 def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
@@ -385,11 +442,23 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
     src = check_request(req)
     rank = src.shape.latent_rank + 1
     report = {
-        "source": req.model, "output": str(req.out), "dry_run": req.dry_run, "model_type": src.spec.model_type,
-        "num_layers": src.spec.num_layers, "num_heads": src.spec.num_heads, "kv_heads": src.spec.num_kv_heads,
-        "head_dim": src.spec.head_dim, "kv_lora_rank": rank, "rope_dim": src.shape.rope_dim,
-        "kv_bytes_per_token": _kv_bytes(src, rank), "parameters": _parameters(req, src),
-        "calibration": None, "layers": [], "eval": None, "peak_rss_bytes": None, "notes": _notes(req, src),
+        "source": req.model,
+        "output": str(req.out),
+        "dry_run": req.dry_run,
+        "model_type": src.spec.model_type,
+        "num_layers": src.spec.num_layers,
+        "num_heads": src.spec.num_heads,
+        "kv_heads": src.spec.num_kv_heads,
+        "head_dim": src.spec.head_dim,
+        "kv_lora_rank": rank,
+        "rope_dim": src.shape.rope_dim,
+        "kv_bytes_per_token": _kv_bytes(src, rank),
+        "parameters": _parameters(req, src),
+        "calibration": None,
+        "layers": [],
+        "eval": None,
+        "peak_rss_bytes": None,
+        "notes": _notes(req, src),
         "warnings": list(src.warnings),
     }
     if req.dry_run:
@@ -408,14 +477,22 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
 
     def score(folder) -> dict:
         log("scoring source and result on the --eval text ...")
-        report["eval"] = score_rewrite(req, src.root, folder,
-                                       extra=lambda result: {"cache": cache_check(result.model)})["eval"]
+        report["eval"] = score_rewrite(
+            req, src.root, folder, extra=lambda result: {"cache": cache_check(result.model)}
+        )["eval"]
         return {"eval": report["eval"]}
 
-    write_checkpoint(req, src, "convert mla", config=config, weights=weights,
-                     body=lambda: {k: report[k] for k in ("parameters", "calibration", "kv_bytes_per_token",
-                                                          "layers", "notes", "warnings")},
-                     score=score if req.eval else None)
+    write_checkpoint(
+        req,
+        src,
+        "convert mla",
+        config=config,
+        weights=weights,
+        body=lambda: {
+            k: report[k] for k in ("parameters", "calibration", "kv_bytes_per_token", "layers", "notes", "warnings")
+        },
+        score=score if req.eval else None,
+    )
     report["seconds"] = time.perf_counter() - started
     return report
 
@@ -424,19 +501,28 @@ def _notes(req: MLARequest, src: MLASource) -> list[str]:
     notes = []
     if req.latent_norm == "bias":
         if src.q_lora:
-            notes.append("q bias carried through the q_lora path (q_lora_rank = hidden + 1, RMSNorm made linear "
-                         "by a constant channel); all-zero q biases use a plain q_proj")
+            notes.append(
+                "q bias carried through the q_lora path (q_lora_rank = hidden + 1, RMSNorm made linear "
+                "by a constant channel); all-zero q biases use a plain q_proj"
+            )
     else:
         if src.q_lora:
-            notes.append(f"query through q_a_proj = identity (q_lora_rank = hidden = {src.spec.hidden_size}): "
-                         f"llama.cpp's deepseek2 reads q_lora unless a model has 26 or 27 layers")
+            notes.append(
+                f"query through q_a_proj = identity (q_lora_rank = hidden = {src.spec.hidden_size}): "
+                f"llama.cpp's deepseek2 reads q_lora unless a model has 26 or 27 layers"
+            )
         if src.augmented:
-            notes.append("q and RoPE-key biases ride on the anchor a.x ~ 1 (engines have no bias slot); the "
-                         "latent's own constants come out exact")
+            notes.append(
+                "q and RoPE-key biases ride on the anchor a.x ~ 1 (engines have no bias slot); the "
+                "latent's own constants come out exact"
+            )
     if any(w is not None for w in src.spec.layer_windows):
-        notes.append("the source's sliding window is dropped: DeepseekV3 attends to the full context "
-                     "(identical up to the window length)")
+        notes.append(
+            "the source's sliding window is dropped: DeepseekV3 attends to the full context "
+            "(identical up to the window length)"
+        )
     if src.arch.family == "gemma":
-        notes.append("Gemma: norm weights stored as 1 + w, embeddings pre-multiplied by sqrt(hidden) and untied "
-                     "from lm_head")
+        notes.append(
+            "Gemma: norm weights stored as 1 + w, embeddings pre-multiplied by sqrt(hidden) and untied from lm_head"
+        )
     return notes

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
     from attnkit.commands.convert.mla import MLASource
 
 
-def convert_one(src: MLASource, weights: dict, hidden, gamma, freqs, options: MLAOptions, dtype,
-                latent_norm: str, norm_eps: float) -> tuple[dict, dict]:
+def convert_one(
+    src: MLASource, weights: dict, hidden, gamma, freqs, options: MLAOptions, dtype, latent_norm: str, norm_eps: float
+) -> tuple[dict, dict]:
     """(DeepseekV3 attention tensors of one layer in `dtype`, report row) from its source tensors and the
     calibration inputs hidden [B, T, n] of its attention (gamma: input_layernorm's scale, for the engine route)."""
 
@@ -30,29 +31,48 @@ def convert_one(src: MLASource, weights: dict, hidden, gamma, freqs, options: ML
     cov = input_covariance(hidden, augmented)  # [n(+1), n(+1)]
     q_scale = math.sqrt((s.head_dim + s.rope_dim) / s.head_dim)  # softmax-scale fold: D^-1/2 -> (D + P)^-1/2
     if latent_norm == "bias":
-
         q, k, v = (augmented_rows(weights, r, augmented) for r in ("q", "k", "v"))
         layer = convert_layer(q, k, v, weights["o"], cov, s, freqs, options)
         n = src.spec.hidden_size
-        tensors = attention_tensors(layer, s, q_scale=q_scale, augmented=augmented, q_bias=src.q_lora,
-                                    o=weights["o"], o_bias=weights.get("o_bias"),
-                                    x_mean_sq=float(cov[:n, :n].diagonal().sum()))
-        row = {"k_err": layer.k_err, "v_err": layer.v_err, "position_free": layer.position_free,
-               "latent_norm": "bias", "norm_error": 0.0}
+        tensors = attention_tensors(
+            layer,
+            s,
+            q_scale=q_scale,
+            augmented=augmented,
+            q_bias=src.q_lora,
+            o=weights["o"],
+            o_bias=weights.get("o_bias"),
+            x_mean_sq=float(cov[:n, :n].diagonal().sum()),
+        )
+        row = {
+            "k_err": layer.k_err,
+            "v_err": layer.v_err,
+            "position_free": layer.position_free,
+            "latent_norm": "bias",
+            "norm_error": 0.0,
+        }
     else:
-        tensors, row = _engine_layer(src, weights, hidden, cov, gamma, freqs, options, latent_norm, norm_eps,
-                                     q_scale)
+        tensors, row = _engine_layer(src, weights, hidden, cov, gamma, freqs, options, latent_norm, norm_eps, q_scale)
     return {name: t.to(dtype) for name, t in tensors.items()}, row
 
 
-def _engine_layer(src: MLASource, weights: dict, hidden, cov, gamma, freqs, options: MLAOptions, latent_norm: str,
-                  norm_eps: float, q_scale: float) -> tuple[dict, dict]:
+def _engine_layer(
+    src: MLASource,
+    weights: dict,
+    hidden,
+    cov,
+    gamma,
+    freqs,
+    options: MLAOptions,
+    latent_norm: str,
+    norm_eps: float,
+    q_scale: float,
+) -> tuple[dict, dict]:
     """One layer by the engine route: factor at the ranks the anchor and span latents need, keep the latent
     (attnkit.ops.latent_norm) that leaves the smaller error on the calibration tokens, write it without biases."""
     import dataclasses
 
     import torch
-
 
     s, augmented, rank = src.shape, is_biased(weights), src.rank
     shape = dataclasses.replace(s, rope_dim=min(s.rope_dim, s.head_dim))  # wider RoPE keys are padded below
@@ -61,23 +81,29 @@ def _engine_layer(src: MLASource, weights: dict, hidden, cov, gamma, freqs, opti
     q, k, v = (augmented_rows(weights, r, augmented) for r in ("q", "k", "v"))
     full = min(2 * s.num_kv * s.head_dim, cov.shape[0])  # rank of the stacked keys and values
     candidates = []
-    for kind in (("anchor", "span") if latent_norm == "auto" else (latent_norm,)):
+    for kind in ("anchor", "span") if latent_norm == "auto" else (latent_norm,):
         info_rank = min(rank - 1 if kind == "anchor" else rank, full)
-        layer = convert_layer(q, k, v, weights["o"], cov, dataclasses.replace(shape, latent_rank=info_rank),
-                              freqs, options)
+        layer = convert_layer(
+            q, k, v, weights["o"], cov, dataclasses.replace(shape, latent_rank=info_rank), freqs, options
+        )
         info = substitute_constant(fold_gamma(layer.down, gamma), anchor)  # [r, n] on u
-        plan = (anchor_plan(info, anchor, u, rank, norm_eps) if kind == "anchor"
-                else span_plan(info, u, rank, norm_eps))
+        plan = anchor_plan(info, anchor, u, rank, norm_eps) if kind == "anchor" else span_plan(info, u, rank, norm_eps)
         lost = layer.truncation_error(info_rank)
         candidates.append((lost + (1 - lost) * plan.scale_error, layer, plan))
     total, layer, plan = min(candidates, key=lambda c: c[0])
     if s.rope_dim > shape.rope_dim:
         layer = _pad_rope(layer, shape, s.rope_dim)
     q_lora_scale = q_lora_readout(u, norm_eps) if src.q_lora else None
-    tensors = engine_tensors(layer, plan, s, gamma=gamma, anchor=anchor, q_scale=q_scale,
-                             q_lora_scale=q_lora_scale, o=weights["o"])
-    row = {"k_err": layer.k_err, "v_err": layer.v_err, "position_free": layer.position_free,
-           "latent_norm": plan.kind, "norm_error": math.sqrt(plan.scale_error)}
+    tensors = engine_tensors(
+        layer, plan, s, gamma=gamma, anchor=anchor, q_scale=q_scale, q_lora_scale=q_lora_scale, o=weights["o"]
+    )
+    row = {
+        "k_err": layer.k_err,
+        "v_err": layer.v_err,
+        "position_free": layer.position_free,
+        "latent_norm": plan.kind,
+        "norm_error": math.sqrt(plan.scale_error),
+    }
     return tensors, row
 
 
@@ -86,14 +112,16 @@ def without_o_bias(src: MLASource, weights: dict) -> dict:
     bias reaches the output as o_proj of it): same outputs, no o_proj bias for the engine route."""
     import torch
 
-
     if "o_bias" not in weights:
         return weights
-    delta, residual = fold_o_bias(weights["o"], weights["o_bias"], src.shape.num_heads, src.shape.num_kv,
-                                  src.shape.head_dim)
+    delta, residual = fold_o_bias(
+        weights["o"], weights["o_bias"], src.shape.num_heads, src.shape.num_kv, src.shape.head_dim
+    )
     if residual > 1e-4:
-        raise AttnkitError(f"{src.ref}: o_proj's bias is not in the range of o_proj (residual "
-                           f"{residual:.2g}); use --latent-norm bias (transformers only)")
+        raise AttnkitError(
+            f"{src.ref}: o_proj's bias is not in the range of o_proj (residual "
+            f"{residual:.2g}); use --latent-norm bias (transformers only)"
+        )
     base = weights["v_bias"].to(torch.float64) if "v_bias" in weights else torch.zeros_like(delta)
     return {**{k: w for k, w in weights.items() if k != "o_bias"}, "v_bias": base + delta}
 
@@ -112,8 +140,19 @@ def _pad_rope(layer, shape: MLAShape, rope_dim: int):
     return dataclasses.replace(layer, rope=rope, q_rope=q_rope.reshape(shape.num_heads * rope_dim, -1))
 
 
-def refit_o_proj(config, layer: int, tensors: dict, weights: dict, hidden, rope, scaling, s: MLAShape, ridge: float,
-             device, input_scale=None):
+def refit_o_proj(
+    config,
+    layer: int,
+    tensors: dict,
+    weights: dict,
+    hidden,
+    rope,
+    scaling,
+    s: MLAShape,
+    ridge: float,
+    device,
+    input_scale=None,
+):
     """o_proj refit (attnkit.ops.orefit) so the converted layer's output matches the source's on these tokens
     (the converted layer runs on hidden * input_scale when given)."""
 

@@ -4,9 +4,9 @@ training and validation parts, and a digest that identifies the data of a run.""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from attnkit.errors import AttnkitError
 from attnkit.runtime.texts import Texts
@@ -45,8 +45,10 @@ def _dataset_texts(path: Path) -> Iterator[str]:
     try:
         import datasets
     except ImportError:
-        raise AttnkitError(f"{path}: reading parquet files and dataset folders needs the `datasets` package "
-                           "(pip install 'attnkit[heal]')") from None
+        raise AttnkitError(
+            f"{path}: reading parquet files and dataset folders needs the `datasets` package "
+            "(pip install 'attnkit[heal]')"
+        ) from None
     datasets.disable_progress_bars()
     try:
         if path.is_file():
@@ -71,9 +73,11 @@ def split_windows(windows, val_tokens: int):
     """(train [N - n, T], validation [n, T]): the validation part is the last val_tokens of the stream."""
     n_val = max(1, val_tokens // windows.shape[1])
     if windows.shape[0] < n_val + 1:
-        raise AttnkitError(f"the training text gives {windows.shape[0]} window(s) of {windows.shape[1]} tokens: "
-                           f"too few for {n_val} validation window(s) plus training; give more text or a smaller "
-                           "--val-tokens")
+        raise AttnkitError(
+            f"the training text gives {windows.shape[0]} window(s) of {windows.shape[1]} tokens: "
+            f"too few for {n_val} validation window(s) plus training; give more text or a smaller "
+            "--val-tokens"
+        )
     return windows[:-n_val], windows[-n_val:]
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from attnkit.commands.analyse.evaluate import evaluate
 from attnkit.commands.heal import resume, trainable
@@ -51,12 +51,20 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
     fingerprint = _fingerprint(req, pair.student.digest, pair.teacher.digest, plan["digest"])
     run = None
     if req.resume:
-
         run = check_fingerprint(req.checkpoint_folder, fingerprint)
-    report = {"student": req.model, "teacher": req.teacher, "output": str(req.out), "dry_run": req.dry_run,
-              "rewrite": rewrite_summary(pair.manifest), "data": plan["info"], "budget": _budget(req),
-              "settings": _settings(req), "seed": req.seed, "checkpoint": str(req.checkpoint_folder),
-              "resumed_from_step": run["state"]["step"] if run else None}
+    report = {
+        "student": req.model,
+        "teacher": req.teacher,
+        "output": str(req.out),
+        "dry_run": req.dry_run,
+        "rewrite": rewrite_summary(pair.manifest),
+        "data": plan["info"],
+        "budget": _budget(req),
+        "settings": _settings(req),
+        "seed": req.seed,
+        "checkpoint": str(req.checkpoint_folder),
+        "resumed_from_step": run["state"]["step"] if run else None,
+    }
     if req.dry_run:
         report["seconds"] = time.perf_counter() - started
         return report
@@ -67,11 +75,11 @@ def _check_device(device: str) -> None:
     """--device takes what every command takes; cuda:N picks the GPU of a single process only."""
     import os
 
-
     dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UsageError(f"--device {device} names one GPU; the processes of a multi-process run take one each: "
-                         "use --device cuda")
+        raise UsageError(
+            f"--device {device} names one GPU; the processes of a multi-process run take one each: use --device cuda"
+        )
 
 
 def _check_checkpoint_folder(req: HealRequest) -> None:
@@ -81,8 +89,10 @@ def _check_checkpoint_folder(req: HealRequest) -> None:
         if not (folder / "run.json").is_file():
             raise AttnkitError(f"{folder}: exists and is not a heal checkpoint; choose another --checkpoint-dir")
         if not req.resume and not req.overwrite:
-            raise AttnkitError(f"{folder}: holds the checkpoint of an earlier run; pass --resume to continue it "
-                               "or --overwrite to start again")
+            raise AttnkitError(
+                f"{folder}: holds the checkpoint of an earlier run; pass --resume to continue it "
+                "or --overwrite to start again"
+            )
 
 
 def _plan_data(req: HealRequest, pair) -> dict:
@@ -98,25 +108,46 @@ def _plan_data(req: HealRequest, pair) -> dict:
         windows = make_windows(tokenizer, DataFiles(tuple(req.data)), req.seq_len, limit)
         plan["train"], plan["val"] = split_windows(windows, req.val_tokens)
         plan["digest"] = files_digest(req.data)
-        plan["info"] = {"source": "files", "files": list(req.data), "sha256": plan["digest"],
-                        "train_tokens": int(plan["train"].numel()), "validation_tokens": int(plan["val"].numel())}
+        plan["info"] = {
+            "source": "files",
+            "files": list(req.data),
+            "sha256": plan["digest"],
+            "train_tokens": int(plan["train"].numel()),
+            "validation_tokens": int(plan["val"].numel()),
+        }
         return plan
 
     root = Path(req.sample_cache).expanduser() if req.sample_cache else cache_root()
     plan["samples"] = cache_folder(root, pair.teacher.digest, req.seed, req.seq_len)
     plan["digest"] = f"{plan['samples'].name}:{req.samples_needed}"
-    plan["info"] = {"source": "teacher samples", "cache": str(plan["samples"]), "seed": req.seed,
-                    "tokens_requested": req.samples_needed}
+    plan["info"] = {
+        "source": "teacher samples",
+        "cache": str(plan["samples"]),
+        "seed": req.seed,
+        "tokens_requested": req.samples_needed,
+    }
     return plan
 
 
 def _fingerprint(req: HealRequest, student: str, teacher: str, data: str) -> dict:
     """What a resumed run must share with the checkpoint (the budget, evaluation and devices may change)."""
-    return {"student": student, "teacher": teacher, "data": data, "seq_len": req.seq_len,
-            "batch_size": req.batch_size, "train": req.train, "lora_rank": req.lora_rank, "lr": req.lr,
-            "warmup_steps": req.warmup_steps, "min_lr_ratio": req.min_lr_ratio, "weight_decay": req.weight_decay,
-            "max_grad_norm": req.max_grad_norm, "attn_loss": req.attn_loss, "val_tokens": req.val_tokens,
-            "seed": req.seed}
+    return {
+        "student": student,
+        "teacher": teacher,
+        "data": data,
+        "seq_len": req.seq_len,
+        "batch_size": req.batch_size,
+        "train": req.train,
+        "lora_rank": req.lora_rank,
+        "lr": req.lr,
+        "warmup_steps": req.warmup_steps,
+        "min_lr_ratio": req.min_lr_ratio,
+        "weight_decay": req.weight_decay,
+        "max_grad_norm": req.max_grad_norm,
+        "attn_loss": req.attn_loss,
+        "val_tokens": req.val_tokens,
+        "seed": req.seed,
+    }
 
 
 def _budget(req: HealRequest) -> dict:
@@ -124,9 +155,25 @@ def _budget(req: HealRequest) -> dict:
 
 
 def _settings(req: HealRequest) -> dict:
-    keys = ("train", "lora_rank", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "max_grad_norm", "batch_size",
-            "micro_batch_size", "seq_len", "attn_loss", "val_tokens", "eval_every", "patience", "checkpoint_every",
-            "gradient_checkpointing", "eval_curve")
+    keys = (
+        "train",
+        "lora_rank",
+        "lr",
+        "warmup_steps",
+        "min_lr_ratio",
+        "weight_decay",
+        "max_grad_norm",
+        "batch_size",
+        "micro_batch_size",
+        "seq_len",
+        "attn_loss",
+        "val_tokens",
+        "eval_every",
+        "patience",
+        "checkpoint_every",
+        "gradient_checkpointing",
+        "eval_curve",
+    )
     return {k: getattr(req, k) for k in keys}
 
 
@@ -135,7 +182,6 @@ def accelerator_for(device: str):
     autocast (cuda:N chooses it), MPS and the CPU in fp32."""
     import torch
     from accelerate import Accelerator
-
 
     dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is not None:
@@ -156,15 +202,18 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
     def save() -> None:
 
         if acc.is_main_process:
-            resume.save(req.checkpoint_folder, {"fingerprint": fingerprint, "state": trainer.state.to_dict()},
-                            trainer.state_dict())
+            resume.save(
+                req.checkpoint_folder,
+                {"fingerprint": fingerprint, "state": trainer.state.to_dict()},
+                trainer.state_dict(),
+            )
         acc.wait_for_everyone()
-
 
     unit = "tokens" if req.budget_tokens else "seconds"
     done = trainer.state.tokens if unit == "tokens" else trainer.state.seconds
-    with training_bar(req.budget_tokens or req.max_time, unit, done, trainer.state.tokens,
-                      enabled=acc.is_main_process) as advance:
+    with training_bar(
+        req.budget_tokens or req.max_time, unit, done, trainer.state.tokens, enabled=acc.is_main_process
+    ) as advance:
         state = trainer.run(save, advance)
     report.update(_summary(trainer, acc, state))
     if not acc.is_main_process:
@@ -192,29 +241,60 @@ def _trainer(req, acc, student, teacher, plan, run, report, before, log):
 
     names = trainable.select(student, teacher, req.train)
     pairs = trainable.attention_pairs(student, teacher, names)
-    report["trainable"] = {"mode": req.train, "lora_rank": req.lora_rank or None, "tensors": len(names),
-                           "parameters": sum(student.get_parameter(n).numel() for n in names), "names": names}
-    log(f"training {len(names)} tensors ({report['trainable']['parameters']:,} parameters)"
-        + (f" through LoRA rank {req.lora_rank}" if req.lora_rank else ""))
+    report["trainable"] = {
+        "mode": req.train,
+        "lora_rank": req.lora_rank or None,
+        "tensors": len(names),
+        "parameters": sum(student.get_parameter(n).numel() for n in names),
+        "names": names,
+    }
+    log(
+        f"training {len(names)} tensors ({report['trainable']['parameters']:,} parameters)"
+        + (f" through LoRA rank {req.lora_rank}" if req.lora_rank else "")
+    )
     if req.gradient_checkpointing:
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = trainable.add_lora(student, names, req.lora_rank) if req.lora_rank else student
-    cfg = LoopConfig(lr=req.lr, warmup_steps=req.warmup_steps, min_lr_ratio=req.min_lr_ratio,
-                     weight_decay=req.weight_decay, max_grad_norm=req.max_grad_norm, batch_size=req.batch_size,
-                     micro_batch_size=req.micro_batch_size, attn_loss=req.attn_loss, budget_tokens=req.budget_tokens,
-                     max_time=req.max_time, eval_every=req.eval_every, patience=req.patience,
-                     checkpoint_every=req.checkpoint_every, seed=req.seed)
-    trainer = Trainer(acc, model, teacher, plan["train"], plan["val"], cfg, pairs,
-                      LoopState(**run["state"]) if run else None, lr_scales=trainable.lr_scales(student))
+    cfg = LoopConfig(
+        lr=req.lr,
+        warmup_steps=req.warmup_steps,
+        min_lr_ratio=req.min_lr_ratio,
+        weight_decay=req.weight_decay,
+        max_grad_norm=req.max_grad_norm,
+        batch_size=req.batch_size,
+        micro_batch_size=req.micro_batch_size,
+        attn_loss=req.attn_loss,
+        budget_tokens=req.budget_tokens,
+        max_time=req.max_time,
+        eval_every=req.eval_every,
+        patience=req.patience,
+        checkpoint_every=req.checkpoint_every,
+        seed=req.seed,
+    )
+    trainer = Trainer(
+        acc,
+        model,
+        teacher,
+        plan["train"],
+        plan["val"],
+        cfg,
+        pairs,
+        LoopState(**run["state"]) if run else None,
+        lr_scales=trainable.lr_scales(student),
+    )
     if run:
         trainer.load_state_dict(resume.load_state(req.checkpoint_folder))
         log(f"resumed at step {trainer.state.step} ({trainer.state.tokens:,} tokens)")
     if req.eval_curve:  # step 0 is the student as loaded: its scores are `before`
-        trainer.monitor = lambda m: {f"eval_{k}": v for k, v in
-                                     (before if trainer.state.step == 0 else _score(m, teacher, plan["eval"])).items()
-                                     if k in ("perplexity", "kl_mean")}
-    trainer.on_validation = lambda e: log(f"step {e['step']}: {e['tokens']:,} tokens, {e['seconds']:.0f}s; "
-                                          f"validation KL {e['kl_mean']:.4f}, perplexity {e['perplexity']:.3f}")
+        trainer.monitor = lambda m: {
+            f"eval_{k}": v
+            for k, v in (before if trainer.state.step == 0 else _score(m, teacher, plan["eval"])).items()
+            if k in ("perplexity", "kl_mean")
+        }
+    trainer.on_validation = lambda e: log(
+        f"step {e['step']}: {e['tokens']:,} tokens, {e['seconds']:.0f}s; "
+        f"validation KL {e['kl_mean']:.4f}, perplexity {e['perplexity']:.3f}"
+    )
     return trainer
 
 
@@ -233,16 +313,27 @@ def _write(req, pair, acc, model, teacher, eval_windows, before, report) -> None
     def score(folder: Path) -> dict:
         healed = load_model(str(folder), device=str(acc.device), dtype="float32").model
         after = _score(healed, teacher, eval_windows)
-        report["eval"] = {"files": list(req.eval), "tokens": after.pop("tokens"),
-                          "predicted": after.pop("predicted"), "seq_len": req.eval_seq_len,
-                          "teacher_perplexity": after.pop("teacher_perplexity"),
-                          "before": {k: before[k] for k in after}, "after": after}
+        report["eval"] = {
+            "files": list(req.eval),
+            "tokens": after.pop("tokens"),
+            "predicted": after.pop("predicted"),
+            "seq_len": req.eval_seq_len,
+            "teacher_perplexity": after.pop("teacher_perplexity"),
+            "before": {k: before[k] for k in after},
+            "after": after,
+        }
         return {"eval": report["eval"]}
 
-    write_checkpoint(req, pair.student, "heal", config=pair.student.root / "config.json",
-                     weights=lambda writer: healed_tensors(model, pair.student.ckpt, writer),
-                     body=lambda: _manifest(req, pair, report), score=score if before is not None else None,
-                     inputs=[pair.teacher.root])
+    write_checkpoint(
+        req,
+        pair.student,
+        "heal",
+        config=pair.student.root / "config.json",
+        weights=lambda writer: healed_tensors(model, pair.student.ckpt, writer),
+        body=lambda: _manifest(req, pair, report),
+        score=score if before is not None else None,
+        inputs=[pair.teacher.root],
+    )
     _remove_checkpoint(req.checkpoint_folder)
 
 
@@ -253,11 +344,21 @@ def _teacher_windows(req, plan, teacher, acc, log) -> None:
     log(f"teacher-written training text: {need:,} tokens, cached in {plan['samples']}")
     tokenizer = plan["tokenizer"]
     with phase("teacher writes its training text", need if acc.is_main_process else 0, "tokens") as advance:
-        docs, info = teacher_documents(teacher, tokenizer, need, req.seq_len, req.seed, plan["samples"],
-                                       rank=acc.process_index, world=acc.num_processes,
-                                       barrier=acc.wait_for_everyone, progress=advance)
-    windows, _ = token_windows(((doc, True) for doc in docs), text_prefix(tokenizer), tokenizer.eos_token_id,
-                               req.seq_len)
+        docs, info = teacher_documents(
+            teacher,
+            tokenizer,
+            need,
+            req.seq_len,
+            req.seed,
+            plan["samples"],
+            rank=acc.process_index,
+            world=acc.num_processes,
+            barrier=acc.wait_for_everyone,
+            progress=advance,
+        )
+    windows, _ = token_windows(
+        ((doc, True) for doc in docs), text_prefix(tokenizer), tokenizer.eos_token_id, req.seq_len
+    )
     plan["train"], plan["val"] = split_windows(windows, req.val_tokens)
     plan["info"].update(info, train_tokens=int(plan["train"].numel()), validation_tokens=int(plan["val"].numel()))
 
@@ -269,9 +370,15 @@ def _score(student, teacher, windows) -> dict:
     student.eval()
     r = evaluate(student, windows, reference=teacher)
     student.train(was_training)
-    return {"tokens": r.tokens, "predicted": r.predicted, "perplexity": r.perplexity, "kl_mean": r.kl_mean,
-            "kl_max": r.kl_max,
-            "top1_agreement": r.top1_agreement, "teacher_perplexity": r.reference_perplexity}
+    return {
+        "tokens": r.tokens,
+        "predicted": r.predicted,
+        "perplexity": r.perplexity,
+        "kl_mean": r.kl_mean,
+        "kl_max": r.kl_max,
+        "top1_agreement": r.top1_agreement,
+        "teacher_perplexity": r.reference_perplexity,
+    }
 
 
 def _summary(trainer, acc, state) -> dict:
@@ -279,20 +386,33 @@ def _summary(trainer, acc, state) -> dict:
     seconds = state.seconds
     first = trainer.state.validation[0]
     best = state.best
-    return {"training": {"steps": state.step, "tokens": state.tokens, "seconds": seconds,
-                         "tokens_per_second": state.tokens / seconds if seconds else None, "stopped": state.stopped,
-                         "best_step": best["step"], "processes": acc.num_processes, "device": str(acc.device),
-                         "precision": "bf16 autocast" if acc.mixed_precision == "bf16" else "fp32"},
-            "validation": {"before": first, "after": best, "curve": state.validation},
-            "steps": state.steps}
+    return {
+        "training": {
+            "steps": state.step,
+            "tokens": state.tokens,
+            "seconds": seconds,
+            "tokens_per_second": state.tokens / seconds if seconds else None,
+            "stopped": state.stopped,
+            "best_step": best["step"],
+            "processes": acc.num_processes,
+            "device": str(acc.device),
+            "precision": "bf16 autocast" if acc.mixed_precision == "bf16" else "fp32",
+        },
+        "validation": {"before": first, "after": best, "curve": state.validation},
+        "steps": state.steps,
+    }
 
 
 def _manifest(req: HealRequest, pair, report: dict) -> dict:
     """attnkit.json entries of the healed folder (its source is the student): the teacher, the rewrite it heals,
     data, budget, settings (its parameters), training and validation."""
     keep = ("data", "budget", "seed", "trainable", "training", "validation")
-    doc = {"parameters": report.get("settings"), "teacher": pair.teacher.record(), "rewrite": pair.manifest,
-           **{k: report.get(k) for k in keep}}
+    doc = {
+        "parameters": report.get("settings"),
+        "teacher": pair.teacher.record(),
+        "rewrite": pair.manifest,
+        **{k: report.get(k) for k in keep},
+    }
     doc["trainable"] = {k: v for k, v in (doc["trainable"] or {}).items() if k != "names"}
     return doc
 
@@ -303,4 +423,3 @@ def _remove_checkpoint(folder: Path) -> None:
 
     if (folder / "run.json").is_file():
         shutil.rmtree(folder, ignore_errors=True)
-

@@ -13,8 +13,8 @@ import contextlib
 import math
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from attnkit.commands.analyse.evaluate import evaluate
 from attnkit.commands.heal.loss import attention_capture, distill_loss
@@ -57,11 +57,11 @@ class LoopState:
     step: int = 0
     tokens: int = 0
     seconds: float = 0.0
-    steps: list = field(default_factory=list)       # per step: step, tokens, lr, loss, kl, attn
+    steps: list = field(default_factory=list)  # per step: step, tokens, lr, loss, kl, attn
     validation: list = field(default_factory=list)  # per check: step, tokens, seconds, kl_mean, perplexity
-    best: dict | None = None                        # the best validation entry
-    bad_checks: int = 0                             # validations since the best one
-    stopped: str | None = None                      # tokens | time | early stop
+    best: dict | None = None  # the best validation entry
+    bad_checks: int = 0  # validations since the best one
+    stopped: str | None = None  # tokens | time | early stop
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -86,7 +86,7 @@ def batch_indices(n_windows: int, step: int, batch: int, seed: int):
     while len(out) < batch:
         epoch, offset = divmod(start + len(out), n_windows)
         perm = torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-        out.extend(perm[offset: offset + batch - len(out)].tolist())
+        out.extend(perm[offset : offset + batch - len(out)].tolist())
     return torch.tensor(out)
 
 
@@ -127,20 +127,33 @@ def stop_requests():
 class Trainer:
     """One healing run: call run() once; trained tensors live in the student, curves in .state."""
 
-    def __init__(self, accelerator, student, teacher, train_windows, val_windows, cfg: LoopConfig,
-                 attention_pairs: dict, state: LoopState | None = None, lr_scales: dict | None = None):
+    def __init__(
+        self,
+        accelerator,
+        student,
+        teacher,
+        train_windows,
+        val_windows,
+        cfg: LoopConfig,
+        attention_pairs: dict,
+        state: LoopState | None = None,
+        lr_scales: dict | None = None,
+    ):
         import torch
 
         world = accelerator.num_processes
         if cfg.batch_size % (world * cfg.micro_batch_size):
-            raise UsageError(f"--batch-size {cfg.batch_size} must be a multiple of {world} process(es) x "
-                             f"--micro-batch-size {cfg.micro_batch_size}")
+            raise UsageError(
+                f"--batch-size {cfg.batch_size} must be a multiple of {world} process(es) x "
+                f"--micro-batch-size {cfg.micro_batch_size}"
+            )
         self.acc, self.teacher, self.cfg = accelerator, teacher, cfg
         self.train_windows, self.val_windows = train_windows, val_windows
         self.state = state or LoopState()
         self.trainable = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(param_groups(self.trainable, lr_scales or {}), lr=cfg.lr,
-                                           betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            param_groups(self.trainable, lr_scales or {}), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+        )
         self.model, self.optimizer = accelerator.prepare(student, self.optimizer)
         self.attention_pairs = attention_pairs if cfg.attn_loss > 0 else {}
         self.best_tensors: dict | None = None
@@ -198,10 +211,14 @@ class Trainer:
                 st.seconds = time.perf_counter() - start
                 if stop and st.stopped is None:  # a stop that arrives with the last step lets the run finish
                     save()
-                    how = "interrupted" if flag["signal"] == signal.SIGINT else \
-                        f"terminated ({signal.Signals(flag['signal']).name})"
-                    raise Interrupted(f"{how} at step {st.step}; checkpoint saved, continue with --resume",
-                                      flag["signal"])
+                    how = (
+                        "interrupted"
+                        if flag["signal"] == signal.SIGINT
+                        else f"terminated ({signal.Signals(flag['signal']).name})"
+                    )
+                    raise Interrupted(
+                        f"{how} at step {st.step}; checkpoint saved, continue with --resume", flag["signal"]
+                    )
                 if st.stopped is None and st.step % cfg.checkpoint_every == 0:
                     save()
         if self.best_tensors is not None and st.best["step"] != st.validation[-1]["step"]:
@@ -212,11 +229,10 @@ class Trainer:
         """One optimizer step on global batch st.step; returns its entry (loss averaged over all processes)."""
         import torch
 
-
         st, cfg, acc = self.state, self.cfg, self.acc
         share = cfg.batch_size // acc.num_processes
         rows = batch_indices(self.train_windows.shape[0], st.step, cfg.batch_size, cfg.seed)
-        mine = self.train_windows[rows[acc.process_index * share:(acc.process_index + 1) * share]]  # [share, T]
+        mine = self.train_windows[rows[acc.process_index * share : (acc.process_index + 1) * share]]  # [share, T]
         micro = mine.split(cfg.micro_batch_size)
         sums = torch.zeros(3, device=acc.device)  # loss, kl, attention term
         self.model.train()
@@ -226,7 +242,9 @@ class Trainer:
                 with sync, acc.autocast():
                     loss, kl, attn = distill_loss(self.model, self.teacher, ids.to(acc.device), cfg.attn_loss, capture)
                     acc.backward(loss / len(micro))
-                sums += torch.stack([loss.detach(), kl.detach(), attn.detach() if attn is not None else kl.new_zeros(())])
+                sums += torch.stack(
+                    [loss.detach(), kl.detach(), attn.detach() if attn is not None else kl.new_zeros(())]
+                )
         if cfg.max_grad_norm:
             acc.clip_grad_norm_([p for _, p in self.trainable], cfg.max_grad_norm)
         lr = lr_at(cfg, st.step, self.progress(elapsed))
@@ -237,8 +255,14 @@ class Trainer:
         loss, kl, attn = (acc.reduce(sums / len(micro), reduction="mean")).tolist()
         st.step += 1
         st.tokens += cfg.batch_size * self.train_windows.shape[1]
-        entry = {"step": st.step, "tokens": st.tokens, "lr": lr, "loss": loss, "kl": kl,
-                 "attn": attn if self.attention_pairs else None}
+        entry = {
+            "step": st.step,
+            "tokens": st.tokens,
+            "lr": lr,
+            "loss": loss,
+            "kl": kl,
+            "attn": attn if self.attention_pairs else None,
+        }
         st.steps.append(entry)
         return entry
 
@@ -259,11 +283,17 @@ class Trainer:
         """KL(teacher || student) and student perplexity on the validation windows, shared out over processes;
         keeps the best tensors and counts checks without improvement (early stopping after `patience`)."""
         st, acc = self.state, self.acc
-        sums = evaluate_shard(self.inner_model(), self.teacher,
-                              self.val_windows[acc.process_index::acc.num_processes], acc.device)
+        sums = evaluate_shard(
+            self.inner_model(), self.teacher, self.val_windows[acc.process_index :: acc.num_processes], acc.device
+        )
         sums = acc.reduce(sums, reduction="sum").tolist()  # nll, kl, tokens
-        entry = {"step": st.step, "tokens": st.tokens, "seconds": seconds, "kl_mean": sums[1] / sums[2],
-                 "perplexity": math.exp(sums[0] / sums[2])}
+        entry = {
+            "step": st.step,
+            "tokens": st.tokens,
+            "seconds": seconds,
+            "kl_mean": sums[1] / sums[2],
+            "perplexity": math.exp(sums[0] / sums[2]),
+        }
         if self.monitor is not None and acc.is_main_process:
             entry.update(self.monitor(self.inner_model()))
         st.validation.append(entry)
@@ -282,7 +312,6 @@ class Trainer:
 def evaluate_shard(model, teacher, windows, device):
     """float64 tensor [NLL sum, KL sum, tokens] of `model` on windows [n, T] (may be empty), KL against teacher."""
     import torch
-
 
     if windows.shape[0] == 0:
         return torch.zeros(3, dtype=torch.float64, device=device)

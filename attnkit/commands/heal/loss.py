@@ -4,7 +4,7 @@ rewritten attention block's output is from the teacher's."""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from attnkit.runtime.calibrate import OutputCapture
 
@@ -21,8 +21,11 @@ def kl_to_teacher(student_logits, teacher_logits):
 def attention_mismatch(student: dict, teacher: dict):
     """Mean over layers of ||a_s - a_t||^2 / ||a_t||^2 for the attention outputs [B, T, d] of one forward pass
     (OutputCapture.take(): one output per layer)."""
-    terms = [(student[k][-1].float() - teacher[k][-1].float()).pow(2).sum()
-             / teacher[k][-1].float().pow(2).sum().clamp_min(1e-12) for k in teacher]
+    terms = [
+        (student[k][-1].float() - teacher[k][-1].float()).pow(2).sum()
+        / teacher[k][-1].float().pow(2).sum().clamp_min(1e-12)
+        for k in teacher
+    ]
     return sum(terms) / len(terms)
 
 
@@ -33,8 +36,10 @@ def attention_capture(pairs: dict) -> Iterator[tuple | None]:
     if not pairs:
         yield None
         return
-    with OutputCapture({k: s for k, (s, _t) in pairs.items()}) as student, \
-            OutputCapture({k: t for k, (_s, t) in pairs.items()}) as teacher:
+    with (
+        OutputCapture({k: s for k, (s, _t) in pairs.items()}) as student,
+        OutputCapture({k: t for k, (_s, t) in pairs.items()}) as teacher,
+    ):
         yield student, teacher
 
 

@@ -20,11 +20,13 @@ def check_names(model, layout: dict) -> None:
     state = model.state_dict()
     for name, (shape, _dtype) in layout.items():
         if name not in state:
-            raise AttnkitError(f"the student's tensor {name!r} is not a parameter of the loaded model; "
-                               "cannot write it back")
+            raise AttnkitError(
+                f"the student's tensor {name!r} is not a parameter of the loaded model; cannot write it back"
+            )
         if tuple(state[name].shape) != shape:
-            raise AttnkitError(f"the student's tensor {name!r} loads with shape {list(state[name].shape)}, "
-                               f"stored {list(shape)}")
+            raise AttnkitError(
+                f"the student's tensor {name!r} loads with shape {list(state[name].shape)}, stored {list(shape)}"
+            )
 
 
 def healed_tensors(model, student_ckpt, writer) -> dict[str, tuple]:

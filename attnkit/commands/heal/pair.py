@@ -35,16 +35,20 @@ class Pair:
 def check_pair(student_ref: str, teacher_ref: str) -> Pair:
     """Open both and refuse a student that is not a rewrite of the teacher, in one line; the same checkpoint
     given twice is refused before anything is dequantized."""
-    student, teacher = resolve_weights(student_ref, "use as the student"), resolve_weights(teacher_ref,
-                                                                                           "use as the teacher")
+    student, teacher = (
+        resolve_weights(student_ref, "use as the student"),
+        resolve_weights(teacher_ref, "use as the teacher"),
+    )
     if _identity(student) == _identity(teacher):
         raise AttnkitError(f"{student_ref}: the student and the teacher are the same checkpoint")
     student, teacher = open_source(student_ref, "use as the student"), open_source(teacher_ref, "use as the teacher")
     for key, what in SAME_CONFIG:
         s, t = student.config.get(key), teacher.config.get(key)
         if s != t:
-            raise AttnkitError(f"{student_ref}: {what} {s} differs from the teacher's {t}; "
-                               "the student must be a rewrite of the teacher")
+            raise AttnkitError(
+                f"{student_ref}: {what} {s} differs from the teacher's {t}; "
+                "the student must be a rewrite of the teacher"
+            )
     _check_tokenizers(student, teacher)
     _check_shared_weights(student, teacher)
     return Pair(student, teacher, read_manifest(student.root))
@@ -70,20 +74,24 @@ def _check_shared_weights(student, teacher) -> None:
     """Among tensors outside attention with the same name and shape in both, at least one is bit-equal."""
     import torch
 
-
     with LazyReader(student.ckpt.weight_files) as s, LazyReader(teacher.ckpt.weight_files) as t:
-        shared = [n for n in s.names() if n in t and "attn" not in n and tuple(s.info(n).shape) == tuple(t.info(n).shape)]
+        shared = [
+            n for n in s.names() if n in t and "attn" not in n and tuple(s.info(n).shape) == tuple(t.info(n).shape)
+        ]
         if not shared:
-            raise AttnkitError(f"{student.ref}: shares no tensor outside attention with the teacher; "
-                               "not a rewrite of it")
+            raise AttnkitError(
+                f"{student.ref}: shares no tensor outside attention with the teacher; not a rewrite of it"
+            )
         shared.sort(key=lambda n: ("mlp" not in n, n))  # MLP weights first: every rewrite copies them
         for name in shared[:SHARED_CHECKS]:
             a, b = s.get(name), t.get(name)
             low = a.dtype if a.element_size() <= b.element_size() else b.dtype
             if torch.equal(a.to(low), b.to(low)):
                 return
-    raise AttnkitError(f"{student.ref}: none of its weights outside attention equals the teacher's "
-                       f"(checked {min(len(shared), SHARED_CHECKS)}, e.g. {shared[0]!r}); not a rewrite of it")
+    raise AttnkitError(
+        f"{student.ref}: none of its weights outside attention equals the teacher's "
+        f"(checked {min(len(shared), SHARED_CHECKS)}, e.g. {shared[0]!r}); not a rewrite of it"
+    )
 
 
 def read_manifest(folder: Path) -> dict | None:
@@ -102,8 +110,12 @@ def rewrite_summary(manifest: dict | None) -> dict | None:
     if manifest is None:
         return None
     kind = manifest.get("operation") or manifest.get("conversion") or manifest.get("retrofit")  # older manifests
-    return {"rewrite": kind, "method": manifest.get("method") or (manifest.get("parameters") or {}).get("method"),
-            "source": (manifest.get("source") or {}).get("ref"), "command": manifest.get("command")}
+    return {
+        "rewrite": kind,
+        "method": manifest.get("method") or (manifest.get("parameters") or {}).get("method"),
+        "source": (manifest.get("source") or {}).get("ref"),
+        "command": manifest.get("command"),
+    }
 
 
 def attention_modules(model) -> dict[str, object]:

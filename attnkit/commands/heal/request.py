@@ -8,8 +8,8 @@ from pathlib import Path
 
 from attnkit.commands.rewrite import WriteRequest
 from attnkit.errors import AttnkitError, UsageError
-from attnkit.units import MAX_COUNT, MAX_TOKENS, check_bounds
 from attnkit.runtime.texts import check_text_files
+from attnkit.units import MAX_COUNT, MAX_TOKENS, check_bounds
 
 TRAIN_CHOICES = ("rewritten", "all")
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -65,8 +65,11 @@ class HealRequest(WriteRequest):
     def checkpoint_folder(self) -> Path:
         """--checkpoint-dir, else OUT with '.checkpoint' appended, next to it."""
         out = Path(self.out).expanduser().absolute()
-        return Path(self.checkpoint_dir).expanduser().absolute() if self.checkpoint_dir else \
-            out.with_name(out.name + ".checkpoint")
+        return (
+            Path(self.checkpoint_dir).expanduser().absolute()
+            if self.checkpoint_dir
+            else out.with_name(out.name + ".checkpoint")
+        )
 
     @property
     def samples_needed(self) -> int:
@@ -91,34 +94,59 @@ def check_options(req: HealRequest) -> None:
         raise UsageError("give one budget: --tokens or --max-time, not both")
     if req.train not in TRAIN_CHOICES:
         raise UsageError(f"--train must be one of {', '.join(TRAIN_CHOICES)}, got {req.train!r}")
-    positive = {"--batch-size": req.batch_size, "--micro-batch-size": req.micro_batch_size,
-                "--val-tokens": req.val_tokens, "--eval-every": req.eval_every,
-                "--checkpoint-every": req.checkpoint_every}
-    optional = (("--lr", req.lr), ("--tokens", req.tokens), ("--sample-tokens", req.sample_tokens),
-                ("--max-time", req.max_time))
+    positive = {
+        "--batch-size": req.batch_size,
+        "--micro-batch-size": req.micro_batch_size,
+        "--val-tokens": req.val_tokens,
+        "--eval-every": req.eval_every,
+        "--checkpoint-every": req.checkpoint_every,
+    }
+    optional = (
+        ("--lr", req.lr),
+        ("--tokens", req.tokens),
+        ("--sample-tokens", req.sample_tokens),
+        ("--max-time", req.max_time),
+    )
     positive.update({flag: v for flag, v in optional if v is not None})
     for flag, value in positive.items():
         check_bounds(flag, value)
         if not value > 0:
             raise UsageError(f"{flag} must be positive, got {value}")
-    non_negative = {"--lora-rank": req.lora_rank, "--warmup-steps": req.warmup_steps, "--patience": req.patience,
-                    "--weight-decay": req.weight_decay, "--max-grad-norm": req.max_grad_norm,
-                    "--attn-loss": req.attn_loss, "--seed": req.seed}
+    non_negative = {
+        "--lora-rank": req.lora_rank,
+        "--warmup-steps": req.warmup_steps,
+        "--patience": req.patience,
+        "--weight-decay": req.weight_decay,
+        "--max-grad-norm": req.max_grad_norm,
+        "--attn-loss": req.attn_loss,
+        "--seed": req.seed,
+    }
     for flag, value in non_negative.items():
         check_bounds(flag, value, 0)
-    counts = {"--batch-size": req.batch_size, "--micro-batch-size": req.micro_batch_size,
-              "--eval-every": req.eval_every, "--checkpoint-every": req.checkpoint_every,
-              "--warmup-steps": req.warmup_steps, "--patience": req.patience, "--seed": req.seed}
+    counts = {
+        "--batch-size": req.batch_size,
+        "--micro-batch-size": req.micro_batch_size,
+        "--eval-every": req.eval_every,
+        "--checkpoint-every": req.checkpoint_every,
+        "--warmup-steps": req.warmup_steps,
+        "--patience": req.patience,
+        "--seed": req.seed,
+    }
     for flag, value in counts.items():
         check_bounds(flag, value, high=MAX_COUNT)
-    for flag, value in (("--seq-len", req.seq_len), ("--val-tokens", req.val_tokens),
-                        ("--eval-seq-len", req.eval_seq_len)):
+    for flag, value in (
+        ("--seq-len", req.seq_len),
+        ("--val-tokens", req.val_tokens),
+        ("--eval-seq-len", req.eval_seq_len),
+    ):
         check_bounds(flag, value, high=MAX_TOKENS)
     check_bounds("--lora-rank", req.lora_rank, high=MAX_LORA_RANK)
     if not 0 <= req.min_lr_ratio <= 1:
         raise UsageError(f"--min-lr-ratio must be in [0, 1], got {req.min_lr_ratio}")
     if req.batch_size % req.micro_batch_size:
-        raise UsageError(f"--batch-size {req.batch_size} is not a multiple of --micro-batch-size {req.micro_batch_size}")
+        raise UsageError(
+            f"--batch-size {req.batch_size} is not a multiple of --micro-batch-size {req.micro_batch_size}"
+        )
     for flag, value in (("--seq-len", req.seq_len), ("--eval-seq-len", req.eval_seq_len)):
         if value < 2:
             raise UsageError(f"{flag} must be at least 2, got {value}")

@@ -32,8 +32,9 @@ def check_fingerprint(folder: Path, fingerprint: dict) -> dict:
     theirs = run.get("fingerprint") or {}
     for key, value in fingerprint.items():
         if theirs.get(key) != value:
-            raise AttnkitError(f"--resume: {folder} is from another run ({key} was {_short(theirs.get(key))}, "
-                               f"now {_short(value)})")
+            raise AttnkitError(
+                f"--resume: {folder} is from another run ({key} was {_short(theirs.get(key))}, now {_short(value)})"
+            )
     return run
 
 
@@ -45,7 +46,6 @@ def _short(value) -> str:
 def save(folder: Path, run: dict, state: dict) -> None:
     """Write run.json and state.pt into a temp folder next to `folder`, then rename it into place."""
     import torch
-
 
     with OutputDir(Path(folder), overwrite=True) as out:
         torch.save(state, out.path / STATE_FILE)

@@ -1,9 +1,10 @@
 """Training text the teacher writes itself: batched sampling, cached on disk, the seed recorded.
 
 Each sample starts as the tokenizer starts a text (its BOS where it adds one) and one token drawn uniformly
-from the vocabulary (special tokens excluded), then the teacher samples at temperature 1 (no top-k/top-p), so the text follows the teacher's own
-distribution. Batch b is generated under torch seed (seed, b): a cache with fewer batches is extended,
-never regenerated, and ranks of a multi-process run write different batches of the same cache.
+from the vocabulary (special tokens excluded), then the teacher samples at temperature 1 (no top-k/top-p),
+so the text follows the teacher's own distribution. Batch b is generated under torch seed (seed, b): a cache
+with fewer batches is extended, never regenerated, and ranks of a multi-process run write different batches
+of the same cache.
 """
 
 from __future__ import annotations
@@ -12,15 +13,21 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from attnkit.runtime.texts import text_prefix
 
 #: Samples per generate() call; part of the cache key, so one cache serves every device.
 SAMPLE_BATCH = 128
-SAMPLER = {"prompt": "the tokenizer's text prefix and one uniform random non-special token", "temperature": 1.0,
-           "top_k": 0, "top_p": 1.0, "batch": SAMPLE_BATCH, "version": 2}
+SAMPLER = {
+    "prompt": "the tokenizer's text prefix and one uniform random non-special token",
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "batch": SAMPLE_BATCH,
+    "version": 2,
+}
 
 
 def cache_folder(root: Path, teacher_digest: str, seed: int, length: int) -> Path:
@@ -35,7 +42,6 @@ def _generate(model, tokenizer, batch: int, length: int, seed: int):
     import torch
     from transformers import GenerationConfig
 
-
     gen = torch.Generator().manual_seed(seed * 1_000_003 + batch)
     special = set(tokenizer.all_special_ids)
     allowed = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
@@ -44,13 +50,20 @@ def _generate(model, tokenizer, batch: int, length: int, seed: int):
     prompt = torch.cat([prefix, first], dim=1)  # [S, P + 1]
     torch.manual_seed(seed * 1_000_003 + batch)
     eos = tokenizer.eos_token_id
-    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                              max_new_tokens=length - prompt.shape[1],
-                              pad_token_id=eos if eos is not None else 0, eos_token_id=eos)
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=length - prompt.shape[1],
+        pad_token_id=eos if eos is not None else 0,
+        eos_token_id=eos,
+    )
     device = model.get_input_embeddings().weight.device
     with torch.no_grad():
-        out = model.generate(prompt.to(device), attention_mask=torch.ones_like(prompt, device=device),
-                             generation_config=config)
+        out = model.generate(
+            prompt.to(device), attention_mask=torch.ones_like(prompt, device=device), generation_config=config
+        )
     return torch.nn.functional.pad(out.cpu(), (0, length - out.shape[1]), value=config.pad_token_id)
 
 
@@ -58,9 +71,9 @@ def _documents(ids, eos: int | None, prefix: list[int]) -> list[list[int]]:
     """Rows of ids [S, L] without the text prefix they start with, cut before their first EOS."""
     docs = []
     for row in ids.tolist():
-        row = row[len(prefix):]
+        row = row[len(prefix) :]
         if eos is not None and eos in row:
-            row = row[:row.index(eos)]
+            row = row[: row.index(eos)]
         if row:
             docs.append(row)
     return docs
@@ -82,9 +95,19 @@ def _load(path: Path):
     return load_file(str(path))["ids"].long()
 
 
-def teacher_documents(model, tokenizer, tokens: int, length: int, seed: int, folder: Path, *, rank: int = 0,
-                      world: int = 1, barrier: Callable[[], None] = lambda: None,
-                      progress: Callable[[int], None] | None = None) -> tuple[list[list[int]], dict]:
+def teacher_documents(
+    model,
+    tokenizer,
+    tokens: int,
+    length: int,
+    seed: int,
+    folder: Path,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    barrier: Callable[[], None] = lambda: None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[list[list[int]], dict]:
     """At least `tokens` tokens of teacher-written documents (token ids), from the cache where it has them.
 
     Rounds of `world` batches: rank r writes batch round * world + r when missing, then all ranks read the round.
@@ -111,7 +134,15 @@ def teacher_documents(model, tokenizer, tokens: int, length: int, seed: int, fol
             if progress is not None:
                 progress(sum(len(d) for d in new))
         batches += world
-    info = {"source": "teacher samples", "seed": seed, "sample_length": length, "samples": batches * SAMPLE_BATCH,
-            "tokens": total, "cache": str(folder), "batches_written_here": generated,
-            "seconds_writing_here": seconds, **SAMPLER}
+    info = {
+        "source": "teacher samples",
+        "seed": seed,
+        "sample_length": length,
+        "samples": batches * SAMPLE_BATCH,
+        "tokens": total,
+        "cache": str(folder),
+        "batches_written_here": generated,
+        "seconds_writing_here": seconds,
+        **SAMPLER,
+    }
     return docs, info

@@ -15,8 +15,10 @@ def select(student, teacher, mode: str) -> list[str]:
     else:
         names = rewritten_parameters(student, teacher)
         if not names:
-            raise AttnkitError("the student's attention equals the teacher's: nothing was rewritten to heal "
-                               "(use --train all to train every tensor)")
+            raise AttnkitError(
+                "the student's attention equals the teacher's: nothing was rewritten to heal "
+                "(use --train all to train every tensor)"
+            )
     chosen = set(names)
     for name, p in student.named_parameters():
         p.requires_grad_(name in chosen)
@@ -27,8 +29,11 @@ def attention_pairs(student, teacher, names: list[str]) -> dict:
     """{module name: (student module, teacher module)} of the attention blocks holding a trained tensor."""
 
     theirs = dict(teacher.named_modules())
-    return {name: (module, theirs[name]) for name, module in attention_modules(student).items()
-            if name in theirs and any(n.startswith(name + ".") for n in names)}
+    return {
+        name: (module, theirs[name])
+        for name, module in attention_modules(student).items()
+        if name in theirs and any(n.startswith(name + ".") for n in names)
+    }
 
 
 #: Peak learning rates when --lr is not given; MLA students train at a third of the rate (why, measured:
@@ -69,13 +74,20 @@ def add_lora(model, names: list[str], rank: int):
         raise AttnkitError("--lora-rank needs the `peft` package (pip install 'attnkit[heal]')") from None
     modules = dict(model.named_modules())
     head = model.get_output_embeddings()
-    linear = sorted({n.rsplit(".", 1)[0] for n in names if isinstance(modules.get(n.rsplit(".", 1)[0]), torch.nn.Linear)
-                     and modules[n.rsplit(".", 1)[0]] is not head})
+    linear = sorted(
+        {
+            n.rsplit(".", 1)[0]
+            for n in names
+            if isinstance(modules.get(n.rsplit(".", 1)[0]), torch.nn.Linear)
+            and modules[n.rsplit(".", 1)[0]] is not head
+        }
+    )
     if not linear:
         raise AttnkitError("--lora-rank: none of the tensors to train belongs to a Linear module")
     direct = [model.get_parameter(n) for n in names if n.rsplit(".", 1)[0] not in linear]
-    wrapped = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, bias="none",
-                                               target_modules=linear))
+    wrapped = get_peft_model(
+        model, LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, bias="none", target_modules=linear)
+    )
     for p in direct:
         p.requires_grad_(True)
     return wrapped

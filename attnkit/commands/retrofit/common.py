@@ -7,7 +7,7 @@ probe summaries, attnkit.json, rename into place). The source is only read.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from attnkit.commands.quality import score_rewrite
 from attnkit.commands.rewrite import RewriteRequest, check_rewrite

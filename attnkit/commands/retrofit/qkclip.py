@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from attnkit.commands.analyse.probe import probe
 from attnkit.commands.retrofit.common import check_source, load, scorer, stream_weights
-from attnkit.commands.rewrite import RewriteRequest, calib_windows
+from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.runtime.calibrate import attention_module_name, calibrate
@@ -42,8 +42,10 @@ def check_request(req: QKClipRequest):
         if spec.mla is not None:
             raise AttnkitError(f"{mt}: MLA attention is not supported by retrofit qkclip")
         if spec.qk_norm == "per_head":
-            raise AttnkitError(f"{mt}: its QK-norm cancels any scale of W_q, and the norm weight that survives it "
-                               "is shared by all heads of a layer, so one head cannot be clipped alone")
+            raise AttnkitError(
+                f"{mt}: its QK-norm cancels any scale of W_q, and the norm weight that survives it "
+                "is shared by all heads of a layer, so one head cannot be clipped alone"
+            )
         if spec.qk_norm != "none":
             raise AttnkitError(f"{mt}: QK-norm over the full projection is not supported by retrofit qkclip")
         if arch.qkv_layout != "separate" or "q" not in arch.tensors:
@@ -78,7 +80,6 @@ def _clip(req: QKClipRequest, src) -> tuple[list, dict]:
     the clipped layers before it); returns per-layer (factors [H], max logits seen [H]) and calibration info."""
     import torch
 
-
     spec = src.spec
     loaded = load(src.root, req.device)
     model = loaded.model
@@ -100,7 +101,7 @@ def _clip(req: QKClipRequest, src) -> tuple[list, dict]:
         return updates
 
     calibrate(model, wins, modules, on_layer)
-    info = {"files": list(req.calib), "tokens": int(wins.numel()), "seq_len": int(wins.shape[1])}
+    info = calib_info(req, wins)
     return clipped, info
 
 
@@ -137,9 +138,20 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
     """Run (or with dry_run, plan) QK-Clip; returns the report (see docs/retrofit.md)."""
     started = time.perf_counter()
     src = check_request(req)
-    report = {"retrofit": "qkclip", "source": req.model, "output": str(req.out),
-              "dry_run": req.dry_run, "model_type": src.spec.model_type, "tau": req.tau,
-              "clipped_heads": None, "calibration": None, "heads": [], "warnings": [], "eval": None, "probe": None}
+    report = {
+        "retrofit": "qkclip",
+        "source": req.model,
+        "output": str(req.out),
+        "dry_run": req.dry_run,
+        "model_type": src.spec.model_type,
+        "tau": req.tau,
+        "clipped_heads": None,
+        "calibration": None,
+        "heads": [],
+        "warnings": [],
+        "eval": None,
+        "probe": None,
+    }
     if req.dry_run:
         report["seconds"] = time.perf_counter() - started
         return report
@@ -148,17 +160,27 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
     rows = []
     for layer, (f, smax) in enumerate(factors):
         for h in range(f.shape[0]):
-            rows.append({"layer": layer, "head": h, "max_logit_before": before[(layer, h)]["max_logit_precap"],
-                         "max_logit_seen": float(smax[h]), "factor": float(f[h]), "clipped": bool(f[h] < 1),
-                         "max_logit_after": None})
+            rows.append(
+                {
+                    "layer": layer,
+                    "head": h,
+                    "max_logit_before": before[(layer, h)]["max_logit_precap"],
+                    "max_logit_seen": float(smax[h]),
+                    "factor": float(f[h]),
+                    "clipped": bool(f[h] < 1),
+                    "max_logit_after": None,
+                }
+            )
     report["heads"] = rows
     report["clipped_heads"] = sum(r["clipped"] for r in rows)
     if not report["clipped_heads"]:  # an unchanged copy would be all the output holds
         top = max(rows, key=lambda r: r["max_logit_seen"])
         report["output"] = None
-        report["warnings"].append(f"no head's max logit on the calibration text exceeds --tau {req.tau:g} (highest: "
-                                  f"{top['max_logit_seen']:.4g}, layer {top['layer']} head {top['head']}): nothing "
-                                  f"to clip, {req.out} not written")
+        report["warnings"].append(
+            f"no head's max logit on the calibration text exceeds --tau {req.tau:g} (highest: "
+            f"{top['max_logit_seen']:.4g}, layer {top['layer']} head {top['head']}): nothing "
+            f"to clip, {req.out} not written"
+        )
         report["seconds"] = time.perf_counter() - started
         return report
 
@@ -167,12 +189,25 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
         for r in rows:
             r["max_logit_after"] = after[(r["layer"], r["head"])]
 
-    body = {"changes": {"weights": f"q_proj rows (and q bias) of the {report['clipped_heads']} clipped head(s) "
-                                   "scaled by tau / max logit; every other tensor copied unchanged"},
-            "why": "QK-Clip (Kimi K2): bound each head's max attention logit by tau",
-            "parameters": {"tau": req.tau}, "calibration": report["calibration"], "heads": rows}
-    write_checkpoint(req, src, "retrofit qkclip", config=src.raw_config(),
-                     weights=lambda writer: stream_weights(src, writer, _rewriter(src, factors)), body=lambda: body,
-                     check=check, score=scorer(req, src, report))
+    body = {
+        "changes": {
+            "weights": f"q_proj rows (and q bias) of the {report['clipped_heads']} clipped head(s) "
+            "scaled by tau / max logit; every other tensor copied unchanged"
+        },
+        "why": "QK-Clip (Kimi K2): bound each head's max attention logit by tau",
+        "parameters": {"tau": req.tau},
+        "calibration": report["calibration"],
+        "heads": rows,
+    }
+    write_checkpoint(
+        req,
+        src,
+        "retrofit qkclip",
+        config=src.raw_config(),
+        weights=lambda writer: stream_weights(src, writer, _rewriter(src, factors)),
+        body=lambda: body,
+        check=check,
+        score=scorer(req, src, report),
+    )
     report["seconds"] = time.perf_counter() - started
     return report

@@ -23,11 +23,10 @@ import time
 from dataclasses import dataclass
 
 from attnkit.commands.retrofit.common import check_source, load, scorer, stream_weights
-from attnkit.commands.rewrite import RewriteRequest, calib_windows
+from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows
 from attnkit.commands.write import write_checkpoint
 from attnkit.engines.targets import vllm_cpu_head_size_ok
 from attnkit.errors import AttnkitError, UsageError
-from attnkit.units import check_bounds
 from attnkit.io.checkpoint import safetensors_files
 from attnkit.io.reader import LazyReader
 from attnkit.ops.anchor import anchor_row, fold_o_bias, scale_error, substitute_constant
@@ -46,6 +45,7 @@ from attnkit.ops.qknorm import (
 )
 from attnkit.runtime.calibrate import OutputCapture, attention_module_name, calibrate, token_rows
 from attnkit.runtime.streaming import load_for_calibration
+from attnkit.units import check_bounds
 
 SOURCES = ("llama", "mistral", "qwen2")
 #: Most --steps of the kl fit per layer (its default is 150).
@@ -54,8 +54,19 @@ MAX_STEPS = 100_000
 PAD_RATIO = 1000.0
 FP16_MAX_PAD = 3.0e4
 #: Source config keys that Qwen3 does not have (or that the conversion rewrites).
-DROP_KEYS = ("pretraining_tp", "mlp_bias", "architectures", "model_type", "auto_map", "_name_or_path",
-             "transformers_version", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+DROP_KEYS = (
+    "pretraining_tp",
+    "mlp_bias",
+    "architectures",
+    "model_type",
+    "auto_map",
+    "_name_or_path",
+    "transformers_version",
+    "use_sliding_window",
+    "sliding_window",
+    "max_window_layers",
+    "layer_types",
+)
 
 
 @dataclass(kw_only=True)
@@ -103,8 +114,10 @@ def check_request(req: QKNormRequest):
         if spec.head_dim % 2:
             raise AttnkitError(f"{mt}: odd head_dim {spec.head_dim}")
         if req.head_dim is not None and (req.head_dim % 2 or not spec.head_dim <= req.head_dim <= 4 * spec.head_dim):
-            raise UsageError(f"--head-dim must be even and between the source's {spec.head_dim} and "
-                             f"{4 * spec.head_dim}, got {req.head_dim}")
+            raise UsageError(
+                f"--head-dim must be even and between the source's {spec.head_dim} and "
+                f"{4 * spec.head_dim}, got {req.head_dim}"
+            )
 
     return check_source(req, check)
 
@@ -129,10 +142,17 @@ def _qwen3_config(src, method: str, bias: bool, dim: int) -> dict:
     config.pop("rope_theta", None)
     rope["rope_theta"] = float(spec.rope_theta) ** (dim / spec.head_dim)  # pair i keeps frequency theta^(-2i/D)
     windows_ = [w for w in spec.layer_windows if w is not None]
-    config.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=dim, attention_bias=bias,
-                  rope_parameters=rope, use_sliding_window=bool(windows_),
-                  sliding_window=windows_[0] if windows_ else None, max_window_layers=spec.num_layers,
-                  layer_types=["sliding_attention" if w else "full_attention" for w in spec.layer_windows])
+    config.update(
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        head_dim=dim,
+        attention_bias=bias,
+        rope_parameters=rope,
+        use_sliding_window=bool(windows_),
+        sliding_window=windows_[0] if windows_ else None,
+        max_window_layers=spec.num_layers,
+        layer_types=["sliding_attention" if w else "full_attention" for w in spec.layer_windows],
+    )
     if len(set(windows_)) > 1:
         raise AttnkitError(f"{spec.model_type}: several sliding window sizes; Qwen3 has one")
     return config
@@ -162,25 +182,27 @@ def check_rope(src, config: dict) -> None:
     half = source_inv.shape[0]
     rel = float(((new_inv[:half] - source_inv) / source_inv).abs().max())
     if rel > 1e-6 or abs(new_scale - source_scale) > 1e-6:
-        raise AttnkitError(f"RoPE type {config['rope_parameters'].get('rope_type')!r} does not keep its frequencies "
-                           f"when head_dim grows (relative change {rel:.2g}); use --method kl or lsq")
+        raise AttnkitError(
+            f"RoPE type {config['rope_parameters'].get('rope_type')!r} does not keep its frequencies "
+            f"when head_dim grows (relative change {rel:.2g}); use --method kl or lsq"
+        )
 
 
 def _calibrate(req: QKNormRequest, src) -> tuple[list, dict]:
     """Per-layer LayerFit from the calibration text (the source model's own activations)."""
     import torch
 
-
     spec = src.spec
     loaded = load(src.root, req.device)
     model = loaded.model
     wins = calib_windows(loaded.tokenizer, req)
-    attention = [model.get_submodule(attention_module_name(src.arch.tensors["q"], src.prefix, i))
-                 for i in range(spec.num_layers)]
+    attention = [
+        model.get_submodule(attention_module_name(src.arch.tensors["q"], src.prefix, i)) for i in range(spec.num_layers)
+    ]
     projections = {f"{role}{i}": getattr(attn, f"{role}_proj") for i, attn in enumerate(attention) for role in "qk"}
     with torch.no_grad(), OutputCapture(projections, keep=lambda t: t.detach().float().cpu()) as capture:
         for n in range(wins.shape[0]):
-            model(input_ids=wins[n:n + 1].to(loaded.device), use_cache=False)
+            model(input_ids=wins[n : n + 1].to(loaded.device), use_cache=False)
         outputs = capture.take()  # "q3" -> [N x [1, T, H*D]]
     t = wins.shape[1]
     positions = torch.arange(t)[None]
@@ -189,11 +211,16 @@ def _calibrate(req: QKNormRequest, src) -> tuple[list, dict]:
     eps = float(getattr(model.config, "rms_norm_eps", 1e-6))
     fits = []
     for i in range(spec.num_layers):
-        q = torch.cat(outputs.pop(f"q{i}")).view(-1, t, spec.num_heads, spec.head_dim).transpose(1, 2)    # [N, H, T, D]
-        k = torch.cat(outputs.pop(f"k{i}")).view(-1, t, spec.num_kv_heads, spec.head_dim).transpose(1, 2)  # [N, Hkv, T, D]
-        fits.append(fit_layer(q, k, cos, sin, spec.head_dim ** -0.5, eps, req.method,
-                              window=spec.layer_windows[i], steps=req.steps))
-    info = {"files": list(req.calib), "tokens": int(wins.numel()), "seq_len": t}
+        q = torch.cat(outputs.pop(f"q{i}")).view(-1, t, spec.num_heads, spec.head_dim).transpose(1, 2)  # [N, H, T, D]
+        k = (
+            torch.cat(outputs.pop(f"k{i}")).view(-1, t, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+        )  # [N, Hkv, T, D]
+        fits.append(
+            fit_layer(
+                q, k, cos, sin, spec.head_dim**-0.5, eps, req.method, window=spec.layer_windows[i], steps=req.steps
+            )
+        )
+    info = calib_info(req, wins)
     return fits, info
 
 
@@ -209,7 +236,7 @@ def _pad_biases(src, reader_get) -> list[tuple[float, float, float]]:
     out = []
     for i in range(spec.num_layers):
         gamma = reader_get(f"{src.prefix}layers.{i}.input_layernorm.weight").double()
-        x_max = float(gamma.abs().max()) * spec.hidden_size ** 0.5
+        x_max = float(gamma.abs().max()) * spec.hidden_size**0.5
         bounds = []
         for role, heads in (("q", spec.num_heads), ("k", spec.num_kv_heads)):
             w = reader_get(src.tensor(role, i)).double().view(heads, spec.head_dim, -1)  # [heads, D, d]
@@ -246,18 +273,25 @@ def _anchor_fits(req: QKNormRequest, src, new_dim: int) -> tuple[list[AnchorFit]
     modules = [attention_module_name(src.arch.tensors["k"], src.prefix, i) for i in range(spec.num_layers)]
     fits: list = [None] * spec.num_layers
     with LazyReader(src.ckpt.weight_files) as reader:
+
         def on_layer(layer: int, hidden, *_):
             x = token_rows(hidden, augment=False)  # [N, n] float64
             a = anchor_row(x)
             gain, err = scale_error(1.0 / (x @ a).abs().clamp_min(1e-12))
             pair = None
             if new_dim == spec.head_dim:
-                pair = weakest_pair(reader.get(src.tensor("q", layer)), reader.get(src.tensor("k", layer)),
-                                    x.T @ x / x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim)
+                pair = weakest_pair(
+                    reader.get(src.tensor("q", layer)),
+                    reader.get(src.tensor("k", layer)),
+                    x.T @ x / x.shape[0],
+                    spec.num_heads,
+                    spec.num_kv_heads,
+                    spec.head_dim,
+                )
             fits[layer] = AnchorFit(a, gain, err, pair)
 
         calibrate(loaded.model, wins, modules, on_layer)
-    return fits, {"files": list(req.calib), "tokens": int(wins.numel()), "seq_len": int(wins.shape[1])}
+    return fits, calib_info(req, wins)
 
 
 def _unbiased_rows(src, layer: int, role: str, t, biases: dict, anchor):
@@ -265,13 +299,13 @@ def _unbiased_rows(src, layer: int, role: str, t, biases: dict, anchor):
     too (attention weights sum to 1), when o_proj's range holds it."""
     import torch
 
-
     spec = src.spec
     w = t.to(torch.float64)
     bias = biases.get((layer, role))
     if role == "v" and (layer, "o") in biases:
-        delta, residual = fold_o_bias(biases[(layer, "o_weight")], biases[(layer, "o")], spec.num_heads,
-                                      spec.num_kv_heads, spec.head_dim)
+        delta, residual = fold_o_bias(
+            biases[(layer, "o_weight")], biases[(layer, "o")], spec.num_heads, spec.num_kv_heads, spec.head_dim
+        )
         if residual > 1e-4:
             raise AttnkitError(f"{src.ref}: o_proj's bias is not in the range of o_proj; use --method pad")
         bias = delta if bias is None else bias.to(torch.float64) + delta
@@ -300,7 +334,6 @@ def _anchor_rewriter(src, fits: list[AnchorFit], pads: list, biases: dict, new_d
     """rewrite(name, tensor) for the anchor method: no bias tensors; q/k rows get an anchor row and (new_dim > D)
     zero pad rows, v/o zero pad rows/columns, and q_norm/k_norm weights that are 0 on every pad."""
     import torch
-
 
     spec = src.spec
     h, hkv, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -349,7 +382,6 @@ def _rewriter(src, method: str, fits: list | None, pads: list | None, bias: bool
     """rewrite(name, tensor) for stream_weights: per-layer q/k/v/o changes, new biases and norm weights."""
     import torch
 
-
     spec = src.spec
     h, hkv, dim, hidden = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
     eps = float(src.config.get("rms_norm_eps", 1e-6))
@@ -373,8 +405,11 @@ def _rewriter(src, method: str, fits: list | None, pads: list | None, bias: bool
         if role == "o":  # the last tensor of the layer: add what Qwen3 needs and the source lacks
             new_dim = dim + 2 if method == "pad" else dim
             if bias:
-                for r, n_heads, fill in (("q", h, pads[i][0] if pads else 0.0), ("k", hkv, pads[i][1] if pads else 0.0),
-                                         ("v", hkv, 0.0)):
+                for r, n_heads, fill in (
+                    ("q", h, pads[i][0] if pads else 0.0),
+                    ("k", hkv, pads[i][1] if pads else 0.0),
+                    ("v", hkv, 0.0),
+                ):
                     if not src.tensor(f"{r}_bias", i):
                         z = torch.zeros(n_heads * dim, dtype=t.dtype)
                         zero_bias = pad_rows(z, n_heads, dim, fill) if method == "pad" else z
@@ -398,7 +433,6 @@ def _check_loads(folder) -> None:
     """The written folder is a Qwen3 checkpoint whose tensors match what Qwen3ForCausalLM expects."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
 
     config = AutoConfig.from_pretrained(str(folder))
     if config.model_type != "qwen3":
@@ -428,17 +462,33 @@ def retrofit_qknorm(req: QKNormRequest) -> dict:
     config = _qwen3_config(src, req.method, bias, dim)
     if dim != spec.head_dim:
         check_rope(src, config)
-    report = {"retrofit": "qknorm", "source": req.model, "output": str(req.out),
-              "dry_run": req.dry_run, "model_type": spec.model_type, "method": req.method,
-              "head_dim_before": spec.head_dim, "head_dim_after": dim, "attention_bias": bias,
-              "calibration": None, "layers": [], "warnings": [], "eval": None, "probe": None}
+    report = {
+        "retrofit": "qknorm",
+        "source": req.model,
+        "output": str(req.out),
+        "dry_run": req.dry_run,
+        "model_type": spec.model_type,
+        "method": req.method,
+        "head_dim_before": spec.head_dim,
+        "head_dim_after": dim,
+        "attention_bias": bias,
+        "calibration": None,
+        "layers": [],
+        "warnings": [],
+        "eval": None,
+        "probe": None,
+    }
     if dim > spec.head_dim:
-        report["warnings"].append(f"head_dim {spec.head_dim} -> {dim}: the KV cache grows by "
-                                  f"{100 * (dim - spec.head_dim) / spec.head_dim:.1f}%")
+        report["warnings"].append(
+            f"head_dim {spec.head_dim} -> {dim}: the KV cache grows by "
+            f"{100 * (dim - spec.head_dim) / spec.head_dim:.1f}%"
+        )
     if req.method == "pad":
-        report["warnings"].append("--method pad writes q/k/v/o bias tensors (zero where the source has none) and "
-                                  f"head_dim {dim}: llama.cpp has no o_proj bias slot and vLLM's CPU attention "
-                                  "no such head size; --method anchor runs in both")
+        report["warnings"].append(
+            "--method pad writes q/k/v/o bias tensors (zero where the source has none) and "
+            f"head_dim {dim}: llama.cpp has no o_proj bias slot and vLLM's CPU attention "
+            "no such head size; --method anchor runs in both"
+        )
     if req.dry_run:
         report["seconds"] = time.perf_counter() - started
         return report
@@ -448,35 +498,60 @@ def retrofit_qknorm(req: QKNormRequest) -> dict:
             pads = _pad_biases(src, reader.get)
             biases = _read_biases(src, reader.get)
     if req.method == "pad":
-        report["layers"] = [{"layer": i, "pad_bias_q": bq, "pad_bias_k": bk, "max_rel_error": err, "attention_kl": None}
-                            for i, (bq, bk, err) in enumerate(pads)]
+        report["layers"] = [
+            {"layer": i, "pad_bias_q": bq, "pad_bias_k": bk, "max_rel_error": err, "attention_kl": None}
+            for i, (bq, bk, err) in enumerate(pads)
+        ]
         rewrite = _rewriter(src, req.method, fits, pads, bias)
     elif req.method == "anchor":
         anchors, report["calibration"] = _anchor_fits(req, src, dim)
-        report["layers"] = [{"layer": i, "pad_bias_q": bq, "pad_bias_k": bk,
-                             "max_rel_error": a.scale_error ** 0.5, "attention_kl": None,
-                             "dropped_pair": a.dropped_pair} for i, ((bq, bk, _), a) in enumerate(zip(pads, anchors))]
+        report["layers"] = [
+            {
+                "layer": i,
+                "pad_bias_q": bq,
+                "pad_bias_k": bk,
+                "max_rel_error": a.scale_error**0.5,
+                "attention_kl": None,
+                "dropped_pair": a.dropped_pair,
+            }
+            for i, ((bq, bk, _), a) in enumerate(zip(pads, anchors))
+        ]
         rewrite = _anchor_rewriter(src, anchors, pads, biases, dim)
     else:
         if req.method == "unit" and not req.calib:
-
             fits = [unit_fit(spec.num_heads, spec.num_kv_heads, spec.head_dim)] * spec.num_layers
         else:
             fits, report["calibration"] = _calibrate(req, src)
-        report["layers"] = [{"layer": i, "pad_bias_q": None, "pad_bias_k": None, "max_rel_error": None,
-                             "attention_kl": f.kl} for i, f in enumerate(fits)]
+        report["layers"] = [
+            {"layer": i, "pad_bias_q": None, "pad_bias_k": None, "max_rel_error": None, "attention_kl": f.kl}
+            for i, f in enumerate(fits)
+        ]
         rewrite = _rewriter(src, req.method, fits, pads, bias)
     added = "q_norm/k_norm weights per layer"
     if bias and not src.tensor("o_bias", 0):
         added += ", zero o_proj bias"
-    body = {"changes": {"model_type": f"{spec.model_type} -> qwen3", "head_dim": [spec.head_dim, dim],
-                        "attention_bias": bias, "added": added},
-            "why": "per-head RMSNorm on q and k (Qwen3 QK-norm) bounds attention logits",
-            "parameters": {"method": req.method, "steps": req.steps if req.method == "kl" else None,
-                           "head_dim": dim},
-            "calibration": report["calibration"], "layers": report["layers"], "warnings": report["warnings"]}
-    write_checkpoint(req, src, "retrofit qknorm", config=config,
-                     weights=lambda writer: stream_weights(src, writer, rewrite), body=lambda: body,
-                     check=_check_loads, score=scorer(req, src, report))
+    body = {
+        "changes": {
+            "model_type": f"{spec.model_type} -> qwen3",
+            "head_dim": [spec.head_dim, dim],
+            "attention_bias": bias,
+            "added": added,
+        },
+        "why": "per-head RMSNorm on q and k (Qwen3 QK-norm) bounds attention logits",
+        "parameters": {"method": req.method, "steps": req.steps if req.method == "kl" else None, "head_dim": dim},
+        "calibration": report["calibration"],
+        "layers": report["layers"],
+        "warnings": report["warnings"],
+    }
+    write_checkpoint(
+        req,
+        src,
+        "retrofit qknorm",
+        config=config,
+        weights=lambda writer: stream_weights(src, writer, rewrite),
+        body=lambda: body,
+        check=_check_loads,
+        score=scorer(req, src, report),
+    )
     report["seconds"] = time.perf_counter() - started
     return report

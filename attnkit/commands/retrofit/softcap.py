@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnkit.commands.retrofit.common import check_source, load, scorer
-from attnkit.commands.rewrite import RewriteRequest, calib_windows
+from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.checkpoint import INDEX_NAME
@@ -59,14 +59,22 @@ def check_request(req: SoftcapRequest):
 
     def check(arch, spec, _config) -> None:
         if "sinks" in arch.tensors:
-            raise AttnkitError(f"{spec.model_type}: attention sinks are not supported by attnkit's soft-capped "
-                               "attention")
-        asked = [(key, want, have) for key, want, have in (("attn_logit_softcapping", req.attn_cap, spec.attn_softcap),
-                                                           ("final_logit_softcapping", req.final_cap,
-                                                            spec.final_softcap)) if want is not None]
+            raise AttnkitError(
+                f"{spec.model_type}: attention sinks are not supported by attnkit's soft-capped attention"
+            )
+        asked = [
+            (key, want, have)
+            for key, want, have in (
+                ("attn_logit_softcapping", req.attn_cap, spec.attn_softcap),
+                ("final_logit_softcapping", req.final_cap, spec.final_softcap),
+            )
+            if want is not None
+        ]
         if all(want == have for _, want, have in asked):
-            raise UsageError("nothing to change: the model already has " +
-                             " and ".join(f"{key} = {have:g}" for key, _, have in asked))
+            raise UsageError(
+                "nothing to change: the model already has "
+                + " and ".join(f"{key} = {have:g}" for key, _, have in asked)
+            )
 
     return check_source(req, check)
 
@@ -74,7 +82,6 @@ def check_request(req: SoftcapRequest):
 def _attention_histogram(model, wins):
     """|attention logit| histogram (q.k * scaling before any cap, visible pairs only) over all layers and heads."""
     import torch
-
 
     hist = AbsHistogram()
 
@@ -88,7 +95,7 @@ def _attention_histogram(model, wins):
     label = "attention logits of the calibration text"
     with torch.no_grad(), attention_hook(model, on_attention), phase(label, wins.shape[0], "windows") as advance:
         for i in range(wins.shape[0]):
-            model(input_ids=wins[i:i + 1].to(model.device), use_cache=False)
+            model(input_ids=wins[i : i + 1].to(model.device), use_cache=False)
             advance(1)
     return hist
 
@@ -110,12 +117,11 @@ def _final_histogram(model, wins):
     """|final logit| histogram before any final cap, over every position and vocabulary entry."""
     import torch
 
-
     hist = AbsHistogram()
     head = model.get_output_embeddings()
     with torch.no_grad(), phase("final logits of the calibration text", wins.shape[0], "windows") as advance:
         for i in range(wins.shape[0]):
-            hidden = final_hidden(model, wins[i:i + 1])  # [1, T, d]
+            hidden = final_hidden(model, wins[i : i + 1])  # [1, T, d]
             hist.add(head(hidden))  # [1, T, V]
             advance(1)
     return hist
@@ -128,15 +134,22 @@ def _auto_caps(req: SoftcapRequest, src) -> dict:
     model = loaded.model  # as the source runs (any caps it already has applied); logits are counted before a cap
     wins = calib_windows(loaded.tokenizer, req)
     chosen = {}
-    for which, wanted, histogram in (("attn", req.attn_cap, _attention_histogram),
-                                     ("final", req.final_cap, _final_histogram)):
+    for which, wanted, histogram in (
+        ("attn", req.attn_cap, _attention_histogram),
+        ("final", req.final_cap, _final_histogram),
+    ):
         if wanted != AUTO:
             continue
         hist = histogram(model, wins)
         cap, fraction = cap_for_fraction(hist, req.affect_fraction, req.affect_rel)
-        chosen[which] = {"cap": cap, "affected_fraction": fraction, "target_fraction": req.affect_fraction,
-                         "logits": int(hist.total), "max_abs_logit": hist.max}
-    chosen["calibration"] = {"files": list(req.calib), "tokens": int(wins.numel()), "seq_len": req.calib_seq_len}
+        chosen[which] = {
+            "cap": cap,
+            "affected_fraction": fraction,
+            "target_fraction": req.affect_fraction,
+            "logits": int(hist.total),
+            "max_abs_logit": hist.max,
+        }
+    chosen["calibration"] = calib_info(req, wins)
     return chosen
 
 
@@ -167,15 +180,25 @@ def warnings_for(model_type: str, attn_cap, final_cap) -> list[str]:
 
     native_attn, native_final = native_support(model_type)
     out = []
-    ignored = [k for k, v, n in (("attn_logit_softcapping", attn_cap, native_attn),
-                                 ("final_logit_softcapping", final_cap, native_final)) if v is not None and not n]
+    ignored = [
+        k
+        for k, v, n in (
+            ("attn_logit_softcapping", attn_cap, native_attn),
+            ("final_logit_softcapping", final_cap, native_final),
+        )
+        if v is not None and not n
+    ]
     if ignored:
-        out.append(f"{model_type}: stock transformers and serving engines such as vLLM and SGLang ignore "
-                   f"{' and '.join(ignored)}; only attnkit commands and attnkit.load_model apply "
-                   f"{'it' if len(ignored) == 1 else 'them'}")
+        out.append(
+            f"{model_type}: stock transformers and serving engines such as vLLM and SGLang ignore "
+            f"{' and '.join(ignored)}; only attnkit commands and attnkit.load_model apply "
+            f"{'it' if len(ignored) == 1 else 'them'}"
+        )
     if attn_cap is not None:
-        out.append("SDPA cannot soft-cap attention: run the capped model with eager attention "
-                   "(attnkit does this itself), flex attention or a FlashAttention kernel with softcap")
+        out.append(
+            "SDPA cannot soft-cap attention: run the capped model with eager attention "
+            "(attnkit does this itself), flex attention or a FlashAttention kernel with softcap"
+        )
     return out
 
 
@@ -183,11 +206,20 @@ def retrofit_softcap(req: SoftcapRequest) -> dict:
     """Run (or with dry_run, plan) the soft-cap retrofit; returns the report (see docs/retrofit.md)."""
     started = time.perf_counter()
     src = check_request(req)
-    report = {"retrofit": "softcap", "source": req.model, "output": str(req.out),
-              "dry_run": req.dry_run, "model_type": src.spec.model_type,
-              "before": {"attn_cap": src.spec.attn_softcap, "final_cap": src.spec.final_softcap},
-              "attn_cap": req.attn_cap, "final_cap": req.final_cap, "auto": None, "warnings": [],
-              "eval": None, "probe": None}
+    report = {
+        "retrofit": "softcap",
+        "source": req.model,
+        "output": str(req.out),
+        "dry_run": req.dry_run,
+        "model_type": src.spec.model_type,
+        "before": {"attn_cap": src.spec.attn_softcap, "final_cap": src.spec.final_softcap},
+        "attn_cap": req.attn_cap,
+        "final_cap": req.final_cap,
+        "auto": None,
+        "warnings": [],
+        "eval": None,
+        "probe": None,
+    }
     if req.dry_run:
         report["warnings"] = warnings_for(src.spec.model_type, req.attn_cap, req.final_cap)
         report["seconds"] = time.perf_counter() - started
@@ -199,14 +231,29 @@ def retrofit_softcap(req: SoftcapRequest) -> dict:
         report["final_cap"] = auto["final"]["cap"] if req.final_cap == AUTO else req.final_cap
     attn_cap, final_cap = report["attn_cap"], report["final_cap"]
     report["warnings"] = warnings_for(src.spec.model_type, attn_cap, final_cap)
-    body = {"changes": {"config": {"attn_logit_softcapping": attn_cap, "final_logit_softcapping": final_cap},
-                        "weights": "unchanged (copied byte for byte)"},
-            "why": "soft-capping bounds attention / output logits by cap * tanh(z / cap)",
-            "parameters": {"attn_cap": req.attn_cap, "final_cap": req.final_cap,
-                           "affect_fraction": req.affect_fraction, "affect_rel": req.affect_rel},
-            "auto": report["auto"], "warnings": report["warnings"]}
-    write_checkpoint(req, src, "retrofit softcap", config=_patched_config(src, attn_cap, final_cap),
-                     weights=lambda writer: _copy_weights(src, writer), body=lambda: body,
-                     score=scorer(req, src, report))
+    body = {
+        "changes": {
+            "config": {"attn_logit_softcapping": attn_cap, "final_logit_softcapping": final_cap},
+            "weights": "unchanged (copied byte for byte)",
+        },
+        "why": "soft-capping bounds attention / output logits by cap * tanh(z / cap)",
+        "parameters": {
+            "attn_cap": req.attn_cap,
+            "final_cap": req.final_cap,
+            "affect_fraction": req.affect_fraction,
+            "affect_rel": req.affect_rel,
+        },
+        "auto": report["auto"],
+        "warnings": report["warnings"],
+    }
+    write_checkpoint(
+        req,
+        src,
+        "retrofit softcap",
+        config=_patched_config(src, attn_cap, final_cap),
+        weights=lambda writer: _copy_weights(src, writer),
+        body=lambda: body,
+        score=scorer(req, src, report),
+    )
     report["seconds"] = time.perf_counter() - started
     return report
