@@ -18,11 +18,10 @@ from pathlib import Path
 from attnkit.archs import Arch, get_arch
 from attnkit.archs.spec import AttentionSpec, attention_spec
 from attnkit.errors import AttnkitError
-from attnkit.io import gguf_load
 from attnkit.io.checkpoint import Checkpoint, checkpoint_digest
 from attnkit.io.complete import checked_weights
 from attnkit.io.finite import check_finite_files
-from attnkit.io.resolve import resolve_weights
+from attnkit.io.resolve import open_weights
 
 
 @dataclass
@@ -91,14 +90,16 @@ def open_source(
     """The checked Source of `ref`. `purpose` ends "a config file has no weights to ..." (e.g. "convert");
     `check(arch, spec, config)` raises the caller's refusals before any GGUF file is dequantized; `causal`:
     refuse families that are not causal language models."""
-    ckpt = resolve_weights(ref, purpose)
-    arch = get_arch(ckpt.model_type)
-    if causal and not arch.causal:
-        raise AttnkitError(f"{ref}: {ckpt.model_type} is not a causal language model")
-    if check is not None:
-        check(arch, attention_spec(ckpt.config), ckpt.config)
-    ckpt = gguf_load.dequantized(ckpt)
-    spec = attention_spec(ckpt.config)
+
+    def refuse(ckpt) -> None:
+        arch = get_arch(ckpt.model_type)
+        if causal and not arch.causal:
+            raise AttnkitError(f"{ref}: {ckpt.model_type} is not a causal language model")
+        if check is not None:
+            check(arch, attention_spec(ckpt.config), ckpt.config)
+
+    ckpt = open_weights(ref, purpose, refuse)
+    arch, spec = get_arch(ckpt.model_type), attention_spec(ckpt.config)
     infos, prefix = checked_weights(ckpt, arch, spec)
     check_finite_files(ckpt.weight_files, ref)
     return Source(ref, ckpt, arch, spec, prefix, frozenset(infos))

@@ -141,19 +141,20 @@ def load_model(
     from transformers.utils import logging as hf_logging
 
     from attnkit.io.finite import is_finite
-    from attnkit.io.gguf_load import dequantized
-    from attnkit.io.resolve import resolve_weights
+    from attnkit.io.resolve import open_weights
     from attnkit.runtime.capped_attention import apply_softcaps
 
     hf_logging.disable_progress_bar()
-    ckpt = resolve_weights(ref, "run")
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev, ckpt.config)
-    check_causal(ref, ckpt.model_type)
-    check_checkpoint(ckpt)
-    if ckpt.gguf_file is not None:
-        ckpt = dequantized(ckpt)
+
+    def check(ckpt) -> None:
+        check_causal(ref, ckpt.model_type)
         check_checkpoint(ckpt)
+
+    ckpt = open_weights(ref, "run", check)
+    if ckpt.dequantized_from is not None:
+        check_checkpoint(ckpt)
+    torch_dtype = resolve_dtype(dtype, dev, ckpt.config)
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
