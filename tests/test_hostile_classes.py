@@ -190,9 +190,9 @@ def test_a_cache_path_that_is_a_file_is_refused_before_dequantizing(runner, tmp_
     ],
 )
 def test_options_are_checked_before_the_model_loads(runner, src, text, monkeypatch, args, words):
-    from attnkit.commands.analyse import evaluate, probe
+    from attnkit.commands.analyse import eval_models, probe
 
-    for module in (evaluate, probe):
+    for module in (eval_models, probe):
         monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model loaded before the checks"))
     result = runner.invoke(app, [a.format(src=src, text=text) for a in args])
     one_line_error(result, 2, words)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 
 from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, print_notes, stderr
-from attnkit.cli.output import Column, render, render_samples
-from attnkit.cli.shared import CALIB, DEVICE, EVAL, SAMPLES, request_fields, writes
+from attnkit.cli.output import Column, eval_caption, render, render_rewrite_scores
+from attnkit.cli.shared import CALIB, CAPABILITY, DEVICE, EVAL, SAMPLES, request_fields, writes
 from attnkit.units import human_bytes
 
 app = typer.Typer(name="convert", help="Rewrite a checkpoint into another attention variant.", no_args_is_help=True)
@@ -14,14 +14,6 @@ app = typer.Typer(name="convert", help="Rewrite a checkpoint into another attent
 
 def _err(v) -> str:
     return "-" if v is None else f"{v:.4f}"
-
-
-def _eval_caption(e: dict) -> str:
-    """The quality part of a convert caption: perplexity of source and result, KL, top-1 agreement."""
-    return (
-        f"; perplexity {e['source_perplexity']:.3f} -> {e['perplexity']:.3f}, KL {e['kl_mean']:.4f}, "
-        f"top-1 agreement {e['top1_agreement']:.3f}"
-    )
 
 
 #: Options of `convert gqa` and `convert mqa` beyond the shared ones.
@@ -78,8 +70,7 @@ def _gqa(
         caption += "; dry run, nothing written"
     else:
         caption += f"; errors on {report['error_basis']}; wrote {report['output']} in {report['seconds']:.1f}s"
-    if report["eval"]:
-        caption += _eval_caption(report["eval"])
+    caption += eval_caption(report["eval"])
     columns = [
         Column("layer", "layer"),
         Column("key_path", "keys", justify="left"),
@@ -88,7 +79,7 @@ def _gqa(
         Column("v_err", "V rel. error", _err),
     ]
     render(report["layers"], columns, fmt, title=f"convert gqa: {shared['model']}", json_obj=report, caption=caption)
-    render_samples(report["eval"], fmt)
+    render_rewrite_scores(report["eval"], fmt)
 
 
 @app.command(
@@ -99,7 +90,7 @@ def _gqa(
     ),
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES)
+@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY)
 def gqa(
     kv_heads: int = typer.Option(
         ..., "--kv-heads", "-g", help="KV heads after conversion; must divide the current count."
@@ -124,7 +115,7 @@ def gqa(
     ),
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES)
+@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY)
 def mqa(
     method: str = _GQA["method"],
     sequential: bool = _GQA["sequential"],
@@ -146,7 +137,7 @@ def mqa(
     ),
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES)
+@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY)
 def mla(
     kv_lora_rank: int = typer.Option(
         None, "--kv-lora-rank", "-R", help="R: latent values cached per token and layer (one is the norm constant)."
@@ -238,7 +229,7 @@ def mla(
         )
     if report["eval"]:
         e = report["eval"]
-        caption += _eval_caption(e) + f"; cache holds {e['cache']['values_per_token_layer']} values per token and layer"
+        caption += eval_caption(e) + f"; cache holds {e['cache']['values_per_token_layer']} values per token and layer"
     print_notes(report["notes"], report["warnings"])
     columns = [
         Column("layer", "layer"),
@@ -249,7 +240,7 @@ def mla(
         Column("norm_error", "norm scale error", _err),
     ]
     render(report["layers"], columns, fmt, title=f"convert mla: {shared['model']}", json_obj=report, caption=caption)
-    render_samples(report["eval"], fmt)
+    render_rewrite_scores(report["eval"], fmt)
 
 
 def register(root: typer.Typer) -> None:

@@ -1,4 +1,5 @@
-"""`attnkit eval MODEL TEXT...`: perplexity, and KL / top-1 agreement against a reference model."""
+"""`attnkit eval MODEL [TEXT...]`: perplexity (KL and top-1 agreement against a reference model), task accuracy
+through lm-eval and pass-key retrieval, the reference beside the model."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import List, Optional
 import typer
 
 from attnkit.cli.common import DEVICE_OPTION, DTYPE_OPTION, FORMAT_OPTION, OutputFormat, examples, handle_errors, stderr
-from attnkit.cli.output import Column, render
+from attnkit.cli.output import Column, render, render_capability
+from attnkit.cli.shared import capability_spec
 
 
 def register(app: typer.Typer) -> None:
@@ -17,6 +19,8 @@ def register(app: typer.Typer) -> None:
             "attnkit eval ./my-model heldout.txt --seq-len 512",
             "attnkit eval ./mqa-model heldout.txt --reference ./my-model --max-tokens 8192 --format json",
             "cat notes.jsonl | attnkit eval HuggingFaceTB/SmolLM2-135M - --device cuda --dtype bf16",
+            "attnkit eval ./mla-model --reference ./my-model --tasks hellaswag,arc_easy --limit 500",
+            "attnkit eval ./mla-model --reference ./my-model --passkey 1k,2k,4k --plot passkey.png",
         ),
     )
     @handle_errors
@@ -33,14 +37,42 @@ def register(app: typer.Typer) -> None:
         max_tokens: Optional[int] = typer.Option(
             None, "--max-tokens", help="At most this many tokens in all (whole windows)."
         ),
-        batch_size: int = typer.Option(1, "--batch-size", help="Windows per forward pass."),
+        batch_size: int = typer.Option(1, "--batch-size", help="Windows (or lm-eval requests) per forward pass."),
+        tasks: Optional[str] = typer.Option(
+            None,
+            "--tasks",
+            help="lm-eval tasks, comma-separated (the tasks extra installs lm-eval); with --reference the "
+            "paired difference on the same items.",
+        ),
+        tasks_dir: Optional[str] = typer.Option(
+            None, "--tasks-dir", help="A folder of local lm-eval YAML tasks (their data read from local files)."
+        ),
+        num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", help="Few-shot examples (lm-eval's)."),
+        limit: Optional[int] = typer.Option(None, "--limit", help="At most this many items per task."),
+        passkey: Optional[str] = typer.Option(
+            None, "--passkey", help="Pass-key retrieval at these context lengths in tokens, e.g. 1k,2k,4k,8k."
+        ),
+        depths: int = typer.Option(5, "--depths", help="Depths of the key per length (0% to 100%)."),
+        trials: int = typer.Option(3, "--trials", help="Pass keys per length and depth."),
+        seed: int = typer.Option(0, "--seed", help="Seed of the pass keys."),
+        passkey_variant: str = typer.Option(
+            "repeat",
+            "--passkey-variant",
+            help="repeat (one key, said twice), distractors (one key among other numbers) or named (several "
+            "keys; one asked by name).",
+        ),
+        plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG heat map of pass-key accuracy."),
         device: str = DEVICE_OPTION,
         dtype: str = DTYPE_OPTION,
         fmt: OutputFormat = FORMAT_OPTION,
     ) -> None:
-        """Token-level perplexity on text windows; with --reference also KL(ref || model) and top-1 agreement."""
-        from attnkit.commands.analyse.evaluate import EvalRequest, run_eval
+        """Perplexity on text windows (with --reference: KL(ref || model) and top-1 agreement), task accuracy
+        through lm-eval (--tasks) and pass-key retrieval (--passkey), the reference beside the model."""
+        from attnkit.commands.analyse.eval_models import EvalRequest, run_eval
 
+        spec = capability_spec(
+            tasks, tasks_dir, num_fewshot, limit, passkey, depths, trials, seed, passkey_variant, batch_size
+        )
         doc = run_eval(
             EvalRequest(
                 model=model,
@@ -52,22 +84,20 @@ def register(app: typer.Typer) -> None:
                 batch_size=batch_size,
                 device=device,
                 dtype=dtype,
+                capability=spec,
+                plot=plot,
             ),
             log=lambda message: stderr.print(message, style="dim", markup=False),
         )
-        columns = [Column("tokens", "tokens"), Column("nll_mean", "NLL"), Column("perplexity", "perplexity")]
-        if reference is not None:
-            columns += [
-                Column("reference_perplexity", "ref perplexity"),
-                Column("kl_mean", "KL mean"),
-                Column("kl_max", "KL max"),
-                Column("top1_agreement", "top-1 agree"),
-            ]
-        render(
-            [doc],
-            columns,
-            fmt,
-            title=f"eval: {model}",
-            json_obj=doc,
-            caption=f"{doc['windows']} window(s) x {seq_len} tokens, {doc['dtype']}",
-        )
+        if doc["windows"] is not None or fmt in (OutputFormat.json, OutputFormat.csv):
+            columns = [Column("tokens", "tokens"), Column("nll_mean", "NLL"), Column("perplexity", "perplexity")]
+            if reference is not None:
+                columns += [
+                    Column("reference_perplexity", "ref perplexity"),
+                    Column("kl_mean", "KL mean"),
+                    Column("kl_max", "KL max"),
+                    Column("top1_agreement", "top-1 agree"),
+                ]
+            caption = f"{doc['windows']} window(s) x {seq_len} tokens, {doc['dtype']}" if doc["windows"] else None
+            render([doc], columns, fmt, title=f"eval: {model}", json_obj=doc, caption=caption)
+        render_capability(doc, fmt, ("model", "reference"))

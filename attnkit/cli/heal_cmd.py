@@ -8,8 +8,8 @@ from typing import List, Optional
 import typer
 
 from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, stderr
-from attnkit.cli.output import Column, render
-from attnkit.cli.shared import DEVICE, EVAL, request_fields, writes
+from attnkit.cli.output import Column, render, render_capability
+from attnkit.cli.shared import CAPABILITY, DEVICE, EVAL, request_fields, writes
 
 
 def _num(v, fmt: str = "{:.4f}") -> str:
@@ -26,7 +26,7 @@ def _caption(report: dict) -> str:
         f"validation KL {v['before']['kl_mean']:.4f} -> {v['after']['kl_mean']:.4f}"
     )
     e = report.get("eval")
-    if e:
+    if e and e.get("before"):
         text += (
             f"; --eval perplexity {e['before']['perplexity']:.3f} -> {e['after']['perplexity']:.3f} "
             f"(teacher {e['teacher_perplexity']:.3f}), KL {e['before']['kl_mean']:.4f} -> {e['after']['kl_mean']:.4f}"
@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
         ),
     )
     @handle_errors
-    @writes(EVAL, DEVICE, model_help="The rewritten model (e.g. a convert or retrofit output folder).")
+    @writes(EVAL, CAPABILITY, DEVICE, model_help="The rewritten model (e.g. a convert or retrofit output folder).")
     def heal_(
         teacher: str = typer.Option(..., "--teacher", "-t", help="The source model the student was rewritten from."),
         data: List[str] = typer.Option(
@@ -165,6 +165,7 @@ def register(app: typer.Typer) -> None:
             json_obj=report,
             caption=_caption(report),
         )
+        render_capability(report.get("eval"), fmt, ("after", "before"))
 
 
 def _num_s(v) -> str:

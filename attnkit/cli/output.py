@@ -130,3 +130,90 @@ def render_samples(evaluation: dict | None, fmt: OutputFormat) -> None:
                 f"  result: {sample['result']!r}",
             ]
     sys.stdout.write("\n".join(lines) + "\n")
+
+
+def _share(v) -> str:
+    return f"{v:.3f}"
+
+
+def _signed(v) -> str:
+    return f"{v:+.3f}"
+
+
+def render_capability(section: dict | None, fmt: OutputFormat, names: tuple[str, str]) -> None:
+    """The task-accuracy and pass-key tables of a report (attnkit.commands.analyse.capability.side_by_side), in
+    table and Markdown output: `names` are the keys of the model measured and of the one it is measured against
+    (("model", "reference") in eval, ("result", "source") in rewrite reports)."""
+    if not section or fmt not in (OutputFormat.table, OutputFormat.markdown):
+        return
+    measured, against = names
+    tasks = section.get("tasks")
+    if tasks and tasks.get("comparison") is not None:
+        columns = [
+            Column("task", "task", justify="left"),
+            Column("metric", "metric", justify="left"),
+            Column("source", against, _share),
+            Column("result", measured, _share),
+            Column("difference", "difference", _signed),
+            Column("ci95_low", "95% CI low", _signed),
+            Column("ci95_high", "95% CI high", _signed),
+            Column("n", "items"),
+        ]
+        render(
+            tasks["comparison"],
+            columns,
+            fmt,
+            title=f"tasks: {measured} against {against}",
+            caption="paired difference on the same items; 95% interval by the normal approximation",
+        )
+    elif tasks:
+        columns = [
+            Column("task", "task", justify="left"),
+            Column("metric", "metric", justify="left"),
+            Column("value", "value", _share),
+            Column("stderr", "stderr", _share),
+            Column("n", "items"),
+        ]
+        render(tasks[measured]["rows"], columns, fmt, title=f"tasks: {measured}")
+    passkey = section.get("passkey")
+    if passkey and passkey.get("comparison") is not None:
+        columns = [
+            Column("length", "context tokens"),
+            Column("source", against, _share),
+            Column("result", measured, _share),
+            Column("difference", "difference", _signed),
+        ]
+        render(passkey["comparison"], columns, fmt, title=f"pass key ({passkey[measured]['variant']}): accuracy")
+    elif passkey:
+        scores = passkey[measured]
+        columns = [
+            Column("length", "context tokens"),
+            Column("prompt_tokens", "prompt tokens"),
+            Column("accuracy", "accuracy", _share),
+        ]
+        chance = f"; chance {scores['chance']:.2f}" if scores["chance"] is not None else ""
+        render(
+            scores["by_length"],
+            columns,
+            fmt,
+            title=f"pass key ({scores['variant']}): accuracy",
+            caption=f"{len(scores['depths'])} depths x {scores['trials']} trials per length{chance}",
+        )
+
+
+def eval_caption(evaluation: dict | None) -> str:
+    """The quality part of a rewrite's caption: perplexity of source and result on the --eval text, KL, top-1
+    agreement ("" without --eval text)."""
+    if not evaluation or evaluation.get("perplexity") is None:
+        return ""
+    e = evaluation
+    return (
+        f"; perplexity {e['source_perplexity']:.3f} -> {e['perplexity']:.3f} on {e['tokens']} tokens, "
+        f"KL {e['kl_mean']:.4g}, top-1 agreement {e['top1_agreement']:.3f}"
+    )
+
+
+def render_rewrite_scores(evaluation: dict | None, fmt: OutputFormat) -> None:
+    """After a rewrite's table: its greedy samples and its task and pass-key tables, result against source."""
+    render_samples(evaluation, fmt)
+    render_capability(evaluation, fmt, ("result", "source"))

@@ -7,8 +7,8 @@ from typing import Optional
 import typer
 
 from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, print_notes
-from attnkit.cli.output import Column, render, render_samples
-from attnkit.cli.shared import CALIB, DEVICE, EVAL, SAMPLES, request_fields, writes
+from attnkit.cli.output import Column, eval_caption, render, render_rewrite_scores
+from attnkit.cli.shared import CALIB, CAPABILITY, DEVICE, EVAL, SAMPLES, request_fields, writes
 
 app = typer.Typer(
     name="retrofit",
@@ -21,16 +21,6 @@ def _num(v, fmt: str = "{:.4g}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-def _eval_caption(report: dict) -> str:
-    e = report.get("eval")
-    if not e:
-        return ""
-    return (
-        f"; perplexity {e['source_perplexity']:.3f} -> {e['perplexity']:.3f} on {e['tokens']} tokens, "
-        f"KL {e['kl_mean']:.4g}, top-1 agreement {e['top1_agreement']:.3f}"
-    )
-
-
 def _finish(report: dict, rows: list, columns: list, fmt: OutputFormat, title: str, caption: str) -> None:
     """Print the warnings (stderr), the main table and, outside JSON/CSV, the probe summary table."""
     print_notes(warnings=report.get("warnings", []))
@@ -38,8 +28,8 @@ def _finish(report: dict, rows: list, columns: list, fmt: OutputFormat, title: s
         caption += " (dry run, nothing written)"
     else:
         caption += f"; wrote {report['output']}" if report["output"] else "; nothing written"
-    render(rows, columns, fmt, title=title, json_obj=report, caption=caption + _eval_caption(report))
-    render_samples(report.get("eval"), fmt)
+    render(rows, columns, fmt, title=title, json_obj=report, caption=caption + eval_caption(report.get("eval")))
+    render_rewrite_scores(report.get("eval"), fmt)
     probe = report.get("probe")
     if probe and fmt in (OutputFormat.table, OutputFormat.markdown):
         cols = [Column("layer", "layer")] + [
@@ -77,7 +67,7 @@ def _cap(text: Optional[str], name: str):
     ),
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES)
+@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY)
 def softcap(
     attn_cap: Optional[str] = typer.Option(
         None, "--attn-cap", help="Attention logit cap C (cap * tanh(z / cap)), or auto."
@@ -134,7 +124,7 @@ def softcap(
     "qknorm", epilog=examples("attnkit retrofit qknorm ./my-model ./qknormed --calib calib.txt --eval heldout.txt")
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES)
+@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY)
 def qknorm(
     method: str = typer.Option(
         "anchor",
@@ -177,7 +167,7 @@ def qknorm(
     epilog=examples("attnkit retrofit qkclip ./my-model ./clipped --tau 100 --calib calib.txt --eval heldout.txt"),
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES)
+@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY)
 def qkclip(
     tau: float = typer.Option(100.0, "--tau", help="Largest attention logit a head may reach on the --calib text."),
     fmt: OutputFormat = FORMAT_OPTION,

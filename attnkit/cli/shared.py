@@ -14,7 +14,7 @@ import inspect
 import shlex
 import sys
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import typer
 
@@ -57,6 +57,64 @@ SAMPLES = {
         ),
     ),
 }
+
+
+#: What a rewrite's report scores besides --eval text: task accuracy and pass-key retrieval, source beside result.
+CAPABILITY = {
+    "eval_tasks": (
+        Optional[str],
+        typer.Option(
+            None,
+            "--eval-tasks",
+            help="lm-eval tasks (comma-separated) scored on source and result, paired differences in the report.",
+        ),
+    ),
+    "eval_tasks_dir": (
+        Optional[str],
+        typer.Option(None, "--eval-tasks-dir", help="A folder of local lm-eval YAML tasks."),
+    ),
+    "eval_limit": (Optional[int], typer.Option(None, "--eval-limit", help="At most this many items per task.")),
+    "eval_passkey": (
+        Optional[str],
+        typer.Option(
+            None,
+            "--eval-passkey",
+            help="Pass-key retrieval of source and result at these context lengths (e.g. 1k,2k,4k).",
+        ),
+    ),
+}
+
+
+def capability_spec(
+    tasks: str | None,
+    tasks_dir: str | None = None,
+    num_fewshot: int | None = None,
+    limit: int | None = None,
+    passkey: str | None = None,
+    depths: int = 5,
+    trials: int = 3,
+    seed: int = 0,
+    variant: str = "repeat",
+    batch_size: int = 1,
+):
+    """The CapabilitySpec of comma-separated --tasks and --passkey lengths (e.g. "1k,2k"), None for none."""
+    from attnkit.commands.analyse.capability import CapabilitySpec
+    from attnkit.commands.analyse.passkey import PasskeySpec
+    from attnkit.commands.analyse.tasks import TaskSpec
+    from attnkit.errors import UsageError
+    from attnkit.units import parse_list, parse_tokens
+
+    if tasks is None and (tasks_dir is not None or limit is not None or num_fewshot is not None):
+        raise UsageError("a task folder, a limit or a few-shot count applies to tasks: give the tasks too")
+    task_spec = (
+        None if tasks is None else TaskSpec(tuple(parse_list(tasks, str)), tasks_dir, num_fewshot, limit, batch_size)
+    )
+    pass_spec = (
+        None
+        if passkey is None
+        else PasskeySpec(tuple(parse_list(passkey, parse_tokens)), depths, trials, seed, variant)
+    )
+    return CapabilitySpec(task_spec, pass_spec)
 
 
 def writes(*groups: dict, model_help: str = MODEL_HELP) -> Callable:
@@ -116,4 +174,8 @@ def request_fields(shared: dict) -> dict:
         )
     if "sample_prompts" in shared:
         fields["sample_prompts"] = list(shared["sample_prompts"]) or list(DEFAULT_PROMPTS)
+    if "eval_tasks" in shared:
+        fields["capability"] = capability_spec(
+            shared["eval_tasks"], shared["eval_tasks_dir"], limit=shared["eval_limit"], passkey=shared["eval_passkey"]
+        )
     return fields

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnkit.commands.analyse.capability import CapabilitySpec, check_capability
 from attnkit.errors import UsageError
 from attnkit.io.writer import OutputDir
 from attnkit.runtime.loader import resolve_device
@@ -42,6 +43,12 @@ class RewriteRequest(WriteRequest):
     eval_seq_len: int = 512
     sample_prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))  # greedy samples with --eval
     sample_tokens: int = 16
+    capability: CapabilitySpec = field(default_factory=CapabilitySpec)  # tasks and pass keys of source and result
+
+    @property
+    def scored(self) -> bool:
+        """Whether the report scores the result against its source (--eval text, tasks or pass keys)."""
+        return bool(self.eval) or bool(self.capability)
 
 
 def local_sources(ref: str) -> list[Path]:
@@ -76,6 +83,7 @@ def check_rewrite(req: RewriteRequest) -> None:
             check_bounds(f"--{kind}-tokens", tokens, 1, MAX_TOKENS)
     check_bounds("the greedy samples' new tokens", req.sample_tokens, 1, MAX_TOKENS)
     check_write(req)
+    check_capability(req.capability, [req.model])
 
 
 def calib_windows(tokenizer, req: RewriteRequest):

@@ -1,19 +1,16 @@
-"""`attnkit eval`: perplexity of a model on token windows, and its divergence from a reference model on the same
-windows. `run_eval` orchestrates (checks before any model loads, then loads, windows and scores); `evaluate` is
-the scoring every command shares (rewrite reports, heal)."""
+"""Perplexity of a model on token windows, and its divergence from a reference model on the same windows: the
+scoring every command shares (eval, rewrite reports, heal)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from attnkit.errors import AttnkitError
 from attnkit.progress import phase
-from attnkit.runtime import load_model, make_windows
 from attnkit.runtime.lm import final_hidden, logit_chunks
-from attnkit.runtime.loader import check_models, unwrap
-from attnkit.runtime.texts import batches, check_text_files, check_window_options, read_texts
-from attnkit.units import MAX_COUNT, check_bounds
+from attnkit.runtime.loader import unwrap
+from attnkit.runtime.texts import batches
 
 
 @dataclass
@@ -91,48 +88,3 @@ def evaluate(
         result.reference_nll_mean = ref_nll_sum / predicted
         result.reference_perplexity = math.exp(result.reference_nll_mean)
     return result
-
-
-@dataclass(kw_only=True)
-class EvalRequest:
-    """attnkit eval: the model, an optional reference, the text and how it is cut and run."""
-
-    model: str
-    reference: str | None = None
-    texts: list[str] = field(default_factory=list)
-    text: str | None = None
-    seq_len: int = 512
-    max_tokens: int | None = None
-    batch_size: int = 1
-    device: str = "auto"
-    dtype: str = "auto"
-
-
-def check_request(req: EvalRequest):
-    """Options, text files and both models, before the first model loads; the text inputs (attnkit.runtime.texts)."""
-
-    check_window_options(req.seq_len, req.max_tokens)
-    check_bounds("--batch-size", req.batch_size, 1, MAX_COUNT)
-    check_text_files(req.texts)
-    texts = read_texts(req.texts, req.text)
-    check_models([req.model, *([req.reference] if req.reference else [])], req.device, req.dtype)
-    return texts
-
-
-def run_eval(req: EvalRequest, log: Callable[[str], None] = lambda message: None) -> dict:
-    """The report of `attnkit eval` (docs/eval.md)."""
-
-    texts = check_request(req)
-    loaded = load_model(req.model, device=req.device, dtype=req.dtype)
-    windows = make_windows(loaded.tokenizer, texts, req.seq_len, req.max_tokens)
-    ref = load_model(req.reference, device=req.device, dtype=req.dtype) if req.reference else None
-    log(f"scoring {windows.shape[0]} window(s) of {req.seq_len} tokens")
-    result = evaluate(loaded, windows, reference=ref, batch_size=req.batch_size)
-    return {
-        "model": req.model,
-        "reference": req.reference,
-        "seq_len": req.seq_len,
-        "windows": int(windows.shape[0]),
-        "dtype": str(loaded.dtype).removeprefix("torch."),
-        **result.to_dict(),
-    }

@@ -331,7 +331,7 @@ def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -
         config=_config(src, req.kv_heads),
         weights=weights,
         body=lambda: {k: report[k] for k in ("method", "parameters", "calibration", "error_basis", "layers")},
-        score=score if req.eval else None,
+        score=score if req.scored else None,
     )
     report["seconds"] = time.perf_counter() - started
     return report

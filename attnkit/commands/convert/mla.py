@@ -491,7 +491,7 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
         body=lambda: {
             k: report[k] for k in ("parameters", "calibration", "kv_bytes_per_token", "layers", "notes", "warnings")
         },
-        score=score if req.eval else None,
+        score=score if req.scored else None,
     )
     report["seconds"] = time.perf_counter() - started
     return report

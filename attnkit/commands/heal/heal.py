@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from attnkit.commands.analyse.capability import before_after, check_capability, run_capability
 from attnkit.commands.analyse.evaluate import evaluate
 from attnkit.commands.heal import resume, trainable
 from attnkit.commands.heal.bar import training_bar
@@ -31,7 +32,7 @@ from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.gguf_load import cache_root
 from attnkit.progress import phase
 from attnkit.runtime import load_model, make_windows, read_texts
-from attnkit.runtime.loader import load_tokenizer, resolve_device
+from attnkit.runtime.loader import LoadedModel, load_tokenizer, resolve_device
 from attnkit.runtime.texts import text_prefix, token_windows
 
 
@@ -43,6 +44,7 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
     check_options(req)
     _check_device(req.device)
     check_write(req, inputs=[req.model, req.teacher])
+    check_capability(req.capability, [req.model, req.teacher])
     _check_checkpoint_folder(req)
     pair = check_pair(req.model, req.teacher)
     if req.lr is None:
@@ -197,6 +199,10 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
     if "train" not in plan:
         _teacher_windows(req, plan, teacher, acc, log)
     before = _score(student, teacher, plan["eval"]) if acc.is_main_process and plan["eval"] is not None else None
+    abilities = None
+    if acc.is_main_process and req.capability:
+        log("scoring teacher and student: tasks and pass keys")
+        abilities = {name: _capability(req, m, plan, acc) for name, m in (("teacher", teacher), ("before", student))}
     trainer = _trainer(req, acc, student, teacher, plan, run, report, before, log)
 
     def save() -> None:
@@ -219,7 +225,7 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
     if not acc.is_main_process:
         return None
     log(f"writing {req.out}")
-    _write(req, pair, acc, _trained_model(trainer, req), teacher, plan["eval"], before, report)
+    _write(req, pair, acc, _trained_model(trainer, req), teacher, plan, before, abilities, report)
     report["seconds"] = time.perf_counter() - started
     return report
 
@@ -305,23 +311,33 @@ def _trained_model(trainer, req: HealRequest):
     return trainable.merge_lora(model) if req.lora_rank else model
 
 
-def _write(req, pair, acc, model, teacher, eval_windows, before, report) -> None:
-    """Write OUT; the --eval "after" scores come from loading the written folder, before it is renamed."""
-
+def _write(req, pair, acc, model, teacher, plan, before, abilities, report) -> None:
+    """Write OUT; the --eval "after" scores and capability scores come from loading the written folder, before
+    it is renamed."""
     report["eval"] = None
 
     def score(folder: Path) -> dict:
-        healed = load_model(str(folder), device=str(acc.device), dtype="float32").model
-        after = _score(healed, teacher, eval_windows)
-        report["eval"] = {
-            "files": list(req.eval),
-            "tokens": after.pop("tokens"),
-            "predicted": after.pop("predicted"),
-            "seq_len": req.eval_seq_len,
-            "teacher_perplexity": after.pop("teacher_perplexity"),
-            "before": {k: before[k] for k in after},
-            "after": after,
-        }
+        healed = load_model(str(folder), device=str(acc.device), dtype="float32")
+        report["eval"] = dict.fromkeys(
+            ("files", "tokens", "predicted", "seq_len", "teacher_perplexity", "before", "after")
+        )
+        if before is not None:
+            after = _score(healed.model, teacher, plan["eval"])
+            report["eval"].update(
+                files=list(req.eval),
+                tokens=after.pop("tokens"),
+                predicted=after.pop("predicted"),
+                seq_len=req.eval_seq_len,
+                teacher_perplexity=after.pop("teacher_perplexity"),
+                before={k: before[k] for k in after},
+                after=after,
+            )
+        after_abilities = (
+            run_capability(healed, req.capability, check_capability(req.capability, []), "healed")
+            if abilities is not None
+            else {}
+        )
+        report["eval"].update(before_after(abilities or {}, after_abilities))
         return {"eval": report["eval"]}
 
     write_checkpoint(
@@ -331,10 +347,25 @@ def _write(req, pair, acc, model, teacher, eval_windows, before, report) -> None
         config=pair.student.root / "config.json",
         weights=lambda writer: healed_tensors(model, pair.student.ckpt, writer),
         body=lambda: _manifest(req, pair, report),
-        score=score if before is not None else None,
+        score=score if before is not None or abilities is not None else None,
         inputs=[pair.teacher.root],
     )
     _remove_checkpoint(req.checkpoint_folder)
+
+
+def _capability(req: HealRequest, model, plan: dict, acc) -> dict:
+    """Task and pass-key scores of a model heal holds (an nn.Module), with the teacher's tokenizer."""
+    import torch
+
+    loaded = LoadedModel(
+        model=model, tokenizer=plan["tokenizer"], checkpoint=None, device=acc.device, dtype=torch.float32
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        return run_capability(loaded, req.capability, check_capability(req.capability, []))
+    finally:
+        model.train(was_training)
 
 
 def _teacher_windows(req, plan, teacher, acc, log) -> None:

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnkit.commands.analyse.capability import CapabilitySpec
 from attnkit.commands.rewrite import WriteRequest
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.runtime.texts import check_text_files
@@ -53,6 +54,7 @@ class HealRequest(WriteRequest):
     sample_cache: Path | None = None
     gradient_checkpointing: bool = False
     seed: int = 0
+    capability: CapabilitySpec = field(default_factory=CapabilitySpec)  # tasks, pass keys: teacher, before, after
 
     @property
     def budget_tokens(self) -> int | None:

@@ -27,7 +27,7 @@ def check_source(req: RewriteRequest, check: Callable | None = None) -> Source:
 def scorer(req: RewriteRequest, src: Source, report: dict) -> Callable | None:
     """With --eval, write_checkpoint's score(folder): the eval scores and both models' probe summaries, put in
     the report and the manifest; None without --eval."""
-    if not req.eval:
+    if not req.scored:
         return None
 
     def score(folder) -> dict:

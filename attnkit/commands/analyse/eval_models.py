@@ -1,0 +1,103 @@
+"""`attnkit eval`: what a model scores, beside a reference when one is given. Perplexity on text windows (KL to the
+reference and top-1 agreement), task accuracy through lm-eval and pass-key retrieval at long contexts
+(attnkit.commands.analyse.capability). Everything is checked before the first model loads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from attnkit.commands.analyse.capability import (
+    CapabilitySpec,
+    check_capability,
+    check_plot,
+    plot_passkey,
+    run_capability,
+    side_by_side,
+)
+from attnkit.commands.analyse.evaluate import evaluate
+from attnkit.errors import UsageError
+from attnkit.runtime import load_model, make_windows
+from attnkit.runtime.loader import check_models
+from attnkit.runtime.texts import check_text_files, check_window_options, read_texts
+from attnkit.units import MAX_COUNT, check_bounds
+
+#: The perplexity fields of the report, null when no text is given.
+PERPLEXITY_KEYS = (
+    "seq_len",
+    "windows",
+    "tokens",
+    "predicted",
+    "nll_mean",
+    "perplexity",
+    "kl_mean",
+    "kl_max",
+    "top1_agreement",
+    "reference_nll_mean",
+    "reference_perplexity",
+)
+
+
+@dataclass(kw_only=True)
+class EvalRequest:
+    """attnkit eval: the model, an optional reference, the text and how it is cut and run, and the capability
+    scores (tasks, pass keys) to add."""
+
+    model: str
+    reference: str | None = None
+    texts: list[str] = field(default_factory=list)
+    text: str | None = None
+    seq_len: int = 512
+    max_tokens: int | None = None
+    batch_size: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    capability: CapabilitySpec = field(default_factory=CapabilitySpec)
+    plot: str | None = None
+
+
+def check_request(req: EvalRequest):
+    """Options, text files, task names and pass-key lengths and both models, before the first model loads;
+    returns (the text inputs or None, lm-eval's task manager or None)."""
+    models = [req.model, *([req.reference] if req.reference else [])]
+    if not req.texts and req.text is None and not req.capability:
+        raise UsageError("nothing to score: give text files (or --text), --tasks or --passkey")
+    check_bounds("--batch-size", req.batch_size, 1, MAX_COUNT)
+    check_plot(req.plot, req.capability)
+    texts = None
+    if req.texts or req.text is not None:
+        check_window_options(req.seq_len, req.max_tokens)
+        check_text_files(req.texts)
+        texts = read_texts(req.texts, req.text)
+    check_models(models, req.device, req.dtype)
+    return texts, check_capability(req.capability, models)
+
+
+def run_eval(req: EvalRequest, log: Callable[[str], None] = lambda message: None) -> dict:
+    """The report of `attnkit eval` (docs/eval.md)."""
+    texts, manager = check_request(req)
+    loaded = load_model(req.model, device=req.device, dtype=req.dtype)
+    ref = load_model(req.reference, device=req.device, dtype=req.dtype) if req.reference else None
+    doc = {
+        "model": req.model,
+        "reference": req.reference,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        **dict.fromkeys(PERPLEXITY_KEYS),
+    }
+    if texts is not None:
+        windows = make_windows(loaded.tokenizer, texts, req.seq_len, req.max_tokens)
+        log(f"scoring {windows.shape[0]} window(s) of {req.seq_len} tokens")
+        result = evaluate(loaded, windows, reference=ref, batch_size=req.batch_size)
+        doc.update(seq_len=req.seq_len, windows=int(windows.shape[0]), **result.to_dict())
+    scores = run_capability(loaded, req.capability, manager, req.model) if req.capability else {}
+    ref_scores = run_capability(ref, req.capability, manager, req.reference) if ref is not None and scores else None
+    both = (
+        side_by_side(ref_scores, scores, ("reference", "model"))
+        if ref_scores
+        else side_by_side(scores, None, ("model", "reference"))
+    )
+    doc.update(tasks=both.get("tasks"), passkey=both.get("passkey"))
+    if req.plot:
+        panels = {req.model: scores["passkey"], **({req.reference: ref_scores["passkey"]} if ref_scores else {})}
+        plot_passkey(panels, req.plot)
+    return doc
