@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 from attnkit.archs.spec import AttentionSpec, MLADims
@@ -89,7 +90,9 @@ def apply_variant(spec: AttentionSpec, variant: str) -> AttentionSpec:
     mla = MLADims(
         kv_lora_rank=rank, qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=spec.v_head_dim, q_lora_rank=None
     )
-    return dataclasses.replace(spec, mla=mla, num_kv_heads=spec.num_heads)
+    # convert mla writes DeepSeek-V3, which attends to the whole context on every layer
+    full = (None,) * spec.num_layers
+    return dataclasses.replace(spec, mla=mla, num_kv_heads=spec.num_heads, layer_windows=full)
 
 
 def kv_heads_per_gpu(spec: AttentionSpec, tp: int) -> int:
@@ -117,8 +120,55 @@ def cached_tokens(spec: AttentionSpec, context: int) -> int:
     return sum(context if w is None else min(context, w) for w in spec.layer_windows)
 
 
-def kv_bytes(spec: AttentionSpec, dtype: CacheDtype, context: int, batch: int, tp: int = 1) -> float:
-    """Whole KV cache for `batch` sequences of `context` tokens (per GPU when tp > 1)."""
+@dataclass(frozen=True)
+class VllmPaging:
+    """vLLM's paged cache: whole blocks of `block_size` tokens, layers grouped as its hybrid allocator groups them.
+
+    A sliding-window layer holds its window plus the tokens in flight (`in_flight_tokens`: concurrent batches x
+    max_num_batched_tokens, 2 x 8192 for `vllm serve` on an H100/H200) plus one block; vLLM sizes its pool and
+    admits requests by this bound (SlidingWindowSpec.max_admission_blocks_per_request).
+    """
+
+    block_size: int = 16
+    in_flight_tokens: int = 2 * 8192
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def vllm_request_bytes(spec: AttentionSpec, dtype: CacheDtype, context: int, paging: VllmPaging, tp: int = 1) -> float:
+    """Bytes vLLM reserves for one request of `context` tokens (vllm/v1/core/kv_cache_utils.py).
+
+    Layers are bucketed by window; every bucket is cut into groups of `group_size` layers (the smallest
+    bucket, or the largest when it is under 1.5x the smallest), the last group padded; a block of any
+    group costs group_size pages.
+    """
+    page = paging.block_size * layer_bytes_per_token(spec, dtype, tp)
+    buckets = Counter(spec.layer_windows)  # window (None = full) -> layers
+    group_size = min(buckets.values())
+    if max(buckets.values()) < 1.5 * group_size:
+        group_size = max(buckets.values())
+    blocks = 0
+    for window, layers in buckets.items():
+        if window is None:
+            per_group = _cdiv(context, paging.block_size)
+        else:
+            held = min(window - 1 + paging.in_flight_tokens, context)
+            per_group = _cdiv(held, paging.block_size) + 1
+        blocks += _cdiv(layers, group_size) * per_group
+    return blocks * group_size * page
+
+
+def kv_bytes(
+    spec: AttentionSpec, dtype: CacheDtype, context: int, batch: int, tp: int = 1, paging: VllmPaging | None = None
+) -> float:
+    """Whole KV cache for `batch` sequences of `context` tokens (per GPU when tp > 1).
+
+    paging None: the tokens each layer keeps (a sliding layer its window); else what vLLM reserves.
+    """
+    if paging is not None:
+        return batch * vllm_request_bytes(spec, dtype, context, paging, tp)
     return batch * cached_tokens(spec, context) * layer_bytes_per_token(spec, dtype, tp)
 
 
@@ -127,23 +177,35 @@ MAX_CONTEXT = 1 << 40
 
 
 def max_context(
-    spec: AttentionSpec, dtype: CacheDtype, batch: int, budget: float, tp: int = 1, limit: int = MAX_CONTEXT
+    spec: AttentionSpec,
+    dtype: CacheDtype,
+    batch: int,
+    budget: float,
+    tp: int = 1,
+    limit: int = MAX_CONTEXT,
+    paging: VllmPaging | None = None,
 ) -> int:
     """Largest context up to `limit` whose cache fits `budget` bytes (binary search; cache size is monotone)."""
-    if budget <= 0 or kv_bytes(spec, dtype, 1, batch, tp) > budget:
+
+    def fits(context: int) -> bool:
+        return kv_bytes(spec, dtype, context, batch, tp, paging) <= budget
+
+    if budget <= 0 or not fits(1):
         return 0
     lo, hi = 1, limit
-    if kv_bytes(spec, dtype, hi, batch, tp) <= budget:
+    if fits(hi):
         return hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if kv_bytes(spec, dtype, mid, batch, tp) <= budget:
+        if fits(mid):
             lo = mid
         else:
             hi = mid
     return lo
 
 
-def max_batch(spec: AttentionSpec, dtype: CacheDtype, context: int, budget: float, tp: int = 1) -> int:
-    per_sequence = kv_bytes(spec, dtype, context, 1, tp)
+def max_batch(
+    spec: AttentionSpec, dtype: CacheDtype, context: int, budget: float, tp: int = 1, paging: VllmPaging | None = None
+) -> int:
+    per_sequence = kv_bytes(spec, dtype, context, 1, tp, paging)
     return int(budget // per_sequence) if budget > 0 else 0

@@ -7,7 +7,8 @@ bench_capability heals on the others):
 - wiki_cloze (multiple choice, acc and acc_norm): a sentence of 12+ words without its last word, after up to
   CONTEXT_WORDS words of the paragraph before it; the choices are that word and three last words of other
   sentences of the same articles (plausible sentence endings, drawn with a fixed seed). Chance: 0.25.
-- wiki_lastword (LAMBADA-style, loglikelihood): up to CONTEXT_WORDS words of a paragraph, then its last word;
+- wiki_lastword (LAMBADA-style, loglikelihood): up to CONTEXT_WORDS words of a paragraph, then its last word
+  (with its leading space, as lm-eval joins a loglikelihood target to the context unchanged);
   `acc` is whether the word is the model's greedy continuation, `perplexity` lm-eval's over the items.
 """
 
@@ -106,7 +107,8 @@ def build(folder: Path) -> None:
             split = _last_word(paragraph[-1])
             if split is not None:
                 words = " ".join(paragraph[:-1] + [split[0]]).split()[-CONTEXT_WORDS:]
-                lastword.append({"context": " ".join(words), "target": split[1]})
+                # a loglikelihood task's target follows the context as it is (lm-eval adds no delimiter)
+                lastword.append({"context": " ".join(words), "target": f" {split[1]}"})
     rng.shuffle(cloze)
     rng.shuffle(lastword)
     with (folder / "wiki_cloze.jsonl").open("w") as fh:

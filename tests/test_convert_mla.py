@@ -228,7 +228,8 @@ def test_rank_errors_are_one_line_usage_errors(runner, tmp_path, args, needle):
 
 
 @pytest.mark.parametrize(
-    "family,needle", [("qwen3", "QK-norm"), ("gpt2", "cannot be converted to MLA"), ("gemma2", "soft-capping")]
+    "family,needle",
+    [("olmo2", "QK-norm over the full projection"), ("gpt2", "cannot be converted to MLA"), ("gemma2", "soft-capping")],
 )
 def test_unsupported_families_are_refused_in_one_line(runner, tmp_path, family, needle):
     folder = tmp_path / family
@@ -238,6 +239,60 @@ def test_unsupported_families_are_refused_in_one_line(runner, tmp_path, family, 
     )
     assert result.exit_code == 1, result.output
     assert needle in result.output and len(result.output.strip().splitlines()) == 1
+    assert "`attnkit convert gqa|mqa` shrinks its cache in its own stock architecture" in result.output
+
+
+def test_qk_norm_source_is_the_fold_then_lossless(runner, tmp_path):
+    """A Qwen3 (per-head QK-norm) at full rank: the DeepseekV3 result equals the plain attention that the fold
+    makes of it (the norm gains and the report's constants in W_q and W_k, no norm): the fold is the only loss."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnkit.ops.qknorm_fold import QKNormFold, folded_weights
+
+    src = tiny_source(tmp_path, "qwen3", num_key_value_heads=1, head_dim=8)
+    out = tmp_path / "out"
+    args = ("--kv-lora-rank", "64", "--rope-dim", "8", "--o-refit", "0", "--device", "cpu")  # no refit: pure fold
+    result = _convert(runner, src, out, *args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert any("QK-norm approximated" in note for note in report["notes"])
+    state = load_file(str(src / "model.safetensors"))
+    for row in report["layers"]:
+        assert 0 <= row["qk_norm_fold_kl"] < 0.5
+        prefix = f"model.layers.{row['layer']}.self_attn."
+        weights = {role: state.pop(f"{prefix}{role}_proj.weight") for role in ("q", "k")}
+        gains = tuple(state.pop(f"{prefix}{role}_norm.weight").double() for role in ("q", "k"))
+        fold = QKNormFold(
+            c_q=torch.tensor(row["qk_norm_c_q"], dtype=torch.float64),
+            c_k=torch.tensor(row["qk_norm_c_k"], dtype=torch.float64),
+            kl=torch.zeros(0),
+            dropped=torch.zeros(1, 8, dtype=torch.bool),
+            spread_q=0.0,
+            spread_k=0.0,
+        )
+        for role, w in folded_weights(weights, fold, gains, 8).items():
+            state[f"{prefix}{role}_proj.weight"] = w
+    config = json.loads((src / "config.json").read_text())
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    plain = LlamaForCausalLM(
+        LlamaConfig(
+            **{k: config[k] for k in keys},
+            num_key_value_heads=1,
+            head_dim=8,
+            rms_norm_eps=config["rms_norm_eps"],
+            rope_parameters=config["rope_parameters"],
+            tie_word_embeddings=config["tie_word_embeddings"],
+        )
+    )
+    missing, unexpected = plain.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    ids = torch.randint(3, 100, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = plain.eval()(ids).logits
+    diff = (expected - _logits(out, ids)).abs().max().item()
+    assert diff < 1e-3, diff
+    assert (_logits(src, ids) - expected).abs().max().item() > 10 * diff  # the fold changed the model
 
 
 def test_needs_calibration_text(runner, tmp_path):

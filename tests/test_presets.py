@@ -177,7 +177,11 @@ def test_kvmem_cli_json_on_a_preset(runner):
 def test_kvmem_cli_json_sliding_preset(runner):
     from attnkit.cli import app
 
-    result = runner.invoke(app, ["kvmem", "mistralai/Mistral-7B-v0.1", "--context", "4k,32k", "--format", "json"])
+    args = ["kvmem", "mistralai/Mistral-7B-v0.1", "--context", "4k,32k", "--format", "json"]
+    result = runner.invoke(app, [*args, "--paging", "exact"])
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["rows"]
     assert [r["kv_bytes"] for r in rows] == [4096 * 131_072, 4096 * 131_072]
+    # vLLM: a sliding layer holds min(window - 1 + 16k in flight, context) tokens in blocks of 16, plus one block
+    rows = json.loads(runner.invoke(app, args).stdout)["rows"]
+    assert [r["kv_bytes"] for r in rows] == [(256 + 1) * 16 * 131_072, (1280 + 1) * 16 * 131_072]

@@ -287,9 +287,48 @@ def test_qkclip_clips_only_heads_above_tau(runner, tiny, text, tmp_path):
             assert torch.equal(before[name], after[name])
 
 
-def test_qkclip_refuses_shared_qk_norm_and_bad_tau(runner, tiny, text, tmp_path):
-    res, _ = _run(runner, "qkclip", tiny("qwen3"), tmp_path / "o", "--calib", text)
-    assert res.exit_code == 1 and "shared by all heads" in res.stderr
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "olmo2"])
+def test_qkclip_on_qk_norm_scales_the_norm_weight(runner, tiny, text, tmp_path, family):
+    """Per-head QK-norm (Qwen3, Gemma 3: weight shared by a layer's heads): the layer is clipped as one, every head
+    by its worst head's factor; QK-norm over the whole projection (OLMo 2): only the heads above tau."""
+    src = _tiny_text_model(tiny, family)
+    calib = ("--calib", text, "--calib-tokens", "256", "--calib-seq-len", "64")
+    res, dry = _run(runner, "qkclip", src, tmp_path / "probe", "--tau", "1e9", *calib, "-f", "json")
+    assert res.exit_code == 0, res.output
+    layer0 = sorted(r["max_logit_before"] for r in dry["heads"] if r["layer"] == 0)
+    tau = (layer0[-1] + layer0[-2]) / 2  # layer 0's worst head is above, the others below
+    res, doc = _run(runner, "qkclip", src, tmp_path / "out", "--tau", tau, *calib, "-f", "json")
+    assert res.exit_code == 0, res.output
+    per_head_norm = family != "olmo2"
+    assert doc["scope"] == ("layer" if per_head_norm else "head")
+    assert all(r["max_logit_after"] <= tau * (1 + 1e-4) for r in doc["heads"])
+    rows0 = [r for r in doc["heads"] if r["layer"] == 0]
+    if per_head_norm:
+        assert "every head of a clipped layer" in res.stderr
+        worst = max(r["max_logit_seen"] for r in rows0)
+        assert all(r["clipped"] and r["factor"] == pytest.approx(tau / worst, rel=1e-6) for r in rows0)
+        assert max(r["max_logit_after"] for r in rows0) == pytest.approx(tau, rel=1e-4)
+    else:
+        assert [r["clipped"] for r in rows0].count(True) == 1
+    from safetensors.torch import load_file
+
+    before = load_file(str(src / "model.safetensors"))
+    after = load_file(str(tmp_path / "out" / "model.safetensors"))
+    clipped = {r["layer"] for r in doc["heads"] if r["clipped"]}
+    for name in before:
+        layer = int(name.split(".")[2]) if ".layers." in name else None
+        if name.endswith("q_norm.weight") and layer in clipped:
+            assert not torch.equal(before[name], after[name])
+        else:
+            assert torch.equal(before[name], after[name]), name
+
+
+def test_qkclip_refuses_mla_and_bad_tau(runner, tiny, text, tmp_path):
+    from tests.tiny import extra_model
+
+    extra_model("deepseek_v3").save_pretrained(tmp_path / "mla")
+    res, _ = _run(runner, "qkclip", tmp_path / "mla", tmp_path / "o", "--calib", text)
+    assert res.exit_code == 1 and "MLA attention is not supported" in res.stderr
     res, _ = _run(runner, "qkclip", tiny("llama"), tmp_path / "o", "--tau", "0", "--calib", text)
     assert res.exit_code == 2 and "--tau" in res.stderr
 

@@ -27,6 +27,11 @@ class Arch:
     def tensors(self) -> dict[str, str]:
         return self.data["tensors"]
 
+    @property
+    def norm_offset(self) -> float:
+        """What an RMSNorm adds to its stored weight before scaling (Gemma stores w and applies 1 + w)."""
+        return self.data.get("norm_weight_offset", 0.0)
+
     def __getattr__(self, name: str) -> Any:  # position, qk_norm, qkv_layout, ...
         try:
             return self.data[name]

@@ -93,6 +93,7 @@ TOP_LEVEL = {
     "tensors": dict,
     "required": dict,
     "transformers_class": str,
+    "norm_weight_offset": float,  # RMSNorm scales by offset + weight (Gemma: 1.0); absent: 0
     "notes": str,
 }
 REQUIRED_TOP_LEVEL = {

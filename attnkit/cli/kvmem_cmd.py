@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Optional
 
 import typer
@@ -15,6 +16,11 @@ def _bytes(v) -> str:
     return human_bytes(v)
 
 
+class Paging(str, Enum):
+    vllm = "vllm"
+    exact = "exact"
+
+
 def register(app: typer.Typer) -> None:
     @app.command(
         "kvmem",
@@ -22,6 +28,7 @@ def register(app: typer.Typer) -> None:
             "attnkit kvmem llama-3.1-8b --context 4k,32k,128k --batch 1,8 --gpu-mem 80GiB",
             "attnkit kvmem llama-3.1-70b --context 8k,128k --dtype bf16,fp8,int4 --gpu-mem 80GiB --tp 8",
             "attnkit kvmem llama-2-7b --variant native,gqa:4,mqa,mla:512+64 --format markdown",
+            "attnkit kvmem gemma-3-27b --context 32k --paging exact",
         ),
     )
     @handle_errors
@@ -47,19 +54,37 @@ def register(app: typer.Typer) -> None:
         weight_dtype: Optional[str] = typer.Option(
             None, "--weight-dtype", help="Weights dtype for the fit (fp32,bf16,fp16,fp8,int8,int4); default: as stored."
         ),
+        paging: Paging = typer.Option(
+            Paging.vllm,
+            "--paging",
+            help="vllm: what vLLM reserves (whole blocks; a sliding layer its window + the tokens in flight + a "
+            "block); exact: the tokens each layer keeps.",
+        ),
+        block_size: int = typer.Option(16, "--block-size", min=1, max=1 << 20, help="vLLM's tokens per block."),
+        in_flight: str = typer.Option(
+            "16k",
+            "--in-flight-tokens",
+            help="vLLM's tokens in flight per request: concurrent batches x max_num_batched_tokens "
+            "(16k: vllm serve on an H100/H200, 2 x 8192).",
+        ),
         fmt: OutputFormat = FORMAT_OPTION,
     ) -> None:
-        """KV-cache bytes per token and in total, and with --gpu-mem what fits on each GPU."""
-        from attnkit.commands.analyse.kvmem import GpuBudget, kvmem_rows
+        """KV-cache bytes per token and in total, and with --gpu-mem what fits on each GPU.
+
+        A what-if variant is the model `attnkit convert` would write: gqa:G and mqa keep the source's sliding
+        windows, mla:R+P (DeepSeek-V3) attends to the whole context on every layer.
+        """
+        from attnkit.commands.analyse.kvmem import GpuBudget, kvmem_rows, larger_than_native
         from attnkit.commands.analyse.modelinfo import model_info, weight_dtype_name
         from attnkit.errors import UsageError
-        from attnkit.kvcache import cache_dtype, check_variant
+        from attnkit.kvcache import VllmPaging, cache_dtype, check_variant
         from attnkit.units import parse_bytes, parse_list, parse_positive_int, parse_tokens
 
         contexts = parse_list(context, parse_tokens)
         batches = parse_list(batch, parse_positive_int)
         dtypes = parse_list(dtype, lambda name: cache_dtype(name).name)  # checked before the model is read
         variants = parse_list(variant, check_variant)
+        pages = VllmPaging(block_size, parse_tokens(in_flight)) if paging == Paging.vllm else None
         if weight_dtype is not None:
             weight_dtype = weight_dtype_name(weight_dtype)
         gpu = (
@@ -70,7 +95,8 @@ def register(app: typer.Typer) -> None:
         if gpu is None and tp != 1:
             raise UsageError("--tp needs --gpu-mem")
         info = model_info(model)
-        rows = kvmem_rows(info, variants, dtypes, contexts, batches, gpu, weight_dtype)
+        rows = kvmem_rows(info, variants, dtypes, contexts, batches, gpu, weight_dtype, pages)
+        windowed = any(r["sliding"] != "none" for r in rows)
 
         columns = [
             Column("variant", "variant", justify="left"),
@@ -81,6 +107,10 @@ def register(app: typer.Typer) -> None:
             Column("bytes_per_token", "bytes/token", lambda v: f"{v:,.0f}"),
             Column("kv_bytes", "KV total", _bytes),
         ]
+        if windowed:
+            columns.insert(2, Column("sliding", "sliding windows", justify="left"))
+        if variants != ["native"]:
+            columns.append(Column("vs_native", "x native", lambda v: f"{v:.3g}"))
         if gpu is not None:
             columns += [
                 Column("weights_per_gpu", "weights/GPU", _bytes),
@@ -99,6 +129,9 @@ def register(app: typer.Typer) -> None:
             "parameters": info.parameters,
             "parameters_origin": info.parameters_origin,
             "weight_bytes": weights,
+            "paging": None
+            if pages is None
+            else {"engine": "vllm", "block_size": pages.block_size, "in_flight_tokens": pages.in_flight_tokens},
             "gpu": None
             if gpu is None
             else {"mem_bytes": gpu.mem_bytes, "tp": gpu.tp, "reserve_bytes": gpu.reserve_bytes},
@@ -110,6 +143,14 @@ def register(app: typer.Typer) -> None:
         )
         if info.source:
             caption += f"; source: {info.source}"
+        caption += (
+            f"; vLLM paging (blocks of {pages.block_size}, {pages.in_flight_tokens:,} tokens in flight)"
+            if pages
+            else "; tokens kept (no paging)"
+        )
         if any(r["exceeds_max_positions"] for r in rows):
             caption += "; some contexts exceed the model's max_position_embeddings"
+        larger = larger_than_native(rows)
+        if larger:
+            caption += f"; larger than native: {', '.join(larger)} (full attention on every layer)"
         render(rows, columns, fmt, title=f"KV cache: {model}", json_obj=doc, caption=caption)

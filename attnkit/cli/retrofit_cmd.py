@@ -173,7 +173,11 @@ def qkclip(
     fmt: OutputFormat = FORMAT_OPTION,
     shared: dict = None,
 ) -> None:
-    """QK-Clip once: scale W_q of every head whose max logit on --calib text exceeds --tau by tau / max."""
+    """QK-Clip once: scale the query of every head whose max logit on --calib text exceeds --tau by tau / max.
+
+    Without QK-norm W_q's rows are scaled; with per-head QK-norm (Qwen3, Gemma 3) the layer's shared q-norm weight,
+    so every head of a clipped layer is scaled by the factor of its worst head.
+    """
     from attnkit.commands.retrofit.qkclip import QKClipRequest, retrofit_qkclip
 
     report = retrofit_qkclip(QKClipRequest(**request_fields(shared), tau=tau))
@@ -183,10 +187,13 @@ def qkclip(
         Column("head", "head"),
         Column("max_logit_before", "max logit source", _num),
         Column("max_logit_seen", "max logit seen", _num),
-        Column("factor", "W_q factor", _num),
+        Column("factor", "query factor", _num),
         Column("max_logit_after", "max logit after", _num),
     ]
     caption = f"{report['model_type']}, tau {report['tau']:g}: {report['clipped_heads']} head(s) clipped"
+    if report["scope"] == "layer" and report["clipped_layers"] is not None:
+        caption += f" in {report['clipped_layers']} layer(s), every head of a clipped layer scaled (per-head QK-norm)"
+    print_notes(report["notes"])
     _finish(report, rows, columns, fmt, f"retrofit qkclip: {shared['model']} (clipped heads)", caption)
 
 

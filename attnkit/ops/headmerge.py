@@ -179,7 +179,9 @@ def merge_keys(
         u = vecs[:, :, -1]  # [R/2, r]: top left singular vector of a L
         row = torch.einsum("fr,frn->fn", u.conj(), a)  # [R/2, n]
         kcr = k @ cov_c @ row.conj()[:, :, None]  # [R/2, r, 1]
-        c = kcr[:, :, 0] / torch.einsum("fn,nm,fm->f", row, cov_c, row.conj())[:, None]  # [R/2, r] least squares
+        energy_row = torch.einsum("fn,nm,fm->f", row, cov_c, row.conj())[:, None]  # [R/2, 1]
+        # [R/2, r] least squares; a pair whose rows are all zero (a folded QK-norm's dropped pair) gets 0
+        c = torch.where(energy_row.abs() > 0, kcr[:, :, 0] / torch.where(energy_row.abs() > 0, energy_row, 1), 0)
         shared[g], c = _normalize(row, c)
         coef[g * r : (g + 1) * r] = c.T
     parts = [shared.real, shared.imag]

@@ -34,8 +34,9 @@ def run_attention(attn, rotary, hidden):
     return out, captured["z"].reshape(-1, captured["z"].shape[-1])
 
 
-def source_attention_inputs(weights: dict, hidden, rope, scaling: float, s: MLAShape):
-    """The source layer's attention output before o_proj on hidden [B, T, n].  -> [B*T, H*D] float32"""
+def source_attention_inputs(weights: dict, hidden, rope, scaling: float, s: MLAShape, norm_eps: float = 1e-6):
+    """The source layer's attention output before o_proj on hidden [B, T, n] (per-head QK-norm applied where
+    weights has q_norm / k_norm gains [D]).  -> [B*T, H*D] float32"""
     import torch
 
     from attnkit.ops.attnweight import causal_attention
@@ -46,7 +47,10 @@ def source_attention_inputs(weights: dict, hidden, rope, scaling: float, s: MLAS
         out = x @ weights[role].to(x).T
         if f"{role}_bias" in weights:
             out = out + weights[f"{role}_bias"].to(x)
-        return out.reshape(*x.shape[:2], -1, s.head_dim)
+        out = out.reshape(*x.shape[:2], -1, s.head_dim)
+        if f"{role}_norm" in weights:
+            out = out * torch.rsqrt(out.square().mean(-1, keepdim=True) + norm_eps) * weights[f"{role}_norm"].to(x)
+        return out
 
     cos, sin = (r.detach().to(x) for r in rope)
     z = causal_attention(project("q"), project("k"), project("v"), cos, sin, scaling)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attnkit import kvcache
+from attnkit.archs import get_arch
 from attnkit.commands.analyse.modelinfo import ModelInfo
 
 
@@ -23,8 +24,12 @@ def kvmem_rows(
     batches: list[int],
     gpu: GpuBudget | None,
     weight_dtype: str | None,
+    paging: kvcache.VllmPaging | None = None,
 ) -> list[dict]:
-    """One row per (variant, dtype, context, batch)."""
+    """One row per (variant, dtype, context, batch); a variant is the model `convert` would write.
+
+    paging None: the tokens each layer keeps; else the bytes vLLM reserves (whole blocks, its window bound).
+    """
     rows = []
     weights = info.weights_bytes_as(weight_dtype)
     max_positions = _max_positions(info)
@@ -35,29 +40,35 @@ def kvmem_rows(
             per_token = kvcache.bytes_per_token(spec, dtype)
             for context in contexts:
                 for batch in batches:
+                    kv = kvcache.kv_bytes(spec, dtype, context, batch, paging=paging)
+                    native = kvcache.kv_bytes(info.spec, dtype, context, batch, paging=paging)
                     row = {
                         "variant": variant,
                         "attention": spec.variant,
+                        "sliding": spec.sliding_summary(),
                         "dtype": dtype.name,
                         "context": context,
                         "batch": batch,
                         "bytes_per_token": per_token,
-                        "kv_bytes": kvcache.kv_bytes(spec, dtype, context, batch),
+                        "kv_bytes": kv,
+                        "vs_native": kv / native,
                         "exceeds_max_positions": bool(max_positions and context > max_positions),
                     }
                     if gpu is not None:
-                        row.update(_fit(spec, dtype, context, batch, gpu, weights, max_positions))
+                        row.update(_fit(spec, dtype, context, batch, gpu, weights, max_positions, paging))
                     rows.append(row)
     return rows
 
 
-def _fit(spec, dtype, context: int, batch: int, gpu: GpuBudget, weights: float, max_positions: int | None) -> dict:
+def _fit(
+    spec, dtype, context: int, batch: int, gpu: GpuBudget, weights: float, max_positions: int | None, paging
+) -> dict:
     """What fits one GPU; the longest context is capped by the model's own position limit when it has one."""
     weights_per_gpu = weights / gpu.tp
-    kv_per_gpu = kvcache.kv_bytes(spec, dtype, context, batch, gpu.tp)
+    kv_per_gpu = kvcache.kv_bytes(spec, dtype, context, batch, gpu.tp, paging)
     budget = gpu.mem_bytes - gpu.reserve_bytes - weights_per_gpu
     limit = max_positions or kvcache.MAX_CONTEXT
-    longest = kvcache.max_context(spec, dtype, batch, budget, gpu.tp, limit=limit)
+    longest = kvcache.max_context(spec, dtype, batch, budget, gpu.tp, limit=limit, paging=paging)
     return {
         "weights_per_gpu": weights_per_gpu,
         "kv_per_gpu": kv_per_gpu,
@@ -65,12 +76,15 @@ def _fit(spec, dtype, context: int, batch: int, gpu: GpuBudget, weights: float, 
         "fits": weights_per_gpu + kv_per_gpu <= gpu.mem_bytes - gpu.reserve_bytes,
         "max_context": None if longest >= kvcache.MAX_CONTEXT else longest,  # None: windows cap the cache
         "max_context_capped": bool(max_positions) and longest >= max_positions,
-        "max_batch": kvcache.max_batch(spec, dtype, context, budget, gpu.tp),
+        "max_batch": kvcache.max_batch(spec, dtype, context, budget, gpu.tp, paging),
     }
 
 
-def _max_positions(info: ModelInfo) -> int | None:
-    from attnkit.archs import get_arch
+def larger_than_native(rows: list[dict]) -> list[str]:
+    """The variants whose cache exceeds the model's own in some row (MLA drops sliding windows)."""
+    return sorted({r["variant"] for r in rows if r["vs_native"] > 1 + 1e-12})
 
+
+def _max_positions(info: ModelInfo) -> int | None:
     value = get_arch(info.spec.model_type).config_value(info.config, "max_positions")
     return int(value) if value else None

@@ -11,7 +11,6 @@ step where transformers' two best logits are within the tie margin is a tie, not
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 from attnkit.engines import llamacpp
 from attnkit.engines.llamacpp import find_llama_cpp
 from attnkit.engines.targets import LLAMA_CPP_LITE_LAYERS, MLA_SHAPES
+from attnkit.engines.vllm_run import run_vllm_worker
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.resolve import resolve
 from attnkit.progress import phase
@@ -305,25 +305,7 @@ def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: P
         # [tokens, heads, dim] query, the shape DeepSeek's attention passes: use vLLM's native RoPE.
         "custom_ops": ["all", "-rotary_embedding"] if mla else None,
     }
-    (workdir / "vllm-request.json").write_text(json.dumps(request))
-    worker = Path(__file__).resolve().parent.parent.parent / "engines" / "vllm_worker.py"
-    log = workdir / "vllm.log"
-    with open(log, "w") as fh:
-        try:
-            proc = subprocess.run(
-                [python, str(worker), str(workdir / "vllm-request.json"), str(workdir / "vllm-result.json")],
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                timeout=req.timeout,
-                cwd=workdir,
-            )
-        except subprocess.TimeoutExpired:
-            raise AttnkitError(f"vLLM did not finish in {req.timeout:.0f}s") from None
-    if proc.returncode != 0:
-        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        errors = [line for line in lines if re.search(r"\w*(Error|Exception)\b", line)] or lines
-        raise AttnkitError(f"vLLM failed (exit {proc.returncode}): {errors[-1].strip()[:400] if errors else ''}")
-    result = json.loads((workdir / "vllm-result.json").read_text())
+    result = run_vllm_worker(python, request, workdir, req.timeout)
     verdicts = [
         _greedy_verdict(ref, i, ids, None, loaded.tokenizer, req.tie_margin) for i, ids in enumerate(result["greedy"])
     ]

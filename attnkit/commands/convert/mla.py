@@ -29,6 +29,7 @@ from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.reader import LazyReader
 from attnkit.kvcache import apply_variant, bytes_per_token, cache_dtype
 from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, VALUE_WEIGHTS, MLAOptions, MLAShape
+from attnkit.ops.qknorm_fold import fit_fold, folded_weights
 from attnkit.runtime.attention import replace_output_once
 from attnkit.runtime.calibrate import attention_module_name, calibrate
 from attnkit.runtime.generate import cache_check
@@ -36,18 +37,17 @@ from attnkit.runtime.streaming import load_for_calibration
 from attnkit.units import check_bounds
 
 #: Families whose attention maps onto DeepseekV3 (the rest are refused with the reason in REFUSED).
-SUPPORTED = ("llama", "mistral", "qwen2", "gemma")
+SUPPORTED = ("llama", "mistral", "qwen2", "gemma", "qwen3")
+#: What a refused family can do instead: convert gqa|mqa keeps the family's own stock architecture.
+INSTEAD = "`attnkit convert gqa|mqa` shrinks its cache in its own stock architecture"
 REFUSED = {
-    "qwen3": "per-head QK-norm (RMSNorm of each head's q and k before RoPE) is not linear in the input and "
-    "DeepseekV3 has no per-head norm: its gains could be folded into the weights, its 1/rms(q), "
-    "1/rms(k) per token cannot",
     "olmo2": "QK-norm over the full projection width is not linear in the input and DeepseekV3 has no such norm",
     "gemma2": "attention logit soft-capping and post-attention/post-MLP norms have no DeepseekV3 counterpart",
     "gemma3": "per-head QK-norm and post-attention/post-MLP norms have no DeepseekV3 counterpart",
     "phi3": "partial rotary and a fused qkv/gate_up layout are not converted",
 }
 ROPE_TYPES = ("default", "linear", "llama3")  # frequency rules that depend only on the frequency value
-ATTN_ROLES = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias")
+ATTN_ROLES = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm")
 
 
 @dataclass(kw_only=True)
@@ -195,7 +195,9 @@ def check_request(req: MLARequest) -> MLASource:
                 f"{arch.qkv_layout} attention with {arch.position} positions is not "
                 "an MHA/GQA RoPE decoder this converter maps onto DeepseekV3"
             )
-            raise AttnkitError(f"{arch.family} cannot be converted to MLA: {why}; supported: {', '.join(SUPPORTED)}")
+            raise AttnkitError(
+                f"{arch.family} cannot be converted to MLA: {why}; supported: {', '.join(SUPPORTED)}; {INSTEAD}"
+            )
         if spec.partial_rotary_factor != 1.0:
             raise AttnkitError(f"{req.model}: partial rotary embeddings are not converted")
         _ranks(req, spec, augmented=True)  # the loosest bounds; checked again below once the biases are known
@@ -302,7 +304,7 @@ def input_gamma(src: MLASource, weight):
     """The scale input_layernorm applies (Gemma stores w and applies 1 + w), float64 [n]."""
     import torch
 
-    gamma = weight.to(torch.float64) + (1.0 if src.arch.family == "gemma" else 0.0)
+    gamma = weight.to(torch.float64) + src.arch.norm_offset
     if bool((gamma.abs() < 1e-12).any()):
         raise AttnkitError(
             f"{src.ref}: input_layernorm has zero weights, which cannot be folded into the "
@@ -330,9 +332,19 @@ def _calibrate_and_convert(req: MLARequest, src: MLASource, config, writer, expe
                 weights = without_o_bias(src, weights)
                 gamma = input_gamma(src, reader.get(input_norm_name(src, layer)))
                 scale = (1.0 / gamma).to(torch.float32)
+            plain, fold = weights, None
+            if "q_norm" in weights:  # per-head QK-norm: the fold's constants, fitted on this layer's inputs
+                if rope is None or scaling is None:
+                    raise AttnkitError("folding QK-norm needs the source's rotary embedding and softmax scale")
+                weights = {**weights, **_norm_gains(src, weights)}
+                gains = (weights["q_norm"], weights["k_norm"])
+                fold = fit_fold(hidden, weights, gains, config.rms_norm_eps, rope, scaling, src.shape.head_dim)
+                plain = folded_weights(weights, fold, gains, src.shape.head_dim)
             tensors, rows[layer] = convert_one(
-                src, weights, hidden, gamma, freqs, req.options, dtype, req.latent_norm, config.rms_norm_eps
+                src, plain, hidden, gamma, freqs, req.options, dtype, req.latent_norm, config.rms_norm_eps
             )
+            if fold is not None:
+                rows[layer].update(_fold_row(fold))
             if req.options.o_refit > 0:
                 if rope is None or scaling is None:
                     raise AttnkitError("o_proj refit needs the source's rotary embedding and softmax scale")
@@ -348,6 +360,7 @@ def _calibrate_and_convert(req: MLARequest, src: MLASource, config, writer, expe
                     req.options.o_refit,
                     loaded.device,
                     scale,
+                    norm_eps=config.rms_norm_eps,
                 )
             rows[layer]["layer"] = layer
             for name, t in tensors.items():
@@ -364,6 +377,24 @@ def _calibrate_and_convert(req: MLARequest, src: MLASource, config, writer, expe
         calibrate(loaded.model, windows, modules, on_layer)
     info = calib_info(req, windows, sequential=req.sequential)
     return [{"layer": r.pop("layer"), **r} for r in rows], info
+
+
+def _norm_gains(src: MLASource, weights: dict) -> dict:
+    """q_norm and k_norm as the scales they apply (offset + stored weight), float64 [D]."""
+    import torch
+
+    return {role: weights[role].to(torch.float64) + src.arch.norm_offset for role in ("q_norm", "k_norm")}
+
+
+def _fold_row(fold) -> dict:
+    """A layer's QK-norm fold in its report row (attnkit.ops.qknorm_fold)."""
+    return {
+        "qk_norm_fold_kl": float(fold.kl.mean()),
+        "qk_norm_c_q": fold.c_q.tolist(),
+        "qk_norm_c_k": fold.c_k.tolist(),
+        "qk_norm_dropped_pairs": int(fold.dropped.sum()) // 2,
+        "qk_norm_rms_spread": [fold.spread_q, fold.spread_k],
+    }
 
 
 def _copy_rest(reader, src: MLASource, writer, expected: dict, fold_input_norm: bool) -> None:
@@ -520,6 +551,12 @@ def _notes(req: MLARequest, src: MLASource) -> list[str]:
         notes.append(
             "the source's sliding window is dropped: DeepseekV3 attends to the full context "
             "(identical up to the window length)"
+        )
+    if src.spec.qk_norm == "per_head":
+        notes.append(
+            "per-head QK-norm approximated: each head's 1/rms(q) and 1/rms(k) per token replaced by constants "
+            "fitted on the calibration text (least attention KL; qk_norm_fold_kl per layer), the norm gains "
+            "folded into the projections (docs/convert-mla.md)"
         )
     if src.arch.family == "gemma":
         notes.append(

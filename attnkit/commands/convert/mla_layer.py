@@ -152,13 +152,15 @@ def refit_o_proj(
     ridge: float,
     device,
     input_scale=None,
+    norm_eps: float = 1e-6,
 ):
     """o_proj refit (attnkit.ops.orefit) so the converted layer's output matches the source's on these tokens
-    (the converted layer runs on hidden * input_scale when given)."""
+    (the converted layer runs on hidden * input_scale when given; a source with QK-norm carries its gains as
+    q_norm and k_norm in weights)."""
 
     attn, rotary = deepseek_attention(config, layer, tensors, device)
     x = hidden.detach().to(device).float()
     _, z_new = run_attention(attn, rotary, x if input_scale is None else x * input_scale.to(x))
-    z_old = source_attention_inputs(weights, hidden.to(device), rope, scaling, s)
+    z_old = source_attention_inputs(weights, hidden.to(device), rope, scaling, s, norm_eps)
     o = weights["o"]
     return refit_o(z_new.cpu(), z_old.cpu(), o, o, ridge).to(tensors["o_proj.weight"].dtype)

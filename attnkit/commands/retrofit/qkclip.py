@@ -1,8 +1,14 @@
-"""`retrofit qkclip`: Kimi K2's QK-Clip applied once: heads whose max logit exceeds tau get W_q scaled by tau / max.
+"""`retrofit qkclip`: Kimi K2's QK-Clip applied once: heads whose max logit exceeds tau get their queries scaled by
+tau / max.
 
-Per head h, S_max = max over the calibration text of q_i . k_j * scaling (before any soft-cap,
-visible pairs only). If S_max > tau the head's W_q rows and q bias are multiplied by tau / S_max,
-so its logits shrink by exactly that factor (a scalar commutes with RoPE) and no other head changes.
+Per head h, S_max = max over the calibration text of q_i . k_j * scaling (after any QK-norm, before any
+soft-cap, visible pairs only). If S_max > tau the head's query is multiplied by tau / S_max, so its logits
+shrink by exactly that factor (a scalar commutes with RoPE). Where the factor goes:
+- no QK-norm: the head's W_q rows and q bias; no other head changes;
+- QK-norm over the whole projection (OLMo 2): the head's slice of the q-norm weight; no other head changes;
+- per-head QK-norm (Qwen3, Gemma 3): the norm cancels any scale of W_q and its weight is shared by every
+  head of the layer, so the layer is clipped as one: the q-norm weight's scale is multiplied by
+  tau / (the layer's worst S_max), and every head of that layer shrinks by the same factor.
 The whole factor goes on the query side: with GQA a key head serves several query heads, and
 scaling W_k (Kimi's sqrt split) would also shrink the unclipped siblings' logits.
 
@@ -41,13 +47,6 @@ def check_request(req: QKClipRequest):
         mt = spec.model_type
         if spec.mla is not None:
             raise AttnkitError(f"{mt}: MLA attention is not supported by retrofit qkclip")
-        if spec.qk_norm == "per_head":
-            raise AttnkitError(
-                f"{mt}: its QK-norm cancels any scale of W_q, and the norm weight that survives it "
-                "is shared by all heads of a layer, so one head cannot be clipped alone"
-            )
-        if spec.qk_norm != "none":
-            raise AttnkitError(f"{mt}: QK-norm over the full projection is not supported by retrofit qkclip")
         if arch.qkv_layout != "separate" or "q" not in arch.tensors:
             raise AttnkitError(f"{mt}: retrofit qkclip needs separate q_proj weights ({arch.qkv_layout} layout)")
         if "sinks" in arch.tensors:
@@ -56,15 +55,21 @@ def check_request(req: QKClipRequest):
     return check_source(req, check)
 
 
-def _head_max(module, hidden, position_embeddings, window):
-    """Per query head max of q.k * scaling over visible causal pairs of hidden [N, T, d] -> [H] float64."""
+def _head_max(module, hidden, position_embeddings, window, qk_norm: str):
+    """Per query head max of q.k * scaling over visible causal pairs of hidden [N, T, d] -> [H] float64,
+    with the module's QK-norm applied as its forward applies it (per head, or over the whole projection)."""
     import torch
 
     rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
     n, t, _ = hidden.shape
     dim = module.head_dim
-    q = module.q_proj(hidden).view(n, t, -1, dim).transpose(1, 2)  # [N, H, T, D]
-    k = module.k_proj(hidden).view(n, t, -1, dim).transpose(1, 2)  # [N, Hkv, T, D]
+    q, k = module.q_proj(hidden), module.k_proj(hidden)  # [N, T, H*D], [N, T, Hkv*D]
+    if qk_norm == "full":
+        q, k = module.q_norm(q), module.k_norm(k)
+    q, k = q.view(n, t, -1, dim), k.view(n, t, -1, dim)  # [N, T, H, D], [N, T, Hkv, D]
+    if qk_norm == "per_head":
+        q, k = module.q_norm(q), module.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # [N, H, T, D], [N, Hkv, T, D]
     cos, sin = position_embeddings
     q, k = rope(q, k, cos, sin)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
@@ -75,11 +80,39 @@ def _head_max(module, hidden, position_embeddings, window):
     return s.masked_fill(~visible, float("-inf")).amax((0, 2, 3)).double().cpu()
 
 
+def head_factors(smax, tau: float, qk_norm: str):
+    """Per-head query factors [H] for max logits smax [H]: tau / max where it exceeds tau, else 1; with per-head
+    QK-norm one factor for the whole layer (its worst head's)."""
+    import torch
+
+    if qk_norm == "per_head":
+        worst = float(smax.max())
+        return torch.full_like(smax, tau / worst if worst > tau else 1.0)
+    return torch.where(smax > tau, tau / smax, torch.ones_like(smax))
+
+
+def _scaled(t, f, head_dim: int, qk_norm: str, offset: float):
+    """Tensor t (q_proj weight [H*D, d] or bias [H*D]; a q-norm weight [D] or [H*D]) with the query of head h
+    scaled by f[h]; rows of unscaled heads stay bit for bit. A norm's scale is offset + weight."""
+    import torch
+
+    if qk_norm == "per_head":  # a weight [D] shared by the heads; f is one value
+        return (((t.double() + offset) * float(f[0])) - offset).to(t.dtype)
+    rows = f.repeat_interleave(head_dim).to(torch.float64)  # [H * D]
+    shape = (-1, 1) if t.dim() == 2 else (-1,)
+    base = t.double() + (offset if qk_norm == "full" else 0.0)
+    scaled = (base * rows.view(shape) - (offset if qk_norm == "full" else 0.0)).to(t.dtype)
+    return torch.where((rows == 1).view(shape), t, scaled)
+
+
+def _query_roles(spec) -> tuple[str, ...]:
+    """The tensors that carry a head's query scale: the q-norm weight under QK-norm, else W_q and its bias."""
+    return ("q_norm",) if spec.qk_norm != "none" else ("q", "q_bias")
+
+
 def _clip(req: QKClipRequest, src) -> tuple[list, dict]:
     """Sequential clipping on the calibration text (attnkit.runtime.calibrate: layer l is measured on the outputs of
     the clipped layers before it); returns per-layer (factors [H], max logits seen [H]) and calibration info."""
-    import torch
-
     spec = src.spec
     loaded = load(src.root, req.device)
     model = loaded.model
@@ -89,15 +122,17 @@ def _clip(req: QKClipRequest, src) -> tuple[list, dict]:
 
     def on_layer(layer: int, hidden, rope, _scaling) -> dict:
         module = model.get_submodule(modules[layer])
-        smax = _head_max(module, hidden, rope, spec.layer_windows[layer])  # [H]
-        f = torch.where(smax > req.tau, req.tau / smax, torch.ones_like(smax))  # [H]
+        smax = _head_max(module, hidden, rope, spec.layer_windows[layer], spec.qk_norm)  # [H]
+        f = head_factors(smax, req.tau, spec.qk_norm)  # [H]
         clipped[layer] = (f, smax)
         if not bool((f < 1).any()):
             return {}
-        rows = f.repeat_interleave(spec.head_dim).to(module.q_proj.weight)  # [H * D]
-        updates = {f"{modules[layer]}.q_proj.weight": module.q_proj.weight * rows[:, None]}
-        if module.q_proj.bias is not None:
-            updates[f"{modules[layer]}.q_proj.bias"] = module.q_proj.bias * rows
+        updates = {}
+        for role in _query_roles(spec):
+            param = _module_param(module, role)
+            if param is not None:
+                name = f"{modules[layer]}.{_PARAMS[role]}"
+                updates[name] = _scaled(param, f, spec.head_dim, spec.qk_norm, src.arch.norm_offset)
         return updates
 
     calibrate(model, wins, modules, on_layer)
@@ -105,27 +140,48 @@ def _clip(req: QKClipRequest, src) -> tuple[list, dict]:
     return clipped, info
 
 
-def _rewriter(src, factors):
-    import torch
+#: The attention module's parameter for each role the clip writes.
+_PARAMS = {"q": "q_proj.weight", "q_bias": "q_proj.bias", "q_norm": "q_norm.weight"}
 
+
+def _module_param(module, role: str):
+    owner, attr = _PARAMS[role].split(".")
+    return getattr(getattr(module, owner), attr, None)
+
+
+def _rewriter(src, factors):
     spec = src.spec
     targets = {}
     for i, (f, _) in enumerate(factors):
         if bool((f < 1).any()):
-            for role in ("q", "q_bias"):
+            for role in _query_roles(spec):
                 if src.tensor(role, i):
-                    targets[src.tensor(role, i)] = f.repeat_interleave(spec.head_dim)  # [H * D]
+                    targets[src.tensor(role, i)] = f
 
     def rewrite(name, t):
-        rows = targets.get(name)
-        if rows is None:
+        f = targets.get(name)
+        if f is None:
             return {name: t}
-        keep = rows == 1  # unclipped heads' rows stay bit for bit
-        scaled = (t.double() * (rows[:, None] if t.dim() == 2 else rows)).to(t.dtype)
-        mask = keep[:, None] if t.dim() == 2 else keep
-        return {name: torch.where(mask, t, scaled)}
+        return {name: _scaled(t, f, spec.head_dim, spec.qk_norm, src.arch.norm_offset)}
 
     return rewrite
+
+
+def _scaled_tensor(spec) -> str:
+    return {
+        "none": "q_proj rows (and q bias)",
+        "full": "the q-norm weight's slices",
+        "per_head": "the q-norm weight (the scale 1 + w where the family stores w)",
+    }[spec.qk_norm]
+
+
+def _scope_notes(spec) -> list[str]:
+    if spec.qk_norm != "per_head":
+        return []
+    return [
+        "per-head QK-norm: the q-norm weight is shared by every head of a layer, so a layer is clipped as one: "
+        "every head of a clipped layer is scaled by tau / (its worst head's max logit)"
+    ]
 
 
 def _max_logits(ref, req, name: str) -> list:
@@ -145,9 +201,13 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
         "dry_run": req.dry_run,
         "model_type": src.spec.model_type,
         "tau": req.tau,
+        "scope": "layer" if src.spec.qk_norm == "per_head" else "head",
+        "scaled": _scaled_tensor(src.spec),
         "clipped_heads": None,
+        "clipped_layers": None,
         "calibration": None,
         "heads": [],
+        "notes": _scope_notes(src.spec),
         "warnings": [],
         "eval": None,
         "probe": None,
@@ -173,6 +233,7 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
             )
     report["heads"] = rows
     report["clipped_heads"] = sum(r["clipped"] for r in rows)
+    report["clipped_layers"] = len({r["layer"] for r in rows if r["clipped"]})
     if not report["clipped_heads"]:  # an unchanged copy would be all the output holds
         top = max(rows, key=lambda r: r["max_logit_seen"])
         report["output"] = None
@@ -191,11 +252,12 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
 
     body = {
         "changes": {
-            "weights": f"q_proj rows (and q bias) of the {report['clipped_heads']} clipped head(s) "
-            "scaled by tau / max logit; every other tensor copied unchanged"
+            "weights": f"{report['scaled']} of the {report['clipped_heads']} clipped head(s) "
+            f"({report['clipped_layers']} layer(s)) scaled by tau / max logit; every other tensor copied unchanged"
         },
         "why": "QK-Clip (Kimi K2): bound each head's max attention logit by tau",
-        "parameters": {"tau": req.tau},
+        "parameters": {"tau": req.tau, "scope": report["scope"]},
+        "notes": report["notes"],
         "calibration": report["calibration"],
         "heads": rows,
     }
