@@ -77,7 +77,23 @@ def test_softcap_auto_writes_config_copies_weights_and_measures(runner, tiny, te
     assert manifest["operation"] == "retrofit softcap" and manifest["auto"]["attn"]["cap"] == auto["cap"]
     assert doc["eval"]["kl_mean"] >= -1e-6 and doc["eval"]["predicted"] == 126 and doc["eval"]["tokens"] == 128
     assert "ignore attn_logit_softcapping" in res.stderr
+    assert "llama.cpp's converter writes a GGUF without attn_logit_softcapping" in " ".join(res.stderr.split())
     assert len(doc["probe"]["layers"]) == 2
+
+
+@pytest.mark.parametrize(
+    "family,said,unsaid",
+    [
+        ("gemma3", "llama.cpp's converter (convert_hf_to_gguf.py) refuses a config with attn_logit_softcapping", ""),
+        ("gemma2", "", "llama.cpp"),
+    ],
+)
+def test_softcap_warnings_name_the_engines_that_ignore_or_refuse_it(runner, tiny, tmp_path, family, said, unsaid):
+    """Gemma 3's llama.cpp converter asserts attn_logit_softcapping is absent; Gemma 2 has the caps natively."""
+    res, doc = _run(runner, "softcap", tiny(family), tmp_path / "o", "--attn-cap", "20", "--final-cap", "25", "-f", "json")
+    assert res.exit_code == 0, res.output
+    text = " ".join(" ".join(doc["warnings"]).split())
+    assert said in text and (not unsaid or unsaid not in text)
 
 
 def test_softcap_bad_input_gives_one_line_errors(runner, tiny, tmp_path):

@@ -132,7 +132,9 @@ def factor_latent(
     u, sv, _ = torch.linalg.svd(weighted @ lower, full_matrices=False)
     down = u[:, :rank].T @ weighted  # [rank, n']
     gram = down @ cov_r @ down.T  # [rank, rank]
-    up = torch.linalg.solve(gram, down @ cov_r @ rows.T).T  # [m, rank]
+    # [m, rank]; least squares, not solve: latent rows beyond the weighted rows' rank are zero (a padded latent,
+    # or keys with zero rows such as a folded QK-norm's dropped pairs) and make the gram singular
+    up = torch.linalg.lstsq(gram, down @ cov_r @ rows.T, driver="gelsd").solution.T
     return down, up, sv.pow(2)
 
 

@@ -212,6 +212,7 @@ def _row(engine: str) -> dict:
         "ppl_rel_diff": None,
         "kl_mean": None,
         "kv_bytes_per_token": None,
+        "kv_pool": None,  # vllm: what its pool reserves for one request of max_model_len tokens
         "notes": [],
     }
 
@@ -314,6 +315,7 @@ def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: P
     )
     spec = result["kv_cache"]
     row["kv_bytes_per_token"] = sum(layer["bytes_per_token"] for layer in spec.values())
+    row["kv_pool"] = {**result["kv_pool"], "block_size": next(iter(spec.values()))["block_size"]}
     kinds = sorted({layer["kind"] for layer in spec.values()})
     row["notes"].append(f"fp32; KV cache {', '.join(kinds)} over {len(spec)} layers")
     if mla:

@@ -191,10 +191,7 @@ def check_request(req: MLARequest) -> MLASource:
 
     def check(arch, spec, _config) -> None:  # on a GGUF file's header config: before dequantizing
         if arch.family in REFUSED or arch.family not in SUPPORTED:
-            why = REFUSED.get(arch.family) or (
-                f"{arch.qkv_layout} attention with {arch.position} positions is not "
-                "an MHA/GQA RoPE decoder this converter maps onto DeepseekV3"
-            )
+            why = REFUSED.get(arch.family) or _unsupported_reason(arch)
             raise AttnkitError(
                 f"{arch.family} cannot be converted to MLA: {why}; supported: {', '.join(SUPPORTED)}; {INSTEAD}"
             )
@@ -224,6 +221,20 @@ def check_request(req: MLARequest) -> MLASource:
     mla_src = MLASource(**src.fields(), shape=shape, layer_names=layer_names, rope=rope, q_lora=False, warnings=[])
     _check_engine(req, mla_src)
     return mla_src
+
+
+def _unsupported_reason(arch) -> str:
+    """Why a family outside SUPPORTED and REFUSED is not converted, from its architecture data."""
+    if arch.qkv_layout == "mla":
+        return "its attention is MLA already"
+    if arch.mlp == "moe":
+        return "its mixture-of-experts MLPs are not mapped onto DeepseekV3's experts (dense MLPs only)"
+    if "sinks" in arch.tensors:
+        return "attention sinks have no DeepseekV3 counterpart"
+    return (
+        f"{arch.qkv_layout} attention with {arch.position} positions is not an MHA/GQA RoPE decoder this "
+        "converter maps onto DeepseekV3"
+    )
 
 
 def _check_route(req: MLARequest) -> None:

@@ -175,8 +175,13 @@ def _patched_config(src, attn_cap, final_cap) -> dict:
     return config
 
 
+#: Families whose llama.cpp converter refuses a written cap (convert_hf_to_gguf.py asserts it is absent), per cap.
+LLAMA_CPP_REFUSES = {"gemma3": ("attn_logit_softcapping",), "gemma3_text": ("attn_logit_softcapping",)}
+
+
 def warnings_for(model_type: str, attn_cap, final_cap) -> list[str]:
-    """Plain statements about who honours the written caps."""
+    """Plain statements about who honours the written caps: stock transformers, vLLM, llama.cpp (their code; the
+    engine behaviour is in docs/serving.md)."""
 
     native_attn, native_final = native_support(model_type)
     out = []
@@ -188,11 +193,23 @@ def warnings_for(model_type: str, attn_cap, final_cap) -> list[str]:
         )
         if v is not None and not n
     ]
+    refused = [k for k in LLAMA_CPP_REFUSES.get(model_type, ()) if k in ignored]
+    dropped = [k for k in ignored if k not in refused]
     if ignored:
+        it = "it" if len(ignored) == 1 else "them"
         out.append(
-            f"{model_type}: stock transformers and serving engines such as vLLM and SGLang ignore "
-            f"{' and '.join(ignored)}; only attnkit commands and attnkit.load_model apply "
-            f"{'it' if len(ignored) == 1 else 'them'}"
+            f"{model_type}: stock transformers, vLLM and SGLang ignore {' and '.join(ignored)}; only attnkit "
+            f"commands and attnkit.load_model apply {it}"
+        )
+    if refused:
+        out.append(
+            f"{model_type}: llama.cpp's converter (convert_hf_to_gguf.py) refuses a config with "
+            f"{' and '.join(refused)}: this output does not convert to GGUF"
+        )
+    if dropped:
+        out.append(
+            f"{model_type}: llama.cpp's converter writes a GGUF without {' and '.join(dropped)}, which llama.cpp "
+            "then does not apply"
         )
     if attn_cap is not None:
         out.append(
