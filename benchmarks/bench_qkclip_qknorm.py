@@ -77,7 +77,9 @@ def run(work: Path) -> list[dict]:
             subprocess.run(["rm", "-rf", str(out)], check=True)
             cmd = ["retrofit", "qkclip", str(source), str(out), "--tau", str(tau), "--calib", str(CALIB), "-f", "json"]
             report = json.loads(
-                subprocess.run([sys.executable, "-m", "attnkit", *cmd], check=True, capture_output=True, text=True).stdout
+                subprocess.run(
+                    [sys.executable, "-m", "attnkit", *cmd], check=True, capture_output=True, text=True
+                ).stdout
             )
             row = {
                 "model": name,

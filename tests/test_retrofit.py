@@ -90,7 +90,8 @@ def test_softcap_auto_writes_config_copies_weights_and_measures(runner, tiny, te
 )
 def test_softcap_warnings_name_the_engines_that_ignore_or_refuse_it(runner, tiny, tmp_path, family, said, unsaid):
     """Gemma 3's llama.cpp converter asserts attn_logit_softcapping is absent; Gemma 2 has the caps natively."""
-    res, doc = _run(runner, "softcap", tiny(family), tmp_path / "o", "--attn-cap", "20", "--final-cap", "25", "-f", "json")
+    caps = ("--attn-cap", "20", "--final-cap", "25")
+    res, doc = _run(runner, "softcap", tiny(family), tmp_path / "o", *caps, "-f", "json")
     assert res.exit_code == 0, res.output
     text = " ".join(" ".join(doc["warnings"]).split())
     assert said in text and (not unsaid or unsaid not in text)

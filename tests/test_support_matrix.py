@@ -88,9 +88,7 @@ def engines() -> str:
         command = command.replace("{src}", "SRC").replace("{out}", "OUT")
         vllm = "tested" if native else "tested as plain attention (VLLM_MLA_DISABLE: the shape is not 512+64)"
         family, what = SOURCES[source]
-        lines.append(
-            f"| {name} | {what} ({family}) | {RESULT_FAMILY[name]} | `attnkit {command}` | tested | {vllm} |"
-        )
+        lines.append(f"| {name} | {what} ({family}) | {RESULT_FAMILY[name]} | `attnkit {command}` | tested | {vllm} |")
     return "\n".join(lines)
 
 
