@@ -330,11 +330,85 @@ def test_dry_run_checks_and_writes_nothing(runner, pair, tmp_path):
     assert not out.exists() and not Path(str(out) + ".checkpoint").exists()
 
 
-def test_max_time_stops_on_the_clock(pair, tmp_path):
-    report = heal(_request(pair, tmp_path / "out", tokens=None, max_time=1.0, eval_every=1000))
-    assert report["training"]["stopped"] == "time" and report["training"]["steps"] >= 1
-    assert report["budget"] == {"tokens": None, "max_time_seconds": 1.0}
-    assert report["training"]["seconds"] >= 1.0
+class FakeClock:
+    """time.perf_counter for the heal modules: it moves only when told to (the clock the budget is checked on)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_max_time_is_a_deadline_for_the_whole_run(pair, tmp_path, monkeypatch):
+    """On a clock where a micro-batch takes 10 s and a validation 5 s, --max-time 100 s: the first validation
+    sets the reserve (5 s x 1.25: the last validation and the write), 4 steps fit, the 5th is cut short between
+    its micro-batches and dropped, and the run ends by the deadline."""
+    import attnkit.commands.heal.heal as heal_module
+    import attnkit.commands.heal.loop as loop
+
+    clock = FakeClock()
+    monkeypatch.setattr(heal_module, "time", clock)
+    monkeypatch.setattr(loop, "time", clock)
+    distill, shard = loop.distill_loss, loop.evaluate_shard
+
+    def slow_step(*args, **kwargs):
+        clock.now += 10.0
+        return distill(*args, **kwargs)
+
+    def slow_check(*args, **kwargs):
+        clock.now += 5.0
+        return shard(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "distill_loss", slow_step)
+    monkeypatch.setattr(loop, "evaluate_shard", slow_check)
+    report = heal(_request(pair, tmp_path / "out", tokens=None, max_time=100.0, eval_every=1000))
+    assert report["training"]["stopped"] == "time" and report["training"]["steps"] == 4
+    assert len(report["steps"]) == 4 and clock.now <= 100.0
+    assert report["budget"] == {"tokens": None, "max_time_seconds": 100.0} and not report["warnings"]
+
+
+def test_a_budget_spent_before_training_writes_the_student_and_says_so(pair, tmp_path, monkeypatch):
+    import attnkit.commands.heal.loop as loop
+
+    clock = FakeClock()
+    monkeypatch.setattr(loop, "time", clock)
+    shard = loop.evaluate_shard
+
+    def slow_check(*args, **kwargs):
+        clock.now += 1e9  # the first validation alone outlasts any budget
+        return shard(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "evaluate_shard", slow_check)
+    out = tmp_path / "out"
+    report = heal(_request(pair, out, tokens=None, max_time=60.0))
+    assert report["training"]["steps"] == 0 and "no training step ran within --max-time 60s" in report["warnings"][0]
+    assert json.loads((out / "attnkit.json").read_text())["warnings"] == report["warnings"]
+
+
+def test_validation_that_only_got_worse_is_said_plainly(runner, pair, tmp_path):
+    out = tmp_path / "out"
+    result = _heal(runner, pair, out, "--lr", "50", "--tokens", "512", "--eval-every", "1")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["training"]["best_step"] == 0
+    assert "validation KL never improved on the student's" in " ".join(result.stderr.split())
+    assert json.loads((out / "attnkit.json").read_text())["warnings"] == report["warnings"] != []
+
+
+def test_dry_run_refuses_a_student_whose_attention_is_the_teachers(runner, pair, tmp_path):
+    """A copy of the teacher (or a retrofit that changed only the config) has nothing for --train rewritten to
+    train: refused by --dry-run as by the real run, before any model loads; --train all accepts it."""
+    import shutil
+
+    teacher, _, data = pair
+    copy = tmp_path / "copy"
+    shutil.copytree(teacher, copy)
+    for extra in (["--dry-run"], []):
+        result = _heal(runner, (teacher, copy, data), tmp_path / "out", *extra)
+        assert result.exit_code == 1 and "its attention weights equal the teacher's" in result.output
+        assert not (tmp_path / "out").exists()
+    assert _heal(runner, (teacher, copy, data), tmp_path / "out", "--dry-run", "--train", "all").exit_code == 0
 
 
 @pytest.mark.parametrize(

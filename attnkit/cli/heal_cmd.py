@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, stderr
+from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, print_notes, stderr
 from attnkit.cli.output import Column, render, render_capability
 from attnkit.cli.shared import CAPABILITY, DEVICE, EVAL, request_fields, writes
 
@@ -54,7 +54,9 @@ def register(app: typer.Typer) -> None:
             "(repeatable); none: the teacher writes its own.",
         ),
         tokens: Optional[str] = typer.Option(None, "--tokens", help="Token budget (e.g. 256k); default 256k."),
-        max_time: Optional[str] = typer.Option(None, "--max-time", help="Wall-clock budget of training (e.g. 30m)."),
+        max_time: Optional[str] = typer.Option(
+            None, "--max-time", help="Wall-clock budget of the whole run: loading, data, training, scoring (e.g. 30m)."
+        ),
         eval_curve: bool = typer.Option(
             False, "--eval-curve", help="Also score --eval at every validation (reported, never used to stop)."
         ),
@@ -137,6 +139,7 @@ def register(app: typer.Typer) -> None:
         report = heal(req, log=lambda message: stderr.print(message, style="dim", soft_wrap=True))
         if report is None:
             return  # not the main process of a multi-process run: the main one prints and writes
+        print_notes(warnings=report.get("warnings", []))
         if report["dry_run"]:  # the plan: one row per setting
             plan = {**report["budget"], **report["settings"], "data": report["data"]["source"], "seed": report["seed"]}
             render(

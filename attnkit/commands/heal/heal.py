@@ -46,7 +46,7 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
     check_write(req, inputs=[req.model, req.teacher])
     check_capability(req.capability, [req.model, req.teacher])
     _check_checkpoint_folder(req)
-    pair = check_pair(req.model, req.teacher)
+    pair = check_pair(req.model, req.teacher, rewritten=req.train != "all")
     if req.lr is None:
         req = dataclasses.replace(req, lr=default_lr(pair.student.config))
     plan = _plan_data(req, pair)
@@ -153,6 +153,7 @@ def _fingerprint(req: HealRequest, student: str, teacher: str, data: str) -> dic
 
 
 def _budget(req: HealRequest) -> dict:
+    """tokens: training tokens; max_time_seconds: the whole command's time (loading, data, training, scoring)."""
     return {"tokens": req.budget_tokens, "max_time_seconds": req.max_time}
 
 
@@ -203,7 +204,7 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
     if acc.is_main_process and req.capability:
         log("scoring teacher and student: tasks and pass keys")
         abilities = {name: _capability(req, m, plan, acc) for name, m in (("teacher", teacher), ("before", student))}
-    trainer = _trainer(req, acc, student, teacher, plan, run, report, before, log)
+    trainer = _trainer(req, acc, student, teacher, plan, run, report, before, log, started)
 
     def save() -> None:
 
@@ -222,6 +223,7 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
     ) as advance:
         state = trainer.run(save, advance)
     report.update(_summary(trainer, acc, state))
+    report["warnings"] = _warnings(req, state)
     if not acc.is_main_process:
         return None
     log(f"writing {req.out}")
@@ -242,8 +244,9 @@ def _load_models(acc, pair, log) -> tuple:
     return teacher, student
 
 
-def _trainer(req, acc, student, teacher, plan, run, report, before, log):
-    """The Trainer: what trains (report["trainable"]), LoRA and gradient checkpointing, a resumed state, logs."""
+def _trainer(req, acc, student, teacher, plan, run, report, before, log, started: float):
+    """The Trainer: what trains (report["trainable"]), LoRA and gradient checkpointing, a resumed state, logs;
+    a --max-time budget is a deadline `started` + max_time for the whole command."""
 
     names = trainable.select(student, teacher, req.train)
     pairs = trainable.attention_pairs(student, teacher, names)
@@ -276,6 +279,9 @@ def _trainer(req, acc, student, teacher, plan, run, report, before, log):
         patience=req.patience,
         checkpoint_every=req.checkpoint_every,
         seed=req.seed,
+        deadline=None if req.max_time is None else started + req.max_time,
+        started=started,
+        after_training=_after_training(plan),
     )
     trainer = Trainer(
         acc,
@@ -302,6 +308,31 @@ def _trainer(req, acc, student, teacher, plan, run, report, before, log):
         f"validation KL {e['kl_mean']:.4f}, perplexity {e['perplexity']:.3f}"
     )
     return trainer
+
+
+#: The writing of OUT, in validations (a margin: it is mostly I/O).
+WRITE_COST = 0.25
+
+
+def _after_training(plan: dict) -> float:
+    """What runs after training, in units of one validation (student and teacher over the validation windows):
+    the last validation, the --eval scoring of the healed student (the same per-token cost) and the write."""
+    scoring = 0.0 if plan["eval"] is None else plan["eval"].numel() / max(plan["val"].numel(), 1)
+    return 1.0 + scoring + WRITE_COST
+
+
+def _warnings(req: HealRequest, state) -> list[str]:
+    """What the user must hear about the result: no step ran, or validation never improved on the student."""
+    if state.step == 0:
+        return [f"no training step ran within --max-time {req.max_time:g}s: {req.out} is the student unchanged"]
+    if state.best["step"] == 0:
+        first = state.validation[0]["kl_mean"]
+        later = min(v["kl_mean"] for v in state.validation[1:]) if len(state.validation) > 1 else first
+        return [
+            f"validation KL never improved on the student's ({first:.4g}; the best after a step: {later:.4g}): "
+            f"{req.out} is the student unchanged; try a lower --lr or more data"
+        ]
+    return []
 
 
 def _trained_model(trainer, req: HealRequest):
@@ -440,6 +471,7 @@ def _manifest(req: HealRequest, pair, report: dict) -> dict:
     keep = ("data", "budget", "seed", "trainable", "training", "validation")
     doc = {
         "parameters": report.get("settings"),
+        "warnings": report.get("warnings", []),
         "teacher": pair.teacher.record(),
         "rewrite": pair.manifest,
         **{k: report.get(k) for k in keep},

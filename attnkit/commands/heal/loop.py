@@ -5,6 +5,10 @@ Devices and processes are accelerate's: the student is prepared (DDP when launch
 `accelerate launch`), the teacher runs beside it without gradients. Step s trains on the same global
 batch whatever the number of processes: rank r takes its contiguous share of the batch, split into
 micro-batches whose gradients accumulate (without DDP sync until the last one).
+
+A time budget (--max-time) is a deadline for the whole command: the loop stops, between micro-batches if
+need be (a step cut short is dropped), when what remains would not leave time for the work after training,
+which costs `after_training` times the first validation's duration (the last validation, scoring).
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ class LoopConfig:
     patience: int
     checkpoint_every: int
     seed: int
+    deadline: float | None = None  # time.perf_counter() by which the whole command must end (--max-time)
+    started: float | None = None  # time.perf_counter() when the command started
+    after_training: float = 1.0  # the work after training, in validations (the last one, --eval scoring)
 
 
 @dataclass
@@ -157,6 +164,7 @@ class Trainer:
         self.model, self.optimizer = accelerator.prepare(student, self.optimizer)
         self.attention_pairs = attention_pairs if cfg.attn_loss > 0 else {}
         self.best_tensors: dict | None = None
+        self.reserve = 0.0  # seconds kept for the work after training; measured by the first validation
         self.on_validation: Callable[[dict], None] | None = None
         self.monitor: Callable[[object], dict] | None = None  # extra scores per validation, never used to stop
 
@@ -183,10 +191,17 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------------
 
     def progress(self, elapsed: float) -> float:
-        """Share of the budget spent: tokens, or seconds for a time budget."""
+        """Share of the budget spent: tokens, or for a time budget the share of the command's time."""
         if self.cfg.budget_tokens:
             return self.state.tokens / self.cfg.budget_tokens
+        if self.cfg.deadline is not None and self.cfg.started is not None:
+            return (time.perf_counter() - self.cfg.started) / max(self.cfg.deadline - self.cfg.started, 1e-9)
         return elapsed / self.cfg.max_time
+
+    def out_of_time(self) -> bool:
+        """Whether training must stop now to leave the reserve before the deadline (every process agrees)."""
+        late = self.cfg.deadline is not None and time.perf_counter() + self.reserve >= self.cfg.deadline
+        return self._flags(False, late)[1]
 
     def run(self, save: Callable[[], None], advance: Callable[[dict], None] | None = None) -> LoopState:
         """Train until the budget is spent, validation stops improving, or a stop is requested (saved, then
@@ -199,9 +214,14 @@ class Trainer:
             while st.stopped is None:
                 entry = self.step(time.perf_counter() - start)
                 st.seconds = time.perf_counter() - start
+                if entry is None:  # the deadline came within the step: it is dropped
+                    st.stopped = "time"
+                    self.validate(st.seconds)
+                    break
                 if advance is not None:
                     advance(entry)
-                stop, time_up = self._flags(flag["stop"], cfg.max_time is not None and st.seconds >= cfg.max_time)
+                late = cfg.deadline is not None and time.perf_counter() + self.reserve >= cfg.deadline
+                stop, time_up = self._flags(flag["stop"], late)
                 if cfg.budget_tokens and st.tokens >= cfg.budget_tokens:
                     st.stopped = "tokens"
                 elif time_up:
@@ -225,8 +245,9 @@ class Trainer:
             self.load_tensors(self.best_tensors)
         return st
 
-    def step(self, elapsed: float) -> dict:
-        """One optimizer step on global batch st.step; returns its entry (loss averaged over all processes)."""
+    def step(self, elapsed: float) -> dict | None:
+        """One optimizer step on global batch st.step; returns its entry (loss averaged over all processes), or
+        None when the deadline came between its micro-batches (the step's gradients are dropped)."""
         import torch
 
         st, cfg, acc = self.state, self.cfg, self.acc
@@ -238,6 +259,9 @@ class Trainer:
         self.model.train()
         with attention_capture(self.attention_pairs) as capture:
             for i, ids in enumerate(micro):
+                if self.out_of_time():
+                    self.optimizer.zero_grad(set_to_none=True)
+                    return None
                 sync = contextlib.nullcontext() if i == len(micro) - 1 else acc.no_sync(self.model)
                 with sync, acc.autocast():
                     loss, kl, attn = distill_loss(self.model, self.teacher, ids.to(acc.device), cfg.attn_loss, capture)
@@ -283,6 +307,7 @@ class Trainer:
         """KL(teacher || student) and student perplexity on the validation windows, shared out over processes;
         keeps the best tensors and counts checks without improvement (early stopping after `patience`)."""
         st, acc = self.state, self.acc
+        began = time.perf_counter()
         sums = evaluate_shard(
             self.inner_model(), self.teacher, self.val_windows[acc.process_index :: acc.num_processes], acc.device
         )
@@ -297,6 +322,8 @@ class Trainer:
         if self.monitor is not None and acc.is_main_process:
             entry.update(self.monitor(self.inner_model()))
         st.validation.append(entry)
+        if not self.reserve:
+            self.reserve = (time.perf_counter() - began) * self.cfg.after_training
         if self.on_validation is not None:
             self.on_validation(entry)
         if st.best is None or entry["kl_mean"] < st.best["kl_mean"]:

@@ -32,9 +32,10 @@ class Pair:
     manifest: dict | None
 
 
-def check_pair(student_ref: str, teacher_ref: str) -> Pair:
+def check_pair(student_ref: str, teacher_ref: str, rewritten: bool = True) -> Pair:
     """Open both and refuse a student that is not a rewrite of the teacher, in one line; the same checkpoint
-    given twice is refused before anything is dequantized."""
+    given twice is refused before anything is dequantized; with `rewritten`, a student whose stored attention
+    equals the teacher's (nothing for the default --train to train) too, before any model loads."""
     student, teacher = (
         resolve_weights(student_ref, "use as the student"),
         resolve_weights(teacher_ref, "use as the teacher"),
@@ -51,6 +52,8 @@ def check_pair(student_ref: str, teacher_ref: str) -> Pair:
             )
     _check_tokenizers(student, teacher)
     _check_shared_weights(student, teacher)
+    if rewritten:
+        _check_attention_rewritten(student, teacher)
     return Pair(student, teacher, read_manifest(student.root))
 
 
@@ -91,6 +94,24 @@ def _check_shared_weights(student, teacher) -> None:
     raise AttnkitError(
         f"{student.ref}: none of its weights outside attention equals the teacher's "
         f"(checked {min(len(shared), SHARED_CHECKS)}, e.g. {shared[0]!r}); not a rewrite of it"
+    )
+
+
+def _check_attention_rewritten(student, teacher) -> None:
+    """Some stored attention tensor of the student is new, reshaped or changed (compared until the first one)."""
+    import torch
+
+    with LazyReader(student.ckpt.weight_files) as s, LazyReader(teacher.ckpt.weight_files) as t:
+        mine = [n for n in s.names() if "attn" in n]
+        theirs = {n for n in t.names() if "attn" in n}
+        if set(mine) != theirs:
+            return
+        for name in mine:
+            if tuple(s.info(name).shape) != tuple(t.info(name).shape) or not torch.equal(s.get(name), t.get(name)):
+                return
+    raise AttnkitError(
+        f"{student.ref}: its attention weights equal the teacher's: nothing was rewritten to heal "
+        "(use --train all to train every tensor)"
     )
 
 

@@ -28,7 +28,7 @@ class HealRequest(WriteRequest):
     teacher: str
     data: list[str] = field(default_factory=list)
     tokens: int | None = None
-    max_time: float | None = None  # seconds of training loop
+    max_time: float | None = None  # seconds for the whole command (loading, data, training, scoring)
     eval: list[str] = field(default_factory=list)
     eval_tokens: int | None = 4096
     eval_seq_len: int = 512
