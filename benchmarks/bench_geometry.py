@@ -1,0 +1,173 @@
+"""Memory and time of attnkit's rewrites at real sizes, on checkpoints of real geometry (benchmarks/make_geometry.py).
+
+Usage: python benchmarks/bench_geometry.py run --work DIR [--only NAME ...]     (rows appended to the results)
+       python benchmarks/bench_geometry.py render [--write]
+Geometries (GEOMETRIES): Llama-3.1-8B (all 32 layers) and Llama-3.1-70B at 8 and 16 layers, bf16, ~5 GB
+shards; each is built in DIR, measured, and removed. Per geometry: `cp -r` of the folder, then `convert gqa
+--method mean`, `convert mqa --method merge` and `convert mla --kv-budget 0.25` (2048 calibration tokens of
+tests/data/prose/calib.txt, windows of 512), each under `/usr/bin/time -v` (maximum RSS) while a poller reads
+the process's anonymous RSS (RssAnon, /proc/PID/status, every 0.2 s): the peak of what the process itself
+holds, page cache of the memory-mapped weights excluded. Rows in benchmarks/results/geometry.json; render
+writes "## big checkpoints" in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.docsection import replace_section  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "geometry.json"
+CALIB = ["--calib", str(ROOT / "tests/data/prose/calib.txt"), "--calib-tokens", "2048", "--calib-seq-len", "512"]
+#: name -> (preset, layers or None for all)
+GEOMETRIES = {"llama-3.1-8b": ("llama-3.1-8b", None), "70b@8": ("llama-3.1-70b", 8), "70b@16": ("llama-3.1-70b", 16)}
+#: command name -> attnkit arguments after SRC OUT
+COMMANDS = {
+    "convert gqa --method mean": ["convert", "gqa", "{src}", "{out}", "--kv-heads", "2", "--method", "mean"],
+    "convert mqa --method merge": ["convert", "mqa", "{src}", "{out}", "--method", "merge", *CALIB],
+    "convert mla --kv-budget 0.25": ["convert", "mla", "{src}", "{out}", "--kv-budget", "0.25", *CALIB],
+}
+
+
+def _anon_kib(pid: int) -> int:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    found = re.search(r"^RssAnon:\s+(\d+) kB", text, re.M)
+    return int(found.group(1)) if found else 0
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (the command under /usr/bin/time and its children), from /proc/*/stat."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, parent in parents.items() if parent in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def measure(cmd: list[str]) -> dict:
+    """Wall seconds, /usr/bin/time's maximum RSS and the polled peak anonymous RSS of `cmd` (and its children)."""
+    proc = subprocess.Popen(["/usr/bin/time", "-v", *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak = {"anon": 0}
+
+    def poll() -> None:
+        while proc.poll() is None:
+            peak["anon"] = max(peak["anon"], sum(_anon_kib(p) for p in _descendants(proc.pid)))
+            time.sleep(0.2)
+
+    started = time.perf_counter()
+    poller = threading.Thread(target=poll)
+    poller.start()
+    _, err = proc.communicate()
+    seconds = time.perf_counter() - started
+    poller.join()
+    if proc.returncode != 0:
+        lines = [line for line in err.splitlines() if line.startswith("error")] or err.splitlines()[-3:]
+        raise SystemExit(f"{' '.join(cmd[:4])}: failed: {lines[-1] if lines else proc.returncode}")
+    max_rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", err).group(1))
+    return {"seconds": seconds, "max_rss_bytes": max_rss * 1024, "peak_anon_bytes": peak["anon"] * 1024}
+
+
+def run(work: Path, only: list[str]) -> None:
+    rows = json.loads(RESULTS.read_text()) if RESULTS.is_file() else []
+    for name, (preset, layers) in GEOMETRIES.items():
+        if only and name not in only:
+            continue
+        src = work / name
+        shutil.rmtree(src, ignore_errors=True)
+        make = [sys.executable, str(ROOT / "benchmarks/make_geometry.py"), preset, str(src)]
+        subprocess.run(make + (["--layers", str(layers)] if layers else []), check=True)
+        size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        copy = work / f"{name}-copy"
+        shutil.rmtree(copy, ignore_errors=True)
+        base = measure(["cp", "-r", str(src), str(copy)])
+        shutil.rmtree(copy)
+        config = json.loads((src / "config.json").read_text())
+        for command, args in COMMANDS.items():
+            out = work / f"{name}-out"
+            shutil.rmtree(out, ignore_errors=True)
+            argv = [sys.executable, "-m", "attnkit", *[a.format(src=src, out=out) for a in args]]
+            result = measure(argv)
+            shutil.rmtree(out)
+            row = {
+                "geometry": name,
+                "layers": config["num_hidden_layers"],
+                "weights_bytes": size,
+                "command": command,
+                **result,
+                "seconds_per_layer": result["seconds"] / config["num_hidden_layers"],
+                "cp_seconds": base["seconds"],
+            }
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            rows = [r for r in rows if (r["geometry"], r["command"]) != (name, command)] + [row]
+            RESULTS.write_text(json.dumps(rows, indent=1) + "\n")
+        shutil.rmtree(src)
+
+
+def render() -> str:
+    rows = json.loads(RESULTS.read_text())
+    lines = [
+        "## big checkpoints",
+        "",
+        "`python benchmarks/bench_geometry.py run --work DIR`, then `render --write`: random-weight checkpoints of "
+        "the real geometry (benchmarks/make_geometry.py: the preset's config and tensor shapes, bf16, ~5 GB shards) "
+        "on this 2-core, 24 GB machine, CPU. Calibration: 2048 tokens of tests/data/prose/calib.txt in windows of "
+        "512. Peak anon RSS: the largest RssAnon of the process (polled every 0.2 s), what it holds itself; max RSS "
+        "(`/usr/bin/time -v`) also counts the page cache of the memory-mapped weights it has touched. x cp: the "
+        "command's wall time over `cp -r` of the same folder in the same run.",
+        "",
+        "| geometry | layers | weights | command | seconds | x cp | s/layer | peak anon RSS | max RSS |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['geometry']} | {r['layers']} | {r['weights_bytes'] / 2**30:.1f} GiB | `{r['command']}` | "
+            f"{r['seconds']:.0f} | {r['seconds'] / r['cp_seconds']:.2f} | {r['seconds_per_layer']:.1f} | "
+            f"{r['peak_anon_bytes'] / 2**30:.2f} GiB | {r['max_rss_bytes'] / 2**30:.2f} GiB |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--work", type=Path, required=True)
+    r.add_argument("--only", nargs="*", default=[])
+    d = sub.add_parser("render")
+    d.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    if args.cmd == "run":
+        args.work.mkdir(parents=True, exist_ok=True)
+        run(args.work, args.only)
+        return
+    section = render()
+    if args.write:
+        replace_section(ROOT / "docs" / "benchmarks.md", section)
+    else:
+        print(section)
+
+
+if __name__ == "__main__":
+    main()
