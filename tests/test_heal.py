@@ -543,3 +543,41 @@ def test_the_default_learning_rate_is_lower_for_mla_students(runner, pair, tmp_p
     assert planned_lr(student) == 3e-4
     assert planned_lr(mla) == 1e-4
     assert planned_lr(mla, "--lr", "2e-4") == 2e-4
+
+
+def test_dry_run_prints_a_memory_plan(runner, pair, tmp_path):
+    result = _heal(runner, pair, tmp_path / "out", "--dry-run")
+    assert result.exit_code == 0, result.output
+    memory = json.loads(result.stdout)["memory"]
+    items = memory["items"]
+    assert set(items) == {"teacher", "student", "gradients", "optimizer", "activations", "logits", "runtime"}
+    assert memory["total"] == sum(items.values()) and memory["fits"] and memory["device"] == "cpu"
+    assert items["optimizer"] == 2 * items["gradients"] > 0  # AdamW's two moments of the trained values
+    assert items["teacher"] == 4 * sum(p.numel() for p in build_model("llama_gqa").parameters())
+    table = runner.invoke(app, ["heal", str(pair[1]), str(tmp_path / "o"), "--teacher", str(pair[0]), "--dry-run"])
+    assert "memory: total on cpu" in table.stdout
+
+
+def test_a_plan_that_cannot_fit_is_refused_before_loading_naming_what_would_fit(runner, pair, tmp_path, monkeypatch):
+    import attnkit.commands.heal.memory as memory
+
+    shape = ("--micro-batch-size", "4", "--seq-len", "256", "--val-tokens", "256")
+
+    def total(*extra: str) -> int:
+        result = _heal(runner, pair, tmp_path / "plan", *shape, *extra, "--dry-run")
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["memory"]["total"]
+
+    full, checkpointed = total(), total("--gradient-checkpointing")
+    assert checkpointed < full
+    monkeypatch.setattr(memory, "available", lambda device: int((full + checkpointed) / 2 / memory.HEADROOM))
+    for extra in (["--dry-run"], []):  # the dry run refuses what the run would
+        result = _heal(runner, pair, tmp_path / "out", *shape, *extra)
+        assert result.exit_code == 1, result.output
+        line = " ".join(result.output.split())
+        assert line.startswith("error: heal needs about") and "it would fit with" in line, line
+        assert "--gradient-checkpointing" in line and "--micro-batch-size 1" in line
+        assert not (tmp_path / "out").exists() and not (tmp_path / "out.checkpoint").exists()
+    monkeypatch.setattr(memory, "available", lambda device: 1)
+    result = _heal(runner, pair, tmp_path / "out", "--dry-run")
+    assert result.exit_code == 1 and "no change of micro-batch, gradient checkpointing or LoRA" in result.output

@@ -10,6 +10,7 @@ import typer
 from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, print_notes, stderr
 from attnkit.cli.output import Column, render, render_capability
 from attnkit.cli.shared import CAPABILITY, DEVICE, EVAL, request_fields, writes
+from attnkit.units import human_bytes
 
 
 def _num(v, fmt: str = "{:.4f}") -> str:
@@ -142,6 +143,10 @@ def register(app: typer.Typer) -> None:
         print_notes(warnings=report.get("warnings", []))
         if report["dry_run"]:  # the plan: one row per setting
             plan = {**report["budget"], **report["settings"], "data": report["data"]["source"], "seed": report["seed"]}
+            memory = report["memory"]
+            plan.update({f"memory: {k}": human_bytes(v) for k, v in memory["items"].items()})
+            plan[f"memory: total on {memory['device']}"] = human_bytes(memory["total"])
+            plan["memory: free"] = "-" if memory["available"] is None else human_bytes(memory["available"])
             render(
                 [{"setting": k, "value": v} for k, v in plan.items()],
                 [Column("setting", "setting", justify="left"), Column("value", "value", justify="left")],

@@ -20,6 +20,7 @@ from attnkit.commands.heal import resume, trainable
 from attnkit.commands.heal.bar import training_bar
 from attnkit.commands.heal.data import DataFiles, files_digest, split_windows
 from attnkit.commands.heal.loop import LoopConfig, LoopState, Trainer
+from attnkit.commands.heal.memory import memory_report, refusal, shapes_of
 from attnkit.commands.heal.output import check_names, healed_tensors, stored_layout
 from attnkit.commands.heal.pair import check_pair, rewrite_summary
 from attnkit.commands.heal.request import HealRequest, check_options
@@ -49,6 +50,9 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
     pair = check_pair(req.model, req.teacher, rewritten=req.train != "all")
     if req.lr is None:
         req = dataclasses.replace(req, lr=default_lr(pair.student.config))
+    memory = memory_report(shapes_of(pair, pair.trained), req, resolve_device(req.device))
+    if not memory["fits"]:
+        raise AttnkitError(refusal(memory))
     plan = _plan_data(req, pair)
     fingerprint = _fingerprint(req, pair.student.digest, pair.teacher.digest, plan["digest"])
     run = None
@@ -66,6 +70,7 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
         "seed": req.seed,
         "checkpoint": str(req.checkpoint_folder),
         "resumed_from_step": run["state"]["step"] if run else None,
+        "memory": memory,
     }
     if req.dry_run:
         report["seconds"] = time.perf_counter() - started

@@ -25,11 +25,13 @@ SHARED_CHECKS = 4
 
 @dataclass
 class Pair:
-    """Checked student and teacher sources, the student's rewrite manifest (None without attnkit.json)."""
+    """Checked student and teacher sources, the student's rewrite manifest (None without attnkit.json) and the
+    stored tensors that train (the rewritten attention tensors, or every tensor)."""
 
     student: Source
     teacher: Source
     manifest: dict | None
+    trained: list[str]
 
 
 def check_pair(student_ref: str, teacher_ref: str, rewritten: bool = True) -> Pair:
@@ -53,8 +55,11 @@ def check_pair(student_ref: str, teacher_ref: str, rewritten: bool = True) -> Pa
     _check_tokenizers(student, teacher)
     _check_shared_weights(student, teacher)
     if rewritten:
-        _check_attention_rewritten(student, teacher)
-    return Pair(student, teacher, read_manifest(student.root))
+        trained = _check_attention_rewritten(student, teacher)
+    else:
+        with LazyReader(student.ckpt.weight_files) as reader:
+            trained = list(reader.names())
+    return Pair(student, teacher, read_manifest(student.root), trained)
 
 
 def _identity(ckpt) -> Path:
@@ -97,22 +102,34 @@ def _check_shared_weights(student, teacher) -> None:
     )
 
 
-def _check_attention_rewritten(student, teacher) -> None:
-    """Some stored attention tensor of the student is new, reshaped or changed (compared until the first one)."""
+def rewritten_tensors(student, teacher) -> list[str]:
+    """Names of the student's stored attention tensors that the teacher lacks or holds with another shape or
+    other values (what --train rewritten trains), from the checkpoints, nothing loaded."""
     import torch
 
     with LazyReader(student.ckpt.weight_files) as s, LazyReader(teacher.ckpt.weight_files) as t:
-        mine = [n for n in s.names() if "attn" in n]
-        theirs = {n for n in t.names() if "attn" in n}
-        if set(mine) != theirs:
-            return
-        for name in mine:
-            if tuple(s.info(name).shape) != tuple(t.info(name).shape) or not torch.equal(s.get(name), t.get(name)):
-                return
-    raise AttnkitError(
-        f"{student.ref}: its attention weights equal the teacher's: nothing was rewritten to heal "
-        "(use --train all to train every tensor)"
-    )
+        theirs = set(t.names())
+        return [
+            name
+            for name in s.names()
+            if "attn" in name
+            and (
+                name not in theirs
+                or tuple(s.info(name).shape) != tuple(t.info(name).shape)
+                or not torch.equal(s.get(name), t.get(name))
+            )
+        ]
+
+
+def _check_attention_rewritten(student, teacher) -> list[str]:
+    """rewritten_tensors, refused when empty (nothing for --train rewritten to train)."""
+    names = rewritten_tensors(student, teacher)
+    if not names:
+        raise AttnkitError(
+            f"{student.ref}: its attention weights equal the teacher's: nothing was rewritten to heal "
+            "(use --train all to train every tensor)"
+        )
+    return names
 
 
 def read_manifest(folder: Path) -> dict | None:

@@ -1,0 +1,180 @@
+"""heal's memory plan: what one process must hold, from the checkpoints' shapes alone (nothing loaded), and the
+options that would make a plan that does not fit the device fit.
+
+Both models train in fp32 (4 bytes a value): teacher and student weights; the trained values' gradients and
+AdamW's two moments; per micro-batch the student's activations kept for the backward pass (per token and
+layer ~ 6 h + 4 i values with SDPA attention: the norms' inputs and outputs, the rotated query, the attention
+output, the MLP's four intermediates; with gradient checkpointing only each layer's input, plus one layer's
+activations while it is recomputed) and the logits (student, teacher and the log-softmax buffers: 3 x
+vocabulary values per token); and RUNTIME for the interpreter, torch and the data. Estimates; docs/heal.md
+compares them with measured peaks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from attnkit.units import human_bytes
+
+BYTES = 4  # fp32
+#: Share of the device's free memory a plan may use (allocator slack, fragmentation, the interpreter).
+HEADROOM = 0.9
+#: The interpreter, torch, transformers, the tokenized data and allocator slack (torch and transformers alone:
+#: ~170 MiB anonymous memory on CPU).
+RUNTIME = 512 << 20
+#: LoRA rank the refusal suggests.
+SUGGESTED_LORA = 16
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the plan needs to know of the pair."""
+
+    teacher_params: int
+    student_params: int
+    trainable: list[tuple[int, ...]]  # shapes of the tensors that train
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+
+
+def shapes_of(pair, trained: list[str]) -> Shapes:
+    """Shapes from the checkpoints' headers and the student's config; `trained`: the names that train."""
+    from attnkit.io.reader import LazyReader
+
+    def params(source) -> tuple[int, dict]:
+        with LazyReader(source.ckpt.weight_files) as reader:
+            found = {n: tuple(reader.info(n).shape) for n in reader.names()}
+        return sum(_numel(s) for s in found.values()), found
+
+    teacher, _ = params(pair.teacher)
+    student, layout = params(pair.student)
+    c = pair.student.config
+    return Shapes(
+        teacher_params=teacher,
+        student_params=student,
+        trainable=[layout[n] for n in trained if n in layout],
+        layers=int(c.get("num_hidden_layers", 1)),
+        hidden=int(c.get("hidden_size", 1)),
+        intermediate=int(c.get("intermediate_size") or 4 * c.get("hidden_size", 1)),
+        vocab=int(c.get("vocab_size", 1)),
+    )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def plan(s: Shapes, micro_batch: int, seq_len: int, lora_rank: int, checkpointing: bool, copies: int = 1) -> dict:
+    """{item: bytes} and the total, for `copies` processes sharing the device's memory (one per GPU; on a CPU
+    every process of the run)."""
+    if lora_rank:  # adapters on the 2-D weights (rank x (in + out)), the rest trains directly
+        trained = sum(lora_rank * (s_[0] + s_[1]) if len(s_) == 2 else _numel(s_) for s_ in s.trainable)
+    else:
+        trained = sum(_numel(s_) for s_ in s.trainable)
+    tokens = micro_batch * seq_len
+    per_layer = (6 * s.hidden + 4 * s.intermediate) * tokens  # values one layer keeps for the backward pass
+    if checkpointing:
+        activations = s.layers * s.hidden * tokens + per_layer
+    else:
+        activations = s.layers * per_layer
+    items = {
+        "teacher": s.teacher_params,
+        "student": s.student_params + (trained if lora_rank else 0),
+        "gradients": trained,
+        "optimizer": 2 * trained,
+        "activations": activations,
+        "logits": 3 * tokens * s.vocab,
+    }
+    items = {k: v * BYTES * copies for k, v in items.items()} | {"runtime": RUNTIME * copies}
+    return {"items": items, "total": sum(items.values()), "trained_values": trained}
+
+
+def available(device) -> int | None:
+    """Free memory of the device the run uses (CPU: MemAvailable; CUDA: the free memory torch reports), or None
+    where it cannot be read (MPS)."""
+    if device.type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as fh:
+                for line in fh:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else None
+        return pages * os.sysconf("SC_PAGE_SIZE") if pages else None
+    return None
+
+
+def memory_report(s: Shapes, req, device) -> dict:
+    """The plan for the request on `device`: items, total, what is free, whether it fits, and what would fit."""
+    copies = int(os.environ.get("WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    chosen = plan(s, req.micro_batch_size, req.seq_len, req.lora_rank, req.gradient_checkpointing, copies)
+    free = available(device)
+    fits = free is None or chosen["total"] <= HEADROOM * free
+    return {
+        "device": str(device),
+        **chosen,
+        "available": free,
+        "fits": fits,
+        "fitting_options": [] if fits else _fitting(s, req, HEADROOM * free, copies),
+    }
+
+
+def _fitting(s: Shapes, req, budget: float, copies: int) -> list[dict]:
+    """The smallest changes of the request that fit `budget`, each with its total: one option, then pairs."""
+    choices = []
+    if req.micro_batch_size > 1:
+        choices.append(("--micro-batch-size 1", {"micro_batch": 1}))
+    if not req.gradient_checkpointing:
+        choices.append(("--gradient-checkpointing", {"checkpointing": True}))
+    if not req.lora_rank:
+        choices.append((f"--lora-rank {SUGGESTED_LORA}", {"lora_rank": SUGGESTED_LORA}))
+    base = {
+        "micro_batch": req.micro_batch_size,
+        "lora_rank": req.lora_rank,
+        "checkpointing": req.gradient_checkpointing,
+    }
+    found = []
+    for size in (1, 2, 3):
+        for combo in _combinations(choices, size):
+            settings = {**base}
+            for _, change in combo:
+                settings.update(change)
+            total = plan(
+                s, settings["micro_batch"], req.seq_len, settings["lora_rank"], settings["checkpointing"], copies
+            )
+            if total["total"] <= budget:
+                found.append({"options": " ".join(name for name, _ in combo), "total": total["total"]})
+        if found:
+            return found
+    return found
+
+
+def _combinations(items: list, size: int) -> list[tuple]:
+    from itertools import combinations
+
+    return list(combinations(items, size))
+
+
+def refusal(report: dict) -> str:
+    """The one line a plan that does not fit is refused with."""
+    parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in report["items"].items())
+    line = (
+        f"heal needs about {human_bytes(report['total'])} on {report['device']} ({parts}) and "
+        f"{human_bytes(report['available'])} is free"
+    )
+    if report["fitting_options"]:
+        options = "; ".join(f"{o['options']} (about {human_bytes(o['total'])})" for o in report["fitting_options"])
+        return f"{line}: it would fit with {options}"
+    return f"{line}, and no change of micro-batch, gradient checkpointing or LoRA makes it fit"
