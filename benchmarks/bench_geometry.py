@@ -5,7 +5,7 @@ Usage: python benchmarks/bench_geometry.py run --work DIR [--only NAME ...]     
 Geometries (GEOMETRIES): Llama-3.1-8B (all 32 layers) and Llama-3.1-70B at 8 and 16 layers, bf16, ~5 GB
 shards; each is built in DIR, measured, and removed. Per geometry: `cp -r` of the folder, then `convert gqa
 --method mean`, `convert mqa --method merge` and `convert mla --kv-budget 0.25` (2048 calibration tokens of
-tests/data/prose/calib.txt, windows of 512), each under `/usr/bin/time -v` (maximum RSS) while a poller reads
+tests/data/prose/calib.txt, windows of 512) and `probe --layer-stream always` (2048 tokens), each under `/usr/bin/time -v` (maximum RSS) while a poller reads
 the process's anonymous RSS (RssAnon, /proc/PID/status, every 0.2 s): the peak of what the process itself
 holds, page cache of the memory-mapped weights excluded. Rows in benchmarks/results/geometry.json; render
 writes "## big checkpoints" in docs/benchmarks.md.
@@ -30,6 +30,16 @@ from benchmarks.docsection import replace_section  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "geometry.json"
 CALIB = ["--calib", str(ROOT / "tests/data/prose/calib.txt"), "--calib-tokens", "2048", "--calib-seq-len", "512"]
+#: probe: 2048 tokens of held-out prose in windows of 512, layer by layer (the whole 8B model in fp32 needs 32 GB)
+PROBE = [
+    str(ROOT / "tests/data/prose/heldout.txt"),
+    "--max-tokens",
+    "2048",
+    "--seq-len",
+    "512",
+    "--layer-stream",
+    "always",
+]
 #: name -> (preset, layers or None for all)
 GEOMETRIES = {"llama-3.1-8b": ("llama-3.1-8b", None), "70b@8": ("llama-3.1-70b", 8), "70b@16": ("llama-3.1-70b", 16)}
 #: command name -> attnkit arguments after SRC OUT
@@ -37,6 +47,7 @@ COMMANDS = {
     "convert gqa --method mean": ["convert", "gqa", "{src}", "{out}", "--kv-heads", "2", "--method", "mean"],
     "convert mqa --method merge": ["convert", "mqa", "{src}", "{out}", "--method", "merge", *CALIB],
     "convert mla --kv-budget 0.25": ["convert", "mla", "{src}", "{out}", "--kv-budget", "0.25", *CALIB],
+    "probe --layer-stream always": ["probe", "{src}", *PROBE],
 }
 
 
@@ -109,7 +120,7 @@ def run(work: Path, only: list[str]) -> None:
             shutil.rmtree(out, ignore_errors=True)
             argv = [sys.executable, "-m", "attnkit", *[a.format(src=src, out=out) for a in args]]
             result = measure(argv)
-            shutil.rmtree(out)
+            shutil.rmtree(out, ignore_errors=True)  # probe writes no folder
             row = {
                 "geometry": name,
                 "layers": config["num_hidden_layers"],

@@ -196,7 +196,7 @@ def test_bad_task_and_passkey_input_is_refused_before_a_model_loads(
 ):
     from attnkit.commands.analyse import eval_models
 
-    monkeypatch.setattr(eval_models, "load_model", lambda *a, **k: pytest.fail("a model loaded before the checks"))
+    monkeypatch.setattr(eval_models, "open_model", lambda *a, **k: pytest.fail("a model loaded before the checks"))
     (tmp_path / "empty").mkdir()
     argv = ["eval", str(src), *[a.format(tasks=tasks_dir, empty=tmp_path / "empty") for a in args]]
     one_line_error(runner.invoke(app, argv), 2, words)

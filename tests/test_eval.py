@@ -125,11 +125,12 @@ def test_eval_and_probe_count_the_same_tokens_and_take_both_dtype_spellings(tiny
 
 @pytest.mark.parametrize("command", ["eval", "probe"])
 def test_every_model_and_option_is_checked_before_one_loads(tiny, runner, tmp_path, monkeypatch, command):
-    import attnkit.runtime as runtime
+    from attnkit.commands.analyse import eval_models, probe
 
     model = char_tokenizer(tiny("llama_gqa"))
     (tmp_path / "t.txt").write_text(PROSE * 3)
-    monkeypatch.setattr(runtime, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the checks"))
+    for module in (eval_models, probe):
+        monkeypatch.setattr(module, "open_model", lambda *a, **k: pytest.fail("a model was loaded before the checks"))
     second = ["--reference", str(tmp_path / "nope")] if command == "eval" else [str(tmp_path / "nope")]
     out = runner.invoke(app, [command, str(model), *second, str(tmp_path / "t.txt")])
     assert out.exit_code == 1 and "nope: no such file or folder" in out.stderr

@@ -570,7 +570,7 @@ def test_a_plan_that_cannot_fit_is_refused_before_loading_naming_what_would_fit(
 
     full, checkpointed = total(), total("--gradient-checkpointing")
     assert checkpointed < full
-    monkeypatch.setattr(memory, "available", lambda device: int((full + checkpointed) / 2 / memory.HEADROOM))
+    monkeypatch.setattr(memory, "free_memory", lambda device: int((full + checkpointed) / 2 / memory.HEADROOM))
     for extra in (["--dry-run"], []):  # the dry run refuses what the run would
         result = _heal(runner, pair, tmp_path / "out", *shape, *extra)
         assert result.exit_code == 1, result.output
@@ -578,6 +578,6 @@ def test_a_plan_that_cannot_fit_is_refused_before_loading_naming_what_would_fit(
         assert line.startswith("error: heal needs about") and "it would fit with" in line, line
         assert "--gradient-checkpointing" in line and "--micro-batch-size 1" in line
         assert not (tmp_path / "out").exists() and not (tmp_path / "out.checkpoint").exists()
-    monkeypatch.setattr(memory, "available", lambda device: 1)
+    monkeypatch.setattr(memory, "free_memory", lambda device: 1)
     result = _heal(runner, pair, tmp_path / "out", "--dry-run")
     assert result.exit_code == 1 and "no change of micro-batch, gradient checkpointing or LoRA" in result.output

@@ -193,7 +193,7 @@ def test_options_are_checked_before_the_model_loads(runner, src, text, monkeypat
     from attnkit.commands.analyse import eval_models, probe
 
     for module in (eval_models, probe):
-        monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model loaded before the checks"))
+        monkeypatch.setattr(module, "open_model", lambda *a, **k: pytest.fail("a model loaded before the checks"))
     result = runner.invoke(app, [a.format(src=src, text=text) for a in args])
     one_line_error(result, 2, words)
 

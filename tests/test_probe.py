@@ -255,9 +255,9 @@ def test_plot_uses_one_colour_scale_and_marks_the_fail_if_bound(tmp_path, monkey
 
 
 def test_out_and_plot_suffixes_are_refused_before_any_model_loads(tiny, runner, tmp_path, monkeypatch):
-    import attnkit.runtime as runtime
+    from attnkit.commands.analyse import probe
 
-    monkeypatch.setattr(runtime, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the checks"))
+    monkeypatch.setattr(probe, "open_model", lambda *a, **k: pytest.fail("a model was loaded before the checks"))
     (tmp_path / "t.txt").write_text("some text " * 50)
     model = str(tiny("llama_gqa"))
     for option, path in (("--out", "stats.txt"), ("--plot", "heads.svgz")):

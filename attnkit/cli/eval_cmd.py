@@ -7,7 +7,17 @@ from typing import List, Optional
 
 import typer
 
-from attnkit.cli.common import DEVICE_OPTION, DTYPE_OPTION, FORMAT_OPTION, OutputFormat, examples, handle_errors, stderr
+from attnkit.cli.common import (
+    DEVICE_MAP_OPTION,
+    DEVICE_OPTION,
+    DTYPE_OPTION,
+    FORMAT_OPTION,
+    LAYER_STREAM_OPTION,
+    OutputFormat,
+    examples,
+    handle_errors,
+    stderr,
+)
 from attnkit.cli.output import Column, render, render_capability
 from attnkit.cli.shared import capability_spec
 
@@ -64,6 +74,8 @@ def register(app: typer.Typer) -> None:
         plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG heat map of pass-key accuracy."),
         device: str = DEVICE_OPTION,
         dtype: str = DTYPE_OPTION,
+        layer_stream: str = LAYER_STREAM_OPTION,
+        device_map: Optional[str] = DEVICE_MAP_OPTION,
         fmt: OutputFormat = FORMAT_OPTION,
     ) -> None:
         """Perplexity on text windows (with --reference: KL(ref || model) and top-1 agreement), task accuracy
@@ -84,6 +96,8 @@ def register(app: typer.Typer) -> None:
                 batch_size=batch_size,
                 device=device,
                 dtype=dtype,
+                layer_stream=layer_stream,
+                device_map=device_map,
                 capability=spec,
                 plot=plot,
             ),

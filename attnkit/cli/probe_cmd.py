@@ -6,7 +6,17 @@ from typing import List, Optional
 
 import typer
 
-from attnkit.cli.common import DEVICE_OPTION, DTYPE_OPTION, FORMAT_OPTION, OutputFormat, examples, handle_errors, stderr
+from attnkit.cli.common import (
+    DEVICE_MAP_OPTION,
+    DEVICE_OPTION,
+    DTYPE_OPTION,
+    FORMAT_OPTION,
+    LAYER_STREAM_OPTION,
+    OutputFormat,
+    examples,
+    handle_errors,
+    stderr,
+)
 from attnkit.cli.output import Column, render
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -53,6 +63,8 @@ def register(app: typer.Typer) -> None:
         top: int = typer.Option(20, "--top", min=0, help="Heads shown in the table (worst max logit first); 0 = all."),
         device: str = DEVICE_OPTION,
         dtype: str = DTYPE_OPTION,
+        layer_stream: str = LAYER_STREAM_OPTION,
+        device_map: Optional[str] = DEVICE_MAP_OPTION,
         fmt: OutputFormat = FORMAT_OPTION,
     ) -> None:
         """Attention logits (max, min, mean, std, share above --threshold), log Z, entropy and q/k norms per head."""
@@ -74,6 +86,8 @@ def register(app: typer.Typer) -> None:
             plot=plot,
             device=device,
             dtype=dtype,
+            layer_stream=layer_stream,
+            device_map=device_map,
         )
         results, rules = run_probe(req, log=lambda message: stderr.print(message, style="dim", markup=False))
         _render(results, fmt, top, threshold)

@@ -49,6 +49,26 @@ def final_hidden(model, ids):
     return hidden
 
 
+def batch_hidden(model, windows, batch_size: int) -> Iterator[tuple[object, object]]:
+    """Yield (ids [B, T], final hidden states [B, T, d]) per batch of windows [N, T]; a LayerStreamed model
+    (attnkit.runtime.layerwise) runs every window layer by layer first, then hands out the same batches."""
+    from attnkit.runtime.layerwise import LayerStreamed
+    from attnkit.runtime.texts import batches
+
+    if isinstance(model, LayerStreamed):
+        hidden = model.final_hidden(windows, batch_size)
+        for start, ids in zip(range(0, windows.shape[0], batch_size), batches(windows, batch_size)):
+            yield ids, hidden[start : start + ids.shape[0]]
+        return
+    for ids in batches(windows, batch_size):
+        yield ids, final_hidden(model, ids)
+
+
+def head_module(model):
+    """The nn.Module whose output head scores hidden states (a LayerStreamed model's own)."""
+    return getattr(model, "model", model) if type(model).__name__ == "LayerStreamed" else model
+
+
 def logit_chunks(model, hidden) -> Iterator[tuple[int, object]]:
     """Yield (start, fp32 logits [B, c, V]) over positions of hidden [B, T, d]."""
     batch, seq = hidden.shape[:2]

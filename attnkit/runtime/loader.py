@@ -125,6 +125,30 @@ def check_models(refs: list[str], device: str, dtype: str) -> None:
         check_checkpoint(ckpt)
 
 
+def free_memory(device) -> int | None:
+    """Free memory of a device (a torch.device): CPU MemAvailable, CUDA what torch reports free; None where it
+    cannot be read (MPS)."""
+    import os
+
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def load_model(
     ref: str,
     *,

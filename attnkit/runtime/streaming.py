@@ -22,6 +22,17 @@ class StreamingUnsupported(AttnkitError):
 def load_streaming(ref: str, device: str = "auto"):
     """LoadedModel (float32) whose decoder layers are streamed from the checkpoint; soft-caps applied as in
     load_model. Raises StreamingUnsupported when parameters and checkpoint tensors do not match by name."""
+    loaded, files, layers = build_streamed(ref, device)
+    for prefix, layer in layers:
+        layer.register_forward_pre_hook(_loader(files, prefix, loaded.device, loaded.dtype), with_kwargs=True)
+        layer.register_forward_hook(_dropper, with_kwargs=True)
+    return loaded
+
+
+def build_streamed(ref: str, device: str = "auto", dtype=None):
+    """(LoadedModel with its decoder layers on the meta device and everything else loaded, the weight files,
+    [(prefix, layer)]): what load_streaming hooks up and attnkit.runtime.layerwise drives layer by layer.
+    `dtype`: a torch dtype for the weights (float32 when None)."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -31,6 +42,7 @@ def load_streaming(ref: str, device: str = "auto"):
     from attnkit.runtime.capped_attention import apply_softcaps
     from attnkit.runtime.loader import LoadedModel, check_causal, load_tokenizer, resolve_device
 
+    dtype = dtype or torch.float32
     ckpt = resolve(ref)
     if not ckpt.weight_files:
         raise StreamingUnsupported(f"{ref}: only safetensors checkpoints can be streamed, not {ckpt.kind}")
@@ -39,7 +51,7 @@ def load_streaming(ref: str, device: str = "auto"):
     try:
         config = AutoConfig.from_pretrained(str(ckpt.root))
         with init_empty_weights(include_buffers=False):  # parameters on meta; RoPE tables etc. computed for real
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     except (ValueError, OSError, ImportError) as exc:  # load_model reports these its own way
         raise StreamingUnsupported(f"{ref}: cannot build the model on the meta device ({exc})") from None
     files = ckpt.weight_files
@@ -49,17 +61,13 @@ def load_streaming(ref: str, device: str = "auto"):
         layer_param_ids = {id(p) for _, layer in layers for p in layer.parameters()}
         for name, param in model.named_parameters():
             if id(param) not in layer_param_ids and name in stored:
-                _set(model, name, reader.get(name, dtype=torch.float32), dev)
+                _set(model, name, reader.get(name, dtype=dtype), dev)
     model.tie_weights()  # a tied head follows the embeddings just loaded
     _check_names(ref, model, layers, layer_param_ids, stored)
-    for prefix, layer in layers:
-        layer.register_forward_pre_hook(_loader(files, prefix, dev), with_kwargs=True)
-        layer.register_forward_hook(_dropper, with_kwargs=True)
     model.eval()
     apply_softcaps(model)
-    return LoadedModel(
-        model=model, tokenizer=load_tokenizer(ckpt.root), checkpoint=ckpt, device=dev, dtype=torch.float32
-    )
+    loaded = LoadedModel(model=model, tokenizer=load_tokenizer(ckpt.root), checkpoint=ckpt, device=dev, dtype=dtype)
+    return loaded, files, layers
 
 
 def load_for_calibration(ref: str, device: str = "auto"):
@@ -111,27 +119,36 @@ def _set(module, name: str, value, device) -> None:
     owner._parameters[leaf] = torch.nn.Parameter(value.to(device), requires_grad=False)
 
 
-def _loader(files, prefix: str, device):
-    """Pre-hook: read the layer's parameters from the checkpoint (float32, on `device`)."""
-    import torch
-
+def read_layer(layer, files, prefix: str, device, dtype) -> None:
+    """Read the layer's parameters from the checkpoint (in `dtype`, on `device`)."""
     from attnkit.io.reader import LazyReader
 
-    def hook(layer, args, kwargs):
-        with LazyReader(files) as reader:
-            for name, _ in list(layer.named_parameters()):
-                _set(layer, name, reader.get(f"{prefix}.{name}", dtype=torch.float32), device)
-
-    return hook
+    with LazyReader(files) as reader:
+        for name, _ in list(layer.named_parameters()):
+            _set(layer, name, reader.get(f"{prefix}.{name}", dtype=dtype), device)
 
 
-def _dropper(layer, args, kwargs, output):
-    """Post-hook: put the layer's parameters back on the meta device and hand their memory back."""
+def drop_layer(layer) -> None:
+    """Put the layer's parameters back on the meta device and hand their memory back."""
     import torch
 
     for name, param in list(layer.named_parameters()):
         _set(layer, name, torch.empty_like(param, device="meta"), "meta")
     _trim_heap()
+
+
+def _loader(files, prefix: str, device, dtype):
+    """Pre-hook: read_layer before the layer runs."""
+
+    def hook(layer, args, kwargs):
+        read_layer(layer, files, prefix, device, dtype)
+
+    return hook
+
+
+def _dropper(layer, args, kwargs, output):
+    """Post-hook: drop_layer after the layer ran."""
+    drop_layer(layer)
     return output
 
 

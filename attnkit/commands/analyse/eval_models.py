@@ -17,7 +17,8 @@ from attnkit.commands.analyse.capability import (
 )
 from attnkit.commands.analyse.evaluate import evaluate
 from attnkit.errors import UsageError
-from attnkit.runtime import load_model, make_windows
+from attnkit.runtime import make_windows
+from attnkit.runtime.layerwise import LayerStreamed, check_run_options, open_model
 from attnkit.runtime.loader import check_models
 from attnkit.runtime.texts import check_text_files, check_window_options, read_texts
 from attnkit.units import MAX_COUNT, check_bounds
@@ -52,6 +53,8 @@ class EvalRequest:
     batch_size: int = 1
     device: str = "auto"
     dtype: str = "auto"
+    layer_stream: str = "auto"  # auto | always | never (attnkit.runtime.layerwise)
+    device_map: str | None = None  # auto: accelerate places the model over the GPUs
     capability: CapabilitySpec = field(default_factory=CapabilitySpec)
     plot: str | None = None
 
@@ -63,6 +66,9 @@ def check_request(req: EvalRequest):
     if not req.texts and req.text is None and not req.capability:
         raise UsageError("nothing to score: give text files (or --text), --tasks or --passkey")
     check_bounds("--batch-size", req.batch_size, 1, MAX_COUNT)
+    check_run_options(req.layer_stream, req.device_map)
+    if req.capability and req.layer_stream == "always":
+        raise UsageError("--tasks and --passkey run whole models: they cannot be combined with --layer-stream always")
     check_plot(req.plot, req.capability)
     texts = None
     if req.texts or req.text is not None:
@@ -76,12 +82,15 @@ def check_request(req: EvalRequest):
 def run_eval(req: EvalRequest, log: Callable[[str], None] = lambda message: None) -> dict:
     """The report of `attnkit eval` (docs/eval.md)."""
     texts, manager = check_request(req)
-    loaded = load_model(req.model, device=req.device, dtype=req.dtype)
-    ref = load_model(req.reference, device=req.device, dtype=req.dtype) if req.reference else None
+    stream = "never" if req.capability else req.layer_stream  # lm-eval and pass keys generate: whole models
+    opened = {"device": req.device, "dtype": req.dtype, "layer_stream": stream, "device_map": req.device_map}
+    loaded = open_model(req.model, **opened)
+    ref = open_model(req.reference, **opened) if req.reference else None
     doc = {
         "model": req.model,
         "reference": req.reference,
         "dtype": str(loaded.dtype).removeprefix("torch."),
+        "layer_streamed": isinstance(loaded, LayerStreamed),
         **dict.fromkeys(PERPLEXITY_KEYS),
     }
     if texts is not None:

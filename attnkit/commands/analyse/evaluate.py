@@ -8,9 +8,8 @@ from dataclasses import asdict, dataclass
 
 from attnkit.errors import AttnkitError
 from attnkit.progress import phase
-from attnkit.runtime.lm import final_hidden, logit_chunks
+from attnkit.runtime.lm import batch_hidden, head_module, logit_chunks
 from attnkit.runtime.loader import unwrap
-from attnkit.runtime.texts import batches
 
 
 @dataclass
@@ -32,11 +31,10 @@ class EvalResult:
         return asdict(self)
 
 
-def _log_probs(model, ids):
-    """Yield (start, fp32 log-probs [B, c, V]) for the positions 0..T-2 that predict a next token."""
-
-    hidden = final_hidden(model, ids)[:, :-1]  # [B, T-1, d]
-    for start, logits in logit_chunks(model, hidden):
+def _log_probs(model, hidden):
+    """Yield (start, fp32 log-probs [B, c, V]) for the positions 0..T-2 of final hidden states [B, T, d] that
+    predict a next token."""
+    for start, logits in logit_chunks(head_module(model), hidden[:, :-1]):
         yield start, logits.log_softmax(-1)
 
 
@@ -45,7 +43,8 @@ def evaluate(
 ) -> EvalResult:
     """NLL/perplexity of `model` on windows [N, T]; with `reference`, KL(ref || model) and top-1 agreement.
 
-    Models are LoadedModel or nn.Module; both see identical windows. Sums are kept in float64.
+    Models are LoadedModel, nn.Module or LayerStreamed (run layer by layer); both see identical windows. Sums are
+    kept in float64.
     """
     import math
 
@@ -58,10 +57,11 @@ def evaluate(
     n, t = windows.shape
     label = f"scoring {n} window(s) x {t} tokens" + (" against the reference" if reference is not None else "")
     with torch.no_grad(), phase(label, n, "windows") as advance:
-        for ids in batches(windows, batch_size):  # ids [B, T]
+        ref_batches = batch_hidden(reference, windows, batch_size) if reference is not None else None
+        for ids, hidden in batch_hidden(model, windows, batch_size):  # ids [B, T], hidden [B, T, d]
             targets = ids[:, 1:]  # [B, T-1]
-            ref_chunks = _log_probs(reference, ids) if reference is not None else None
-            for start, logp in _log_probs(model, ids):  # logp [B, c, V]
+            ref_chunks = _log_probs(reference, next(ref_batches)[1]) if ref_batches is not None else None
+            for start, logp in _log_probs(model, hidden):  # logp [B, c, V]
                 tgt = targets[:, start : start + logp.shape[1]].to(logp.device)  # [B, c]
                 nll_sum -= logp.gather(-1, tgt.unsqueeze(-1)).sum(dtype=torch.float64).item()
                 predicted += tgt.numel()

@@ -13,11 +13,12 @@ from attnkit.commands.analyse.probe_rules import max_logit_limit, parse_rule
 from attnkit.errors import UsageError
 from attnkit.ops.attnstats import LayerStats, Moments, accumulate_attention
 from attnkit.progress import phase
-from attnkit.runtime import load_model, make_windows
+from attnkit.runtime import make_windows
 from attnkit.runtime.hook import attention_hook, layer_index
-from attnkit.runtime.lm import final_hidden, logit_chunks
+from attnkit.runtime.layerwise import check_run_options, open_model
+from attnkit.runtime.lm import batch_hidden, head_module, logit_chunks
 from attnkit.runtime.loader import check_models, unwrap
-from attnkit.runtime.texts import batches, check_text_files, check_window_options, read_texts
+from attnkit.runtime.texts import check_text_files, check_window_options, read_texts
 from attnkit.units import MAX_COUNT, check_bounds
 
 
@@ -99,10 +100,12 @@ def probe(
     progress: Callable[[int], None] | None = None,
     name: str = "model",
 ) -> ProbeResult:
-    """Run `model` (LoadedModel or nn.Module) over windows [N, T] and collect per-head attention statistics."""
+    """Run `model` (LoadedModel, nn.Module or LayerStreamed) over windows [N, T] and collect per-head attention
+    statistics."""
     import torch
 
-    model = unwrap(model)
+    runner = unwrap(model)
+    model = head_module(runner)
     layers: dict[int, LayerStats] = {}
     index = layer_index(model)
 
@@ -128,8 +131,7 @@ def probe(
     sum_sq = 0.0
     label = f"probing {name}: {windows.shape[0]} window(s) x {windows.shape[1]} tokens"
     with torch.no_grad(), attention_hook(model, on_attention), phase(label, windows.shape[0], "windows") as advance:
-        for ids in batches(windows, batch_size):  # ids [B, T]
-            hidden = final_hidden(model, ids)  # [B, T, d]
+        for ids, hidden in batch_hidden(runner, windows, batch_size):  # ids [B, T], hidden [B, T, d]
             for _, logits in logit_chunks(model, hidden):  # [B, c, V]
                 logz = torch.logsumexp(logits, -1)  # [B, c]
                 final_logz.add(logz.reshape(1, 1, -1))
@@ -212,6 +214,8 @@ class ProbeRequest:
     plot: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    layer_stream: str = "auto"  # auto | always | never (attnkit.runtime.layerwise)
+    device_map: str | None = None  # auto: accelerate places the model over the GPUs
 
 
 def check_request(req: ProbeRequest):
@@ -225,6 +229,7 @@ def check_request(req: ProbeRequest):
     check_bounds("--batch-size", req.batch_size, 1, MAX_COUNT)
     check_bounds("--threshold", req.threshold)
     check_bounds("--z-lambda", req.z_lambda, 0)
+    check_run_options(req.layer_stream, req.device_map)
     for path, option, suffixes in ((req.out, "--out", TABLE_SUFFIXES), (req.plot, "--plot", PLOT_SUFFIXES)):
         if path:
             check_output_path(path, option, suffixes)
@@ -241,7 +246,9 @@ def run_probe(req: ProbeRequest, log: Callable[[str], None] = lambda message: No
     rules, texts = check_request(req)
     results = []
     for ref in req.models:
-        loaded = load_model(ref, device=req.device, dtype=req.dtype)
+        loaded = open_model(
+            ref, device=req.device, dtype=req.dtype, layer_stream=req.layer_stream, device_map=req.device_map
+        )
         windows = make_windows(loaded.tokenizer, texts, req.seq_len, req.max_tokens)
         log(f"probing {ref}: {windows.shape[0]} window(s) of {req.seq_len} tokens")
         results.append(

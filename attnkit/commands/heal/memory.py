@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from attnkit.runtime.loader import free_memory
 from attnkit.units import human_bytes
 
 BYTES = 4  # fp32
@@ -95,32 +96,11 @@ def plan(s: Shapes, micro_batch: int, seq_len: int, lora_rank: int, checkpointin
     return {"items": items, "total": sum(items.values()), "trained_values": trained}
 
 
-def available(device) -> int | None:
-    """Free memory of the device the run uses (CPU: MemAvailable; CUDA: the free memory torch reports), or None
-    where it cannot be read (MPS)."""
-    if device.type == "cuda":
-        import torch
-
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as fh:
-                for line in fh:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else None
-        return pages * os.sysconf("SC_PAGE_SIZE") if pages else None
-    return None
-
-
 def memory_report(s: Shapes, req, device) -> dict:
     """The plan for the request on `device`: items, total, what is free, whether it fits, and what would fit."""
     copies = int(os.environ.get("WORLD_SIZE", "1")) if device.type == "cpu" else 1
     chosen = plan(s, req.micro_batch_size, req.seq_len, req.lora_rank, req.gradient_checkpointing, copies)
-    free = available(device)
+    free = free_memory(device)
     fits = free is None or chosen["total"] <= HEADROOM * free
     return {
         "device": str(device),

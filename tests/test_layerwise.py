@@ -1,0 +1,85 @@
+"""eval and probe layer by layer (attnkit.runtime.layerwise): the same numbers as the whole model, bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attnkit.cli import app
+from tests.helpers import HELDOUT, tiny_source
+
+TEXT = [HELDOUT, "--max-tokens", "192", "--seq-len", "64", "--batch-size", "2"]
+
+
+def _json(runner, args: list[str]) -> dict:
+    result = runner.invoke(app, [*args, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "qwen2", "gemma3", "mistral"])
+def test_layer_streamed_eval_and_probe_equal_the_whole_model(runner, tmp_path, family):
+    """Sliding windows (Gemma 3, Mistral: 16 tokens in windows of 64), per-type RoPE, biases: every figure equal."""
+    src = tiny_source(tmp_path, family)
+    ref = tiny_source(tmp_path / "ref", family, seed=1)
+    runs = {}
+    for mode in ("never", "always"):
+        ev = _json(runner, ["eval", str(src), *TEXT, "--reference", str(ref), "--layer-stream", mode])
+        pr = _json(runner, ["probe", str(src), *TEXT, "--layer-stream", mode])
+        runs[mode] = (ev, pr["models"][0])
+    (ev_whole, pr_whole), (ev_layers, pr_layers) = runs["never"], runs["always"]
+    assert ev_layers.pop("layer_streamed") is True and ev_whole.pop("layer_streamed") is False
+    assert ev_layers == ev_whole
+    assert pr_layers["heads"] == pr_whole["heads"] and pr_layers["final"] == pr_whole["final"]
+
+
+def test_auto_streams_when_the_weights_do_not_fit(runner, tmp_path, monkeypatch):
+    import attnkit.runtime.loader as loader
+
+    src = tiny_source(tmp_path, "llama")
+    assert not _json(runner, ["eval", str(src), *TEXT])["layer_streamed"]
+    monkeypatch.setattr(loader, "free_memory", lambda device: 1024)
+    streamed = _json(runner, ["eval", str(src), *TEXT])
+    assert streamed["layer_streamed"]
+    monkeypatch.undo()
+    assert streamed["perplexity"] == _json(runner, ["eval", str(src), *TEXT])["perplexity"]
+
+
+def test_device_map_auto_places_the_whole_model(runner, tmp_path):
+    src = tiny_source(tmp_path, "llama")
+    placed = _json(runner, ["eval", str(src), *TEXT, "--device-map", "auto"])
+    assert placed["perplexity"] == _json(runner, ["eval", str(src), *TEXT])["perplexity"]
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--layer-stream", "sometimes"], "--layer-stream must be one of auto, always, never"),
+        (["--device-map", "balanced"], "--device-map takes auto"),
+        (["--device-map", "auto", "--layer-stream", "always"], "cannot be combined with --layer-stream always"),
+    ],
+)
+def test_bad_run_options_are_usage_errors(runner, tmp_path, args, words):
+    src = tiny_source(tmp_path, "llama")
+    for command in ("eval", "probe"):
+        result = runner.invoke(app, [command, str(src), *TEXT, *args])
+        assert result.exit_code == 2 and words in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_gguf_cannot_be_streamed_and_says_so(runner, tmp_path):
+    from tests.helpers import write_gguf
+
+    gguf = write_gguf(tmp_path / "m.gguf", "llama")
+    result = runner.invoke(app, ["probe", str(gguf), *TEXT, "--layer-stream", "always"])
+    assert result.exit_code != 0 and "--layer-stream always" in result.output
+
+
+@pytest.mark.real_model
+def test_smollm2_layer_streamed_probe_equals_the_whole_model(runner):
+    from tests.realmodel import smollm2_folder
+
+    args = ["probe", str(smollm2_folder()), HELDOUT, "--max-tokens", "1024", "--seq-len", "256", "--batch-size", "2"]
+    whole = _json(runner, [*args, "--layer-stream", "never"])["models"][0]
+    layers = _json(runner, [*args, "--layer-stream", "always"])["models"][0]
+    assert layers["heads"] == whole["heads"] and layers["final"] == whole["final"]
