@@ -581,3 +581,51 @@ def test_a_plan_that_cannot_fit_is_refused_before_loading_naming_what_would_fit(
     monkeypatch.setattr(memory, "free_memory", lambda device: 1)
     result = _heal(runner, pair, tmp_path / "out", "--dry-run")
     assert result.exit_code == 1 and "no change of micro-batch, gradient checkpointing or LoRA" in result.output
+
+
+def test_topk_kl_is_the_full_kl_at_full_k_and_a_lower_bound_below():
+    from attnkit.commands.heal.loss import kl_to_teacher
+    from attnkit.commands.heal.topk import teacher_targets, topk_kl
+
+    g = torch.Generator().manual_seed(0)
+    teacher_logits, student_logits = torch.randn(2, 5, 50, generator=g) * 3, torch.randn(2, 5, 50, generator=g) * 3
+
+    class Teacher(torch.nn.Module):
+        def forward(self, input_ids, use_cache=False):
+            return type("Out", (), {"logits": teacher_logits})()
+
+    windows = torch.zeros(2, 5, dtype=torch.long)
+    full = kl_to_teacher(student_logits, teacher_logits).item()
+    every = teacher_targets(Teacher(), windows, 50, 2, "cpu")
+    assert every.ids.dtype == torch.uint16 and every.bytes_per_token == 50 * 4 + 4
+    assert topk_kl(student_logits, every).item() == pytest.approx(full, rel=2e-3)  # fp16 log-probs
+    for k in (1, 8, 32):
+        assert topk_kl(student_logits, teacher_targets(Teacher(), windows, k, 2, "cpu")).item() <= full * (1 + 2e-3)
+
+
+def test_teacher_logits_top_k_trains_from_a_cache_without_the_teacher(runner, pair, tmp_path):
+    cache = tmp_path / "cache"
+    args = ["--teacher-logits", "top-k", "--top-k", "16", "--sample-cache", str(cache)]
+    first = _heal(runner, pair, tmp_path / "a", *args)
+    assert first.exit_code == 0, first.output
+    report = json.loads(first.stdout)
+    assert report["training"]["teacher_logits"] == "top-16" and report["teacher_targets"]["bytes_per_token"] == 68
+    assert report["validation"]["after"]["kl_mean"] < report["validation"]["before"]["kl_mean"]
+    assert len(list((cache / "teacher-topk").glob("*.safetensors"))) == 2  # training and validation windows
+    second = _heal(runner, pair, tmp_path / "b", *args)
+    assert second.exit_code == 0 and "top-16 targets for" not in second.stderr  # read from the cache
+    assert json.loads(second.stdout)["steps"] == report["steps"]
+    assert _layout(tmp_path / "a") == _layout(pair[1])
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--teacher-logits", "top-k", "--attn-loss", "0.1"], "--attn-loss compares attention"),
+        (["--teacher-logits", "cached"], "--teacher-logits must be one of live, top-k"),
+        (["--top-k", "0"], "--top-k must be at least 1"),
+    ],
+)
+def test_teacher_logit_options_are_checked(runner, pair, tmp_path, args, match):
+    result = _heal(runner, pair, tmp_path / "out", *args)
+    assert result.exit_code == 2 and match in result.output

@@ -78,6 +78,13 @@ def register(app: typer.Typer) -> None:
         attn_loss: float = typer.Option(
             0.0, "--attn-loss", help="Weight of the attention-output matching term; 0: off."
         ),
+        teacher_logits: str = typer.Option(
+            "live",
+            "--teacher-logits",
+            help="live: the teacher runs beside the student; top-k: its top-k log-probabilities computed once and "
+            "cached on disk, the teacher out of memory while training.",
+        ),
+        top_k: int = typer.Option(64, "--top-k", help="Tokens per position kept by --teacher-logits top-k."),
         val_tokens: int = typer.Option(2048, "--val-tokens", help="Training text held out for validation."),
         eval_every: int = typer.Option(25, "--eval-every", help="Validate every N steps."),
         patience: int = typer.Option(4, "--patience", help="Stop after N validations without improvement; 0: never."),
@@ -126,6 +133,8 @@ def register(app: typer.Typer) -> None:
             micro_batch_size=micro_batch_size,
             seq_len=seq_len,
             attn_loss=attn_loss,
+            teacher_logits=teacher_logits,
+            top_k=top_k,
             val_tokens=val_tokens,
             eval_every=eval_every,
             patience=patience,

@@ -134,7 +134,7 @@ def drop_layer(layer) -> None:
 
     for name, param in list(layer.named_parameters()):
         _set(layer, name, torch.empty_like(param, device="meta"), "meta")
-    _trim_heap()
+    trim_heap()
 
 
 def _loader(files, prefix: str, device, dtype):
@@ -152,7 +152,7 @@ def _dropper(layer, args, kwargs, output):
     return output
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Return freed heap memory to the OS (glibc keeps freed arenas otherwise, so RSS would grow layer by layer)."""
     trim = _malloc_trim()
     if trim is not None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from attnkit.commands.analyse.capability import before_after, check_capability, run_capability
 from attnkit.commands.analyse.evaluate import evaluate
-from attnkit.commands.heal import resume, trainable
+from attnkit.commands.heal import resume, topk, trainable
 from attnkit.commands.heal.bar import training_bar
 from attnkit.commands.heal.data import DataFiles, files_digest, split_windows
 from attnkit.commands.heal.loop import LoopConfig, LoopState, Trainer
@@ -152,6 +152,8 @@ def _fingerprint(req: HealRequest, student: str, teacher: str, data: str) -> dic
         "weight_decay": req.weight_decay,
         "max_grad_norm": req.max_grad_norm,
         "attn_loss": req.attn_loss,
+        "teacher_logits": req.teacher_logits,
+        "top_k": req.top_k,
         "val_tokens": req.val_tokens,
         "seed": req.seed,
     }
@@ -175,6 +177,8 @@ def _settings(req: HealRequest) -> dict:
         "micro_batch_size",
         "seq_len",
         "attn_loss",
+        "teacher_logits",
+        "top_k",
         "val_tokens",
         "eval_every",
         "patience",
@@ -209,7 +213,15 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
     if acc.is_main_process and req.capability:
         log("scoring teacher and student: tasks and pass keys")
         abilities = {name: _capability(req, m, plan, acc) for name, m in (("teacher", teacher), ("before", student))}
-    trainer = _trainer(req, acc, student, teacher, plan, run, report, before, log, started)
+    names = trainable.select(student, teacher, req.train)
+    pairs = trainable.attention_pairs(student, teacher, names)
+    targets = None
+    if req.teacher_logits == "top-k":  # the teacher's targets once, then it leaves memory before training
+        targets = _teacher_targets(req, pair, plan, teacher, acc, log)
+        report["teacher_targets"] = {"k": req.top_k, "bytes_per_token": targets[0].bytes_per_token}
+        teacher = None
+        _free_memory()
+    trainer = _trainer(req, acc, student, teacher, plan, run, report, before, log, started, (names, pairs, targets))
 
     def save() -> None:
 
@@ -228,33 +240,67 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
     ) as advance:
         state = trainer.run(save, advance)
     report.update(_summary(trainer, acc, state))
+    report["training"]["teacher_logits"] = "live" if targets is None else f"top-{req.top_k}"
     report["warnings"] = _warnings(req, state)
     if not acc.is_main_process:
         return None
     log(f"writing {req.out}")
+    if teacher is None and before is not None:  # top-k: the teacher comes back to score the result
+        teacher, _ = _load_models(acc, pair, log, student=False)
     _write(req, pair, acc, _trained_model(trainer, req), teacher, plan, before, abilities, report)
     report["seconds"] = time.perf_counter() - started
     return report
 
 
-def _load_models(acc, pair, log) -> tuple:
-    """(teacher, student) in fp32 on the process's device; the teacher frozen, the student's names checked."""
+def _load_models(acc, pair, log, student: bool = True) -> tuple:
+    """(teacher, student or None) in fp32 on the process's device; the teacher frozen, the student's names
+    checked."""
 
-    log(f"loading teacher and student on {acc.device} ({acc.num_processes} process(es))")
+    log(f"loading the teacher{' and the student' if student else ''} on {acc.device} ({acc.num_processes} process(es))")
     teacher = load_model(str(pair.teacher.root), device=str(acc.device), dtype="float32").model
-    student = load_model(str(pair.student.root), device=str(acc.device), dtype="float32").model
     for p in teacher.parameters():
         p.requires_grad_(False)
-    check_names(student, stored_layout(pair.student.ckpt))
-    return teacher, student
+    if not student:
+        return teacher, None
+    model = load_model(str(pair.student.root), device=str(acc.device), dtype="float32").model
+    check_names(model, stored_layout(pair.student.ckpt))
+    return teacher, model
 
 
-def _trainer(req, acc, student, teacher, plan, run, report, before, log, started: float):
+def _teacher_targets(req, pair, plan, teacher, acc, log) -> tuple:
+    """(training, validation) top-k targets of the teacher (attnkit.commands.heal.topk), cached on disk: the main
+    process computes what is missing, every process reads the file."""
+    root = Path(req.sample_cache).expanduser() if req.sample_cache else cache_root()
+    found = []
+    for windows in (plan["train"], plan["val"]):
+        path = topk.cache_file(root, pair.teacher.digest, windows, req.top_k)
+        if acc.is_main_process:
+            if not path.is_file():
+                log(f"teacher's top-{req.top_k} targets for {windows.numel():,} tokens, cached in {path.parent}")
+            topk.load_or_compute(
+                path, lambda w=windows: topk.teacher_targets(teacher, w, req.top_k, req.micro_batch_size, acc.device)
+            )
+        acc.wait_for_everyone()
+        found.append(topk.load_or_compute(path, lambda: None))
+    return found[0], found[1]
+
+
+def _free_memory() -> None:
+    """Hand the teacher's memory back (the garbage collector, then the C heap)."""
+    import gc
+
+    from attnkit.runtime.streaming import trim_heap
+
+    gc.collect()
+    trim_heap()
+
+
+def _trainer(req, acc, student, teacher, plan, run, report, before, log, started: float, chosen: tuple):
     """The Trainer: what trains (report["trainable"]), LoRA and gradient checkpointing, a resumed state, logs;
-    a --max-time budget is a deadline `started` + max_time for the whole command."""
+    a --max-time budget is a deadline `started` + max_time for the whole command. `chosen`: (the trained
+    names, attention pairs, the teacher's top-k targets or None; the teacher is then None)."""
 
-    names = trainable.select(student, teacher, req.train)
-    pairs = trainable.attention_pairs(student, teacher, names)
+    names, pairs, targets = chosen
     report["trainable"] = {
         "mode": req.train,
         "lora_rank": req.lora_rank or None,
@@ -298,6 +344,7 @@ def _trainer(req, acc, student, teacher, plan, run, report, before, log, started
         pairs,
         LoopState(**run["state"]) if run else None,
         lr_scales=trainable.lr_scales(student),
+        targets=targets,
     )
     if run:
         trainer.load_state_dict(resume.load_state(req.checkpoint_folder))

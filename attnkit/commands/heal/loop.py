@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from attnkit.commands.analyse.evaluate import evaluate
 from attnkit.commands.heal.loss import attention_capture, distill_loss
+from attnkit.commands.heal.topk import topk_kl
 from attnkit.errors import AttnkitError, Terminated, UsageError
 
 
@@ -145,7 +146,10 @@ class Trainer:
         attention_pairs: dict,
         state: LoopState | None = None,
         lr_scales: dict | None = None,
+        targets: tuple | None = None,
     ):
+        """`targets`: (training, validation) Targets of attnkit.commands.heal.topk; the teacher is then None and
+        training and validation score the student against them."""
         import torch
 
         world = accelerator.num_processes
@@ -155,6 +159,7 @@ class Trainer:
                 f"--micro-batch-size {cfg.micro_batch_size}"
             )
         self.acc, self.teacher, self.cfg = accelerator, teacher, cfg
+        self.targets = targets
         self.train_windows, self.val_windows = train_windows, val_windows
         self.state = state or LoopState()
         self.trainable = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
@@ -253,8 +258,10 @@ class Trainer:
         st, cfg, acc = self.state, self.cfg, self.acc
         share = cfg.batch_size // acc.num_processes
         rows = batch_indices(self.train_windows.shape[0], st.step, cfg.batch_size, cfg.seed)
-        mine = self.train_windows[rows[acc.process_index * share : (acc.process_index + 1) * share]]  # [share, T]
+        my_rows = rows[acc.process_index * share : (acc.process_index + 1) * share]
+        mine = self.train_windows[my_rows]  # [share, T]
         micro = mine.split(cfg.micro_batch_size)
+        micro_rows = my_rows.split(cfg.micro_batch_size)
         sums = torch.zeros(3, device=acc.device)  # loss, kl, attention term
         self.model.train()
         with attention_capture(self.attention_pairs) as capture:
@@ -264,7 +271,14 @@ class Trainer:
                     return None
                 sync = contextlib.nullcontext() if i == len(micro) - 1 else acc.no_sync(self.model)
                 with sync, acc.autocast():
-                    loss, kl, attn = distill_loss(self.model, self.teacher, ids.to(acc.device), cfg.attn_loss, capture)
+                    if self.targets is not None:
+                        logits = self.model(input_ids=ids.to(acc.device), use_cache=False).logits  # [B, T, V]
+                        loss = kl = topk_kl(logits, self.targets[0].rows(micro_rows[i]))
+                        attn = None
+                    else:
+                        loss, kl, attn = distill_loss(
+                            self.model, self.teacher, ids.to(acc.device), cfg.attn_loss, capture
+                        )
                     acc.backward(loss / len(micro))
                 sums += torch.stack(
                     [loss.detach(), kl.detach(), attn.detach() if attn is not None else kl.new_zeros(())]
@@ -308,9 +322,12 @@ class Trainer:
         keeps the best tensors and counts checks without improvement (early stopping after `patience`)."""
         st, acc = self.state, self.acc
         began = time.perf_counter()
-        sums = evaluate_shard(
-            self.inner_model(), self.teacher, self.val_windows[acc.process_index :: acc.num_processes], acc.device
-        )
+        share = slice(acc.process_index, None, acc.num_processes)
+        if self.targets is not None:
+            windows, targets = self.val_windows[share], self.targets[1].rows(share)
+            sums = evaluate_shard_topk(self.inner_model(), windows, targets, acc.device)
+        else:
+            sums = evaluate_shard(self.inner_model(), self.teacher, self.val_windows[share], acc.device)
         sums = acc.reduce(sums, reduction="sum").tolist()  # nll, kl, tokens
         entry = {
             "step": st.step,
@@ -334,6 +351,29 @@ class Trainer:
             if self.cfg.patience and st.bad_checks >= self.cfg.patience and st.stopped is None:
                 st.stopped = "early stop"
         return entry
+
+
+def evaluate_shard_topk(model, windows, targets, device):
+    """float64 tensor [NLL sum, coarsened KL sum, tokens] of `model` on windows [n, T] against the teacher's
+    cached top-k targets (attnkit.commands.heal.topk)."""
+    import torch
+
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    if windows.shape[0] == 0:
+        return sums
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for i in range(windows.shape[0]):
+                ids = windows[i : i + 1].to(device)
+                logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # [1, T-1, V]
+                nll = torch.nn.functional.cross_entropy(logits[0], ids[0, 1:], reduction="sum")
+                kl = topk_kl(logits, targets.rows(slice(i, i + 1)).window_prefix()) * logits.shape[1]
+                sums += torch.stack([nll.double(), kl.double(), torch.tensor(logits.shape[1], dtype=torch.float64)])
+    finally:
+        model.train(was_training)
+    return sums
 
 
 def evaluate_shard(model, teacher, windows, device):

@@ -18,6 +18,8 @@ DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
 MAX_LORA_RANK = 1 << 16
 #: The token budget when neither --tokens nor --max-time is given (about 30 minutes for a 135M model on 2 CPU cores).
 DEFAULT_TOKENS = 256 * 1024
+TEACHER_LOGITS = ("live", "top-k")
+MAX_TOP_K = 4096
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|min|h)?\s*$", re.IGNORECASE)
 
 
@@ -44,6 +46,8 @@ class HealRequest(WriteRequest):
     micro_batch_size: int = 4
     seq_len: int = 256
     attn_loss: float = 0.0
+    teacher_logits: str = "live"  # live: the teacher runs beside the student; top-k: its targets cached once
+    top_k: int = 64
     val_tokens: int = 2048
     eval_every: int = 25
     patience: int = 4
@@ -96,6 +100,11 @@ def check_options(req: HealRequest) -> None:
         raise UsageError("give one budget: --tokens or --max-time, not both")
     if req.train not in TRAIN_CHOICES:
         raise UsageError(f"--train must be one of {', '.join(TRAIN_CHOICES)}, got {req.train!r}")
+    if req.teacher_logits not in TEACHER_LOGITS:
+        raise UsageError(f"--teacher-logits must be one of {', '.join(TEACHER_LOGITS)}, got {req.teacher_logits!r}")
+    check_bounds("--top-k", req.top_k, 1, MAX_TOP_K)
+    if req.teacher_logits == "top-k" and req.attn_loss > 0:
+        raise UsageError("--attn-loss compares attention with the teacher's, which --teacher-logits top-k does not run")
     positive = {
         "--batch-size": req.batch_size,
         "--micro-batch-size": req.micro_batch_size,
