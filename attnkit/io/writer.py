@@ -198,16 +198,18 @@ class ShardedWriter:
             self._folder = self._folder()
         return Path(self._folder)
 
-    def add(self, name: str, tensor) -> None:
+    def add(self, name: str, tensor, scanned: bool = False) -> None:
         """Queue `tensor` under `name`; writes a shard first when it would overflow the current one. A tensor
-        holding NaN or Inf is refused (so what a writer wrote needs no second scan)."""
+        holding NaN or Inf is refused (so what a writer wrote needs no second scan); `scanned`: the caller copies
+        it unchanged from a source that was scanned when opened (commands.source.open_source), so it is not
+        scanned again."""
         from attnkit.io.finite import is_finite
 
         interrupts.check()
         if name in self._names:
             raise AttnkitError(f"{self.folder}: tensor {name!r} added twice")
         tensor = tensor.detach().to("cpu").contiguous()
-        if not is_finite(tensor):
+        if not scanned and not is_finite(tensor):
             raise AttnkitError(f"tensor {name!r} holds NaN or Inf; the output would not run")
         nbytes = tensor.numel() * tensor.element_size()
         storage = tensor.untyped_storage()

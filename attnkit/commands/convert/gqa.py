@@ -210,7 +210,7 @@ def _stream(reader, src: GQASource, req: ConvertRequest, plans: list, writer) ->
             advance(1)
             layer = owner.get(name)
             if layer is None:
-                writer.add(name, reader.get(name))
+                writer.add(name, reader.get(name), scanned=True)  # a copy of the source, scanned when opened
                 expected[name] = tuple(reader.info(name).shape)
                 continue
             if layer in written:
@@ -221,7 +221,7 @@ def _stream(reader, src: GQASource, req: ConvertRequest, plans: list, writer) ->
                 plans[layer] = plan_layer(weights, src.shape, req.method)
             converted = apply_plan(weights, plans[layer], src.shape)
             for role in sorted(roles, key=ROLE_ORDER.index):
-                writer.add(roles[role], converted.get(role, weights[role]))
+                writer.add(roles[role], converted.get(role, weights[role]), scanned=role not in converted)
                 expected[roles[role]] = role_shape(src.arch, new_spec, role)
             written.add(layer)
     return expected

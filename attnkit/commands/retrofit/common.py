@@ -54,7 +54,7 @@ def stream_weights(src: Source, writer, rewrite: Callable[[str, object], dict] |
         for name in reader.names():
             tensor = reader.get(name)
             for new_name, new in (rewrite(name, tensor) if rewrite else {name: tensor}).items():
-                writer.add(new_name, new)
+                writer.add(new_name, new, scanned=new is tensor)  # an unchanged copy was scanned when opened
                 expected[new_name] = tuple(new.shape)
             advance(1)
     return expected
