@@ -85,6 +85,12 @@ def register(app: typer.Typer) -> None:
             "cached on disk, the teacher out of memory while training.",
         ),
         top_k: int = typer.Option(64, "--top-k", help="Tokens per position kept by --teacher-logits top-k."),
+        fsdp: bool = typer.Option(
+            False,
+            "--fsdp",
+            help="Shard the student's weights, gradients and optimizer state over the processes (FSDP2; "
+            "launch with torchrun or accelerate launch).",
+        ),
         val_tokens: int = typer.Option(2048, "--val-tokens", help="Training text held out for validation."),
         eval_every: int = typer.Option(25, "--eval-every", help="Validate every N steps."),
         patience: int = typer.Option(4, "--patience", help="Stop after N validations without improvement; 0: never."),
@@ -135,6 +141,7 @@ def register(app: typer.Typer) -> None:
             attn_loss=attn_loss,
             teacher_logits=teacher_logits,
             top_k=top_k,
+            fsdp=fsdp,
             val_tokens=val_tokens,
             eval_every=eval_every,
             patience=patience,

@@ -23,7 +23,7 @@ from attnkit.commands.heal.loop import LoopConfig, LoopState, Trainer
 from attnkit.commands.heal.memory import memory_report, refusal, shapes_of
 from attnkit.commands.heal.output import check_names, healed_tensors, stored_layout
 from attnkit.commands.heal.pair import check_pair, rewrite_summary
-from attnkit.commands.heal.request import HealRequest, check_options
+from attnkit.commands.heal.request import HealRequest, check_options, processes
 from attnkit.commands.heal.resume import check_fingerprint
 from attnkit.commands.heal.samples import cache_folder, teacher_documents
 from attnkit.commands.heal.trainable import default_lr
@@ -80,10 +80,8 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
 
 def _check_device(device: str) -> None:
     """--device takes what every command takes; cuda:N picks the GPU of a single process only."""
-    import os
-
     dev = resolve_device(device)
-    if dev.type == "cuda" and dev.index is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if dev.type == "cuda" and dev.index is not None and processes() > 1:
         raise UsageError(
             f"--device {device} names one GPU; the processes of a multi-process run take one each: use --device cuda"
         )
@@ -184,6 +182,7 @@ def _settings(req: HealRequest) -> dict:
         "patience",
         "checkpoint_every",
         "gradient_checkpointing",
+        "fsdp",
         "eval_curve",
     )
     return {k: getattr(req, k) for k in keys}
@@ -207,7 +206,7 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
     log = log if acc.is_main_process else (lambda message: None)
     teacher, student = _load_models(acc, pair, log)
     if "train" not in plan:
-        _teacher_windows(req, plan, teacher, acc, log)
+        _teacher_windows(req, plan, teacher, acc, log, started)
     before = _score(student, teacher, plan["eval"]) if acc.is_main_process and plan["eval"] is not None else None
     abilities = None
     if acc.is_main_process and req.capability:
@@ -224,13 +223,9 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
     trainer = _trainer(req, acc, student, teacher, plan, run, report, before, log, started, (names, pairs, targets))
 
     def save() -> None:
-
+        state = trainer.state_dict() if acc.is_main_process or req.fsdp else None  # --fsdp: gathered by all
         if acc.is_main_process:
-            resume.save(
-                req.checkpoint_folder,
-                {"fingerprint": fingerprint, "state": trainer.state.to_dict()},
-                trainer.state_dict(),
-            )
+            resume.save(req.checkpoint_folder, {"fingerprint": fingerprint, "state": trainer.state.to_dict()}, state)
         acc.wait_for_everyone()
 
     unit = "tokens" if req.budget_tokens else "seconds"
@@ -242,12 +237,13 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
     report.update(_summary(trainer, acc, state))
     report["training"]["teacher_logits"] = "live" if targets is None else f"top-{req.top_k}"
     report["warnings"] = _warnings(req, state)
+    trained = trainer.tensors() if req.fsdp else None  # gathered from the shards by every process
     if not acc.is_main_process:
         return None
     log(f"writing {req.out}")
     if teacher is None and before is not None:  # top-k: the teacher comes back to score the result
         teacher, _ = _load_models(acc, pair, log, student=False)
-    _write(req, pair, acc, _trained_model(trainer, req), teacher, plan, before, abilities, report)
+    _write(req, pair, acc, _trained_model(trainer, req, pair, trained), teacher, plan, before, abilities, report)
     report["seconds"] = time.perf_counter() - started
     return report
 
@@ -333,6 +329,7 @@ def _trainer(req, acc, student, teacher, plan, run, report, before, log, started
         deadline=None if req.max_time is None else started + req.max_time,
         started=started,
         after_training=_after_training(plan),
+        fsdp=req.fsdp,
     )
     trainer = Trainer(
         acc,
@@ -352,7 +349,7 @@ def _trainer(req, acc, student, teacher, plan, run, report, before, log, started
     if req.eval_curve:  # step 0 is the student as loaded: its scores are `before`
         trainer.monitor = lambda m: {
             f"eval_{k}": v
-            for k, v in (before if trainer.state.step == 0 else _score(m, teacher, plan["eval"])).items()
+            for k, v in ((before or {}) if trainer.state.step == 0 else _score(m, teacher, plan["eval"])).items()
             if k in ("perplexity", "kl_mean")
         }
     trainer.on_validation = lambda e: log(
@@ -387,9 +384,16 @@ def _warnings(req: HealRequest, state) -> list[str]:
     return []
 
 
-def _trained_model(trainer, req: HealRequest):
-    """The student with its trained tensors (LoRA adapters merged in), outside DDP."""
-
+def _trained_model(trainer, req: HealRequest, pair, trained: dict | None):
+    """The student with its trained tensors (LoRA adapters merged in), outside DDP; with --fsdp (`trained`: the
+    gathered tensors) the student loaded again, unsharded, with them."""
+    if trained is not None:
+        trainer.model = None
+        _free_memory()
+        model = load_model(str(pair.student.root), device=str(trainer.acc.device), dtype="float32").model
+        for name, tensor in trained.items():
+            model.get_parameter(name).data.copy_(tensor)
+        return model
     model = trainer.acc.unwrap_model(trainer.model)
     return trainable.merge_lora(model) if req.lora_rank else model
 
@@ -451,7 +455,29 @@ def _capability(req: HealRequest, model, plan: dict, acc) -> dict:
         model.train(was_training)
 
 
-def _teacher_windows(req, plan, teacher, acc, log) -> None:
+#: Share of a --max-time budget that writing teacher text may take before training starts.
+SAMPLING_SHARE = 0.5
+
+
+def _sampling_deadline(req, acc, started: float):
+    """With --max-time: the `enough` test of teacher_documents. Once SAMPLING_SHARE of the budget is spent and
+    the text holds the validation tokens and one global batch, no new batch is written (cached ones are still
+    read); the processes agree through one all-reduce."""
+    if req.max_time is None:
+        return None
+    import torch
+
+    minimum = req.val_tokens + req.batch_size * req.seq_len
+
+    def enough(tokens: int, must_write: bool) -> bool:
+        late = time.perf_counter() >= started + SAMPLING_SHARE * req.max_time
+        flag = torch.tensor([float(late and must_write and tokens >= minimum)], device=acc.device)
+        return bool(acc.reduce(flag, reduction="sum")[0] > 0)
+
+    return enough
+
+
+def _teacher_windows(req, plan, teacher, acc, log, started: float) -> None:
     """Training and validation windows from teacher-written text (cached; generated where missing)."""
 
     need = req.samples_needed + req.val_tokens
@@ -469,7 +495,10 @@ def _teacher_windows(req, plan, teacher, acc, log) -> None:
             world=acc.num_processes,
             barrier=acc.wait_for_everyone,
             progress=advance,
+            enough=_sampling_deadline(req, acc, started),
         )
+    if info["cut_short"]:
+        log(f"teacher-written text cut at {info['tokens']:,} tokens: --max-time leaves the rest to training")
     windows, _ = token_windows(
         ((doc, True) for doc in docs), text_prefix(tokenizer), tokenizer.eos_token_id, req.seq_len
     )
@@ -509,6 +538,7 @@ def _summary(trainer, acc, state) -> dict:
             "stopped": state.stopped,
             "best_step": best["step"],
             "processes": acc.num_processes,
+            "fsdp": trainer.sharded,
             "device": str(acc.device),
             "precision": "bf16 autocast" if acc.mixed_precision == "bf16" else "fp32",
         },

@@ -4,7 +4,9 @@ stopping, checkpoints, and a stop at the token or time budget or on Ctrl-C/SIGTE
 Devices and processes are accelerate's: the student is prepared (DDP when launched with torchrun or
 `accelerate launch`), the teacher runs beside it without gradients. Step s trains on the same global
 batch whatever the number of processes: rank r takes its contiguous share of the batch, split into
-micro-batches whose gradients accumulate (without DDP sync until the last one).
+micro-batches whose gradients accumulate (without DDP sync until the last one). With --fsdp the student is
+sharded instead (attnkit.commands.heal.sharding): gradients are reduce-scattered after every micro-batch, and
+validation gives every process as many forward passes.
 
 A time budget (--max-time) is a deadline for the whole command: the loop stops, between micro-batches if
 need be (a step cut short is dropped), when what remains would not leave time for the work after training,
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from attnkit.commands.analyse.evaluate import evaluate
+from attnkit.commands.heal import sharding
 from attnkit.commands.heal.loss import attention_capture, distill_loss
 from attnkit.commands.heal.topk import topk_kl
 from attnkit.errors import AttnkitError, Terminated, UsageError
@@ -56,6 +59,7 @@ class LoopConfig:
     deadline: float | None = None  # time.perf_counter() by which the whole command must end (--max-time)
     started: float | None = None  # time.perf_counter() when the command started
     after_training: float = 1.0  # the work after training, in validations (the last one, --eval scoring)
+    fsdp: bool = False  # the student sharded over the processes (attnkit.commands.heal.sharding)
 
 
 @dataclass
@@ -162,11 +166,17 @@ class Trainer:
         self.targets = targets
         self.train_windows, self.val_windows = train_windows, val_windows
         self.state = state or LoopState()
+        self.sharded = cfg.fsdp
+        if self.sharded:  # before the optimizer: it must hold the sharded parameters
+            sharding.shard(student)
         self.trainable = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             param_groups(self.trainable, lr_scales or {}), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
         )
-        self.model, self.optimizer = accelerator.prepare(student, self.optimizer)
+        if self.sharded:
+            self.model = student
+        else:
+            self.model, self.optimizer = accelerator.prepare(student, self.optimizer)
         self.attention_pairs = attention_pairs if cfg.attn_loss > 0 else {}
         self.best_tensors: dict | None = None
         self.reserve = 0.0  # seconds kept for the work after training; measured by the first validation
@@ -176,21 +186,30 @@ class Trainer:
     # -- state that checkpoints carry ---------------------------------------------------------------
 
     def tensors(self) -> dict:
-        """{name: CPU copy} of the trainable tensors."""
-        return {n: p.detach().to("cpu", copy=True) for n, p in self.trainable}
+        """{name: whole CPU copy} of the trainable tensors (with --fsdp a collective: every process calls it)."""
+        return {n: sharding.full(p) for n, p in self.trainable}
 
     def load_tensors(self, tensors: dict) -> None:
         for n, p in self.trainable:
             if n not in tensors or tensors[n].shape != p.shape:
                 raise AttnkitError(f"checkpoint does not hold the trained tensor {n!r} with shape {list(p.shape)}")
-            p.data.copy_(tensors[n].to(p.device))
+            sharding.load_full(p, tensors[n])
 
     def state_dict(self) -> dict:
-        return {"tensors": self.tensors(), "optimizer": self.optimizer.state_dict(), "best": self.best_tensors}
+        """Trained tensors, optimizer state and the best tensors, whole (with --fsdp gathered: every process calls
+        it), so a checkpoint resumes with or without --fsdp."""
+        optimizer = self.optimizer.state_dict()
+        if self.sharded:
+            optimizer = sharding.full_optimizer_state(optimizer)
+        return {"tensors": self.tensors(), "optimizer": optimizer, "best": self.best_tensors}
 
     def load_state_dict(self, saved: dict) -> None:
         self.load_tensors(saved["tensors"])
-        self.optimizer.load_state_dict(saved["optimizer"])
+        optimizer = saved["optimizer"]
+        if self.sharded:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            optimizer = sharding.shard_optimizer_state(optimizer, params)
+        self.optimizer.load_state_dict(optimizer)
         self.best_tensors = saved.get("best")
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -269,7 +288,8 @@ class Trainer:
                 if self.out_of_time():
                     self.optimizer.zero_grad(set_to_none=True)
                     return None
-                sync = contextlib.nullcontext() if i == len(micro) - 1 else acc.no_sync(self.model)
+                last = i == len(micro) - 1
+                sync = contextlib.nullcontext() if last or self.sharded else acc.no_sync(self.model)
                 with sync, acc.autocast():
                     if self.targets is not None:
                         logits = self.model(input_ids=ids.to(acc.device), use_cache=False).logits  # [B, T, V]
@@ -283,7 +303,9 @@ class Trainer:
                 sums += torch.stack(
                     [loss.detach(), kl.detach(), attn.detach() if attn is not None else kl.new_zeros(())]
                 )
-        if cfg.max_grad_norm:
+        if cfg.max_grad_norm and self.sharded:
+            sharding.clip_grad_norm([p for _, p in self.trainable], cfg.max_grad_norm)
+        elif cfg.max_grad_norm:
             acc.clip_grad_norm_([p for _, p in self.trainable], cfg.max_grad_norm)
         lr = lr_at(cfg, st.step, self.progress(elapsed))
         for group in self.optimizer.param_groups:
@@ -303,6 +325,19 @@ class Trainer:
         }
         st.steps.append(entry)
         return entry
+
+    def _idle_forwards(self, count: int) -> None:
+        """Forward passes whose results are dropped, so that a process with fewer validation windows takes part in
+        as many of the shards' gathers as the others."""
+        import torch
+
+        model = self.inner_model()
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            for _ in range(count):
+                model(input_ids=self.val_windows[:1].to(self.acc.device), use_cache=False)
+        model.train(was_training)
 
     def inner_model(self):
         """The transformers model being trained (inside DDP and, with LoRA, inside peft: its adapters stay in it)."""
@@ -328,6 +363,11 @@ class Trainer:
             sums = evaluate_shard_topk(self.inner_model(), windows, targets, acc.device)
         else:
             sums = evaluate_shard(self.inner_model(), self.teacher, self.val_windows[share], acc.device)
+        if self.sharded:  # every process runs as many forward passes as the one with the most windows
+            per_pass = 1 if self.targets is not None else VAL_BATCH
+            most = -(-self.val_windows.shape[0] // acc.num_processes)
+            mine = self.val_windows[share].shape[0]
+            self._idle_forwards(-(-most // per_pass) - -(-mine // per_pass))
         sums = acc.reduce(sums, reduction="sum").tolist()  # nll, kl, tokens
         entry = {
             "step": st.step,
@@ -336,7 +376,7 @@ class Trainer:
             "kl_mean": sums[1] / sums[2],
             "perplexity": math.exp(sums[0] / sums[2]),
         }
-        if self.monitor is not None and acc.is_main_process:
+        if self.monitor is not None and (acc.is_main_process or self.sharded):  # sharded: every process runs it
             entry.update(self.monitor(self.inner_model()))
         st.validation.append(entry)
         if not self.reserve:
@@ -376,6 +416,10 @@ def evaluate_shard_topk(model, windows, targets, device):
     return sums
 
 
+#: Validation windows per forward pass with the teacher beside the student.
+VAL_BATCH = 4
+
+
 def evaluate_shard(model, teacher, windows, device):
     """float64 tensor [NLL sum, KL sum, tokens] of `model` on windows [n, T] (may be empty), KL against teacher."""
     import torch
@@ -385,7 +429,7 @@ def evaluate_shard(model, teacher, windows, device):
     was_training = model.training
     model.eval()
     try:
-        r = evaluate(model, windows, reference=teacher, batch_size=4)
+        r = evaluate(model, windows, reference=teacher, batch_size=VAL_BATCH)
     finally:
         model.train(was_training)
     return torch.tensor([r.nll_mean * r.tokens, r.kl_mean * r.tokens, r.tokens], dtype=torch.float64, device=device)

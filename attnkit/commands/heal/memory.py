@@ -6,15 +6,17 @@ AdamW's two moments; per micro-batch the student's activations kept for the back
 layer ~ 6 h + 4 i values with SDPA attention: the norms' inputs and outputs, the rotated query, the attention
 output, the MLP's four intermediates; with gradient checkpointing only each layer's input, plus one layer's
 activations while it is recomputed) and the logits (student, teacher and the log-softmax buffers: 3 x
-vocabulary values per token); and RUNTIME for the interpreter, torch and the data. Estimates; docs/heal.md
-compares them with measured peaks.
+vocabulary values per token); and RUNTIME for the interpreter, torch and the data. With `--teacher-logits top-k`
+the teacher is not in memory while the student trains (its targets are computed first, then it is freed): the
+peak is the larger of training without the teacher (logits: 2 x vocabulary values per token) and the teacher's
+pass (its weights and 2 x vocabulary values per token). Estimates; docs/heal.md compares them with measured peaks.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from attnkit.commands.heal.request import processes
 from attnkit.runtime.loader import free_memory
 from attnkit.units import human_bytes
 
@@ -71,9 +73,19 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def plan(s: Shapes, micro_batch: int, seq_len: int, lora_rank: int, checkpointing: bool, copies: int = 1) -> dict:
+def plan(
+    s: Shapes,
+    micro_batch: int,
+    seq_len: int,
+    lora_rank: int,
+    checkpointing: bool,
+    copies: int = 1,
+    live_teacher: bool = True,
+    shards: int = 1,
+) -> dict:
     """{item: bytes} and the total, for `copies` processes sharing the device's memory (one per GPU; on a CPU
-    every process of the run)."""
+    every process of the run); `live_teacher` False: --teacher-logits top-k; `shards`: --fsdp's processes (each
+    holds 1/shards of the student, its gradients and optimizer state, plus one layer gathered whole)."""
     if lora_rank:  # adapters on the 2-D weights (rank x (in + out)), the rest trains directly
         trained = sum(lora_rank * (s_[0] + s_[1]) if len(s_) == 2 else _numel(s_) for s_ in s.trainable)
     else:
@@ -85,21 +97,26 @@ def plan(s: Shapes, micro_batch: int, seq_len: int, lora_rank: int, checkpointin
     else:
         activations = s.layers * per_layer
     items = {
-        "teacher": s.teacher_params,
-        "student": s.student_params + (trained if lora_rank else 0),
-        "gradients": trained,
-        "optimizer": 2 * trained,
+        "teacher": s.teacher_params if live_teacher else 0,
+        "student": (s.student_params + (trained if lora_rank else 0)) // shards
+        + (s.student_params // s.layers if shards > 1 else 0),
+        "gradients": trained // shards,
+        "optimizer": 2 * trained // shards,
         "activations": activations,
-        "logits": 3 * tokens * s.vocab,
+        "logits": (3 if live_teacher else 2) * tokens * s.vocab,
     }
     items = {k: v * BYTES * copies for k, v in items.items()} | {"runtime": RUNTIME * copies}
-    return {"items": items, "total": sum(items.values()), "trained_values": trained}
+    total = sum(items.values())
+    if not live_teacher:  # the pass that computes the targets holds the teacher alone
+        total = max(total, (s.teacher_params + 2 * tokens * s.vocab) * BYTES * copies + RUNTIME * copies)
+    return {"items": items, "total": total, "trained_values": trained}
 
 
 def memory_report(s: Shapes, req, device) -> dict:
     """The plan for the request on `device`: items, total, what is free, whether it fits, and what would fit."""
-    copies = int(os.environ.get("WORLD_SIZE", "1")) if device.type == "cpu" else 1
-    chosen = plan(s, req.micro_batch_size, req.seq_len, req.lora_rank, req.gradient_checkpointing, copies)
+    copies = processes() if device.type == "cpu" else 1
+    live, shards = req.teacher_logits == "live", processes() if req.fsdp else 1
+    chosen = plan(s, req.micro_batch_size, req.seq_len, req.lora_rank, req.gradient_checkpointing, copies, live, shards)
     free = free_memory(device)
     fits = free is None or chosen["total"] <= HEADROOM * free
     return {
@@ -120,10 +137,13 @@ def _fitting(s: Shapes, req, budget: float, copies: int) -> list[dict]:
         choices.append(("--gradient-checkpointing", {"checkpointing": True}))
     if not req.lora_rank:
         choices.append((f"--lora-rank {SUGGESTED_LORA}", {"lora_rank": SUGGESTED_LORA}))
+    if req.teacher_logits == "live":
+        choices.append(("--teacher-logits top-k", {"live": False}))
     base = {
         "micro_batch": req.micro_batch_size,
         "lora_rank": req.lora_rank,
         "checkpointing": req.gradient_checkpointing,
+        "live": req.teacher_logits == "live",
     }
     found = []
     for size in (1, 2, 3):
@@ -132,7 +152,14 @@ def _fitting(s: Shapes, req, budget: float, copies: int) -> list[dict]:
             for _, change in combo:
                 settings.update(change)
             total = plan(
-                s, settings["micro_batch"], req.seq_len, settings["lora_rank"], settings["checkpointing"], copies
+                s,
+                settings["micro_batch"],
+                req.seq_len,
+                settings["lora_rank"],
+                settings["checkpointing"],
+                copies,
+                settings["live"],
+                processes() if req.fsdp else 1,
             )
             if total["total"] <= budget:
                 found.append({"options": " ".join(name for name, _ in combo), "total": total["total"]})
@@ -157,4 +184,4 @@ def refusal(report: dict) -> str:
     if report["fitting_options"]:
         options = "; ".join(f"{o['options']} (about {human_bytes(o['total'])})" for o in report["fitting_options"])
         return f"{line}: it would fit with {options}"
-    return f"{line}, and no change of micro-batch, gradient checkpointing or LoRA makes it fit"
+    return f"{line}, and no change of micro-batch, gradient checkpointing, LoRA or teacher logits makes it fit"

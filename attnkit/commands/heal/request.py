@@ -57,6 +57,7 @@ class HealRequest(WriteRequest):
     sample_tokens: int | None = None
     sample_cache: Path | None = None
     gradient_checkpointing: bool = False
+    fsdp: bool = False  # shard the student's weights, gradients and optimizer state over the processes (FSDP2)
     seed: int = 0
     capability: CapabilitySpec = field(default_factory=CapabilitySpec)  # tasks, pass keys: teacher, before, after
 
@@ -94,6 +95,13 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
+def processes() -> int:
+    """Processes in this run, as torchrun and accelerate launch tell each one (WORLD_SIZE)."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def check_options(req: HealRequest) -> None:
     """Every option's value and every input path, before anything is loaded; one-line UsageErrors."""
     if req.tokens is not None and req.max_time is not None:
@@ -105,6 +113,15 @@ def check_options(req: HealRequest) -> None:
     check_bounds("--top-k", req.top_k, 1, MAX_TOP_K)
     if req.teacher_logits == "top-k" and req.attn_loss > 0:
         raise UsageError("--attn-loss compares attention with the teacher's, which --teacher-logits top-k does not run")
+    if req.fsdp:
+        world = processes()
+        if world < 2:
+            raise UsageError(
+                "--fsdp shards the student over processes and this run has 1; launch it with "
+                "torchrun --nproc-per-node N or accelerate launch --num_processes N"
+            )
+        if req.lora_rank:
+            raise UsageError("--fsdp shards the student's weights, and with --lora-rank only adapters train: drop one")
     positive = {
         "--batch-size": req.batch_size,
         "--micro-batch-size": req.micro_batch_size,

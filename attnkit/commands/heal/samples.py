@@ -107,10 +107,13 @@ def teacher_documents(
     world: int = 1,
     barrier: Callable[[], None] = lambda: None,
     progress: Callable[[int], None] | None = None,
+    enough: Callable[[int, bool], bool] | None = None,
 ) -> tuple[list[list[int]], dict]:
     """At least `tokens` tokens of teacher-written documents (token ids), from the cache where it has them.
 
     Rounds of `world` batches: rank r writes batch round * world + r when missing, then all ranks read the round.
+    `enough(tokens so far, this rank must write its next batch)`, asked before every round after the first, ends
+    the text early when it says so (a time budget; every rank must get the same answer).
     Returns (documents, info for the manifest).
     """
 
@@ -121,6 +124,8 @@ def teacher_documents(
     seconds = 0.0
     while total < tokens:
         mine = folder / f"batch-{batches + rank:05d}.safetensors"
+        if batches and enough is not None and enough(total, not mine.is_file()):
+            break
         if not mine.is_file():
             began = time.perf_counter()
             _save(mine, _generate(model, tokenizer, batches + rank, length, seed))
@@ -140,6 +145,7 @@ def teacher_documents(
         "sample_length": length,
         "samples": batches * SAMPLE_BATCH,
         "tokens": total,
+        "cut_short": total < tokens,
         "cache": str(folder),
         "batches_written_here": generated,
         "seconds_writing_here": seconds,
