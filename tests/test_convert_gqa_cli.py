@@ -198,3 +198,30 @@ def test_merge_knobs_reach_the_report_and_manifest(runner, src, tmp_path):
         ],
     )
     one_line_error(bad, 2, "--key-weight must be query, uniform or attention")
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_calibrated_layers_wait_on_disk_and_leave_nothing_behind(runner, src, tmp_path, monkeypatch, fail):
+    """A calibrated conversion keeps each layer's converted tensors in a temp folder beside OUT until they are
+    written (attnkit.commands.convert.layer_spill), not in memory: every layer goes through it, and the folder
+    is gone afterwards, also when the write fails."""
+    import attnkit.commands.convert.layer_spill as spill
+    import attnkit.io.writer as writer
+    from tests.helpers import HELDOUT
+
+    taken, take = [], spill.LayerSpill.take
+
+    def counted(self, layer):
+        found = take(self, layer)
+        taken.append(found is not None)
+        return found
+
+    monkeypatch.setattr(spill.LayerSpill, "take", counted)
+    if fail:
+        monkeypatch.setattr(writer, "write_safetensors", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "io")))
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", "mqa", str(src), str(out), "--method", "merge", "--calib", HELDOUT])
+    assert (result.exit_code != 0) == fail, result.output
+    if not fail:
+        assert taken and all(taken)
+    assert leftovers(tmp_path, "out") == ([] if fail else ["out"])

@@ -188,6 +188,21 @@ def test_dry_run_writes_nothing(runner, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(("act", "ok"), [(None, True), ("gelu", False)])
+def test_the_activation_check_reads_what_transformers_runs(runner, tmp_path, act, ok):
+    """A config without hidden_act runs silu in transformers (the class default), so the engine route takes it;
+    a gelu MLP is refused."""
+    src = tiny_source(tmp_path, "llama_gqa")
+    config = json.loads((src / "config.json").read_text())
+    config.pop("hidden_act")
+    if act:
+        config["hidden_act"] = act
+    (src / "config.json").write_text(json.dumps(config))
+    result = runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "out"), "--kv-budget", "0.25", "--dry-run"])
+    assert (result.exit_code == 0) == ok, result.output
+    assert ok or "MLP activation 'gelu'" in result.output
+
+
 def test_rank_flags_are_R_and_P_and_r_is_not_one(runner, tmp_path):
     src = tiny_source(tmp_path, "llama_gqa")
     plans = {}

@@ -8,6 +8,7 @@ the temp folder into place. The source is only read; a failure leaves no output 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from attnkit.archs.tensors import role_shape
 from attnkit.commands.convert.gqa_layer import attention_key_covariance, reference_attention_ok, refit_output
+from attnkit.commands.convert.layer_spill import LayerSpill
 from attnkit.commands.quality import score_rewrite
 from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows, check_rewrite
 from attnkit.commands.source import Source, open_source
@@ -28,6 +30,7 @@ from attnkit.ops.gqa import (
     KV_ROLES,
     METHODS,
     VALUE_WEIGHTS,
+    LayerPlan,
     LayerShape,
     MergeOptions,
     apply_plan,
@@ -156,8 +159,9 @@ def _read_layer(reader, roles: dict) -> dict:
     return {role: reader.get(name) for role, name in roles.items()}
 
 
-def _calibrate(req: ConvertRequest, src: GQASource) -> tuple[list, dict]:
-    """Per-layer plans from calibration (sequential: each layer sees the converted layers before it)."""
+def _calibrate(req: ConvertRequest, src: GQASource, spill: LayerSpill) -> tuple[list, dict]:
+    """Per-layer plans from calibration (sequential: each layer sees the converted layers before it). Each layer's
+    converted tensors go to `spill` as soon as they are known; the plans returned keep only their summary."""
 
     loaded = load_for_calibration(str(src.root), req.device)  # decoder layers streamed when possible
     windows = calib_windows(loaded.tokenizer, req)
@@ -183,9 +187,12 @@ def _calibrate(req: ConvertRequest, src: GQASource) -> tuple[list, dict]:
                     weights, plans[layer], hidden, rope, scaling, src.shape, req.options.o_refit
                 )
                 plans[layer].value_path = "merge + o refit"
+            converted = apply_plan(weights, plans[layer], src.shape)
+            spill.put(layer, converted)
+            plans[layer] = _summary(plans[layer])
             if not req.sequential:
                 return None
-            expanded = expand_layer(apply_plan(weights, plans[layer], src.shape), src.shape)
+            expanded = expand_layer(converted, src.shape)
             return {src.layer_names[layer][role]: t for role, t in expanded.items()}
 
         calibrate(loaded.model, windows, modules, on_layer)
@@ -193,11 +200,17 @@ def _calibrate(req: ConvertRequest, src: GQASource) -> tuple[list, dict]:
     return plans, info
 
 
-def _stream(reader, src: GQASource, req: ConvertRequest, plans: list, writer) -> dict:
+def _summary(plan: LayerPlan) -> LayerPlan:
+    """The plan without its tensors (paths and errors for the report)."""
+    return dataclasses.replace(plan, k=None, v=None, coef=None, k_mix=None, v_mix=None, k_norm=None, o=None)
+
+
+def _stream(reader, src: GQASource, req: ConvertRequest, plans: list, writer, spill: LayerSpill | None) -> dict:
     """Copy every tensor to new shards, rewriting a layer's attention when its first tensor comes up.
 
-    Holds one layer's attention tensors (plus the writer's shard buffer) at a time; layers without
-    a plan (streaming mean/first) are planned from their weights alone. Returns name -> expected shape.
+    Holds one layer's attention tensors (plus the writer's shard buffer) at a time: calibrated layers come from
+    `spill`, layers without a plan (streaming mean/first) are planned from their weights alone. Returns name ->
+    expected shape.
     """
 
     owner = {name: layer for layer, roles in enumerate(src.layer_names) for name in roles.values()}
@@ -217,9 +230,11 @@ def _stream(reader, src: GQASource, req: ConvertRequest, plans: list, writer) ->
                 continue
             roles = src.layer_names[layer]
             weights = _read_layer(reader, roles)
-            if plans[layer] is None:
-                plans[layer] = plan_layer(weights, src.shape, req.method)
-            converted = apply_plan(weights, plans[layer], src.shape)
+            converted = spill.take(layer) if spill is not None else None
+            if converted is None:
+                if plans[layer] is None:
+                    plans[layer] = plan_layer(weights, src.shape, req.method)
+                converted = apply_plan(weights, plans[layer], src.shape)
             for role in sorted(roles, key=ROLE_ORDER.index):
                 writer.add(roles[role], converted.get(role, weights[role]), scanned=role not in converted)
                 expected[roles[role]] = role_shape(src.arch, new_spec, role)
@@ -306,15 +321,27 @@ def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -
         report["seconds"] = time.perf_counter() - started
         return report
     log = log or (lambda _msg: None)
+    with LayerSpill(req.out) if req.calib else _no_spill() as spill:
+        _calibrate_and_write(req, src, report, spill, log)
+    report["seconds"] = time.perf_counter() - started
+    return report
+
+
+@contextlib.contextmanager
+def _no_spill():
+    yield None
+
+
+def _calibrate_and_write(req: ConvertRequest, src: GQASource, report: dict, spill, log) -> None:
     plans: list = [None] * src.spec.num_layers
     if req.calib:
         log(f"calibrating {src.spec.num_layers} layers on {req.calib_tokens} tokens ({req.method})")
-        plans, report["calibration"] = _calibrate(req, src)
+        plans, report["calibration"] = _calibrate(req, src, spill)
     log(f"writing {req.out}: {src.spec.num_kv_heads} -> {req.kv_heads} KV heads ({req.method})")
 
     def weights(writer) -> dict:
         with LazyReader(src.ckpt.weight_files) as reader:
-            expected = _stream(reader, src, req, plans, writer)
+            expected = _stream(reader, src, req, plans, writer, spill)
         report["error_basis"] = "activations" if req.calib else "weights"
         report["layers"] = _layer_rows(plans)
         return expected
@@ -333,5 +360,3 @@ def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -
         body=lambda: {k: report[k] for k in ("method", "parameters", "calibration", "error_basis", "layers")},
         score=score if req.scored else None,
     )
-    report["seconds"] = time.perf_counter() - started
-    return report

@@ -262,7 +262,7 @@ def _check_engine(req: MLARequest, src: MLASource) -> None:
         return
     src.q_lora = needs_q_lora(req.engine, spec.num_layers)
     if engine_safe(req.engine):
-        act = src.config.get("hidden_activation") or src.config.get("hidden_act")
+        act = _activation(src.config)
         if act != "silu":
             raise AttnkitError(
                 f"{req.model}: MLP activation {act!r}; the engines' DeepSeek MLPs are silu only "
@@ -287,6 +287,18 @@ def _check_engine(req: MLARequest, src: MLASource) -> None:
             f"latent padded: the source's keys and values have rank "
             f"{max_rank(spec, src.augmented) - 1}; the extra channels steady the latent norm"
         )
+
+
+def _activation(config: dict) -> str | None:
+    """The MLP activation transformers runs: the config's, else its config class's default (a config may leave
+    it out, as it may any field with a default)."""
+    act = config.get("hidden_activation") or config.get("hidden_act")
+    if act is None and config.get("model_type"):
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.for_model(**config)
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+    return act
 
 
 def _check_options(o: MLAOptions) -> None:
