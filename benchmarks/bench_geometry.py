@@ -1,6 +1,7 @@
 """Memory and time of attnkit's rewrites at real sizes, on checkpoints of real geometry (benchmarks/make_geometry.py).
 
-Usage: python benchmarks/bench_geometry.py run --work DIR [--only NAME ...]     (rows appended to the results)
+Usage: python benchmarks/bench_geometry.py run --work DIR [--only NAME ...] [--commands PART ...]   (rows replace
+       their geometry's and command's earlier ones)
        python benchmarks/bench_geometry.py render [--write]
 Geometries (GEOMETRIES): Llama-3.1-8B (all 32 layers) and Llama-3.1-70B at 8 and 16 layers, bf16, ~5 GB
 shards; each is built in DIR, measured, and removed. Per geometry: `cp -r` of the folder, then `convert gqa
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -46,7 +48,18 @@ GEOMETRIES = {"llama-3.1-8b": ("llama-3.1-8b", None), "70b@8": ("llama-3.1-70b",
 COMMANDS = {
     "convert gqa --method mean": ["convert", "gqa", "{src}", "{out}", "--kv-heads", "2", "--method", "mean"],
     "convert mqa --method merge": ["convert", "mqa", "{src}", "{out}", "--method", "merge", *CALIB],
-    "convert mla --kv-budget 0.25": ["convert", "mla", "{src}", "{out}", "--kv-budget", "0.25", *CALIB],
+    # Llama 3.1's llama3 RoPE scaling has no DeepSeek-V3 form the engines read: the transformers route
+    "convert mla --kv-budget 0.25 --engine transformers": [
+        "convert",
+        "mla",
+        "{src}",
+        "{out}",
+        "--kv-budget",
+        "0.25",
+        "--engine",
+        "transformers",
+        *CALIB,
+    ],
     "probe --layer-stream always": ["probe", "{src}", *PROBE],
 }
 
@@ -97,18 +110,24 @@ def measure(cmd: list[str]) -> dict:
         lines = [line for line in err.splitlines() if line.startswith("error")] or err.splitlines()[-3:]
         raise SystemExit(f"{' '.join(cmd[:4])}: failed: {lines[-1] if lines else proc.returncode}")
     max_rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", err).group(1))
-    return {"seconds": seconds, "max_rss_bytes": max_rss * 1024, "peak_anon_bytes": peak["anon"] * 1024}
+    return {
+        "seconds": seconds,
+        "max_rss_bytes": max_rss * 1024,
+        "peak_anon_bytes": peak["anon"] * 1024,
+        "load_after": round(os.getloadavg()[0], 1),  # other work on the machine stretches the seconds
+    }
 
 
-def run(work: Path, only: list[str]) -> None:
+def run(work: Path, only: list[str], commands: list[str]) -> None:
     rows = json.loads(RESULTS.read_text()) if RESULTS.is_file() else []
     for name, (preset, layers) in GEOMETRIES.items():
         if only and name not in only:
             continue
         src = work / name
-        shutil.rmtree(src, ignore_errors=True)
-        make = [sys.executable, str(ROOT / "benchmarks/make_geometry.py"), preset, str(src)]
-        subprocess.run(make + (["--layers", str(layers)] if layers else []), check=True)
+        if not (src / "model.safetensors.index.json").is_file():  # make_geometry renames a whole folder in place
+            shutil.rmtree(src, ignore_errors=True)
+            make = [sys.executable, str(ROOT / "benchmarks/make_geometry.py"), preset, str(src)]
+            subprocess.run(make + (["--layers", str(layers)] if layers else []), check=True)
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         copy = work / f"{name}-copy"
         shutil.rmtree(copy, ignore_errors=True)
@@ -116,6 +135,8 @@ def run(work: Path, only: list[str]) -> None:
         shutil.rmtree(copy)
         config = json.loads((src / "config.json").read_text())
         for command, args in COMMANDS.items():
+            if commands and not any(c in command for c in commands):
+                continue
             out = work / f"{name}-out"
             shutil.rmtree(out, ignore_errors=True)
             argv = [sys.executable, "-m", "attnkit", *[a.format(src=src, out=out) for a in args]]
@@ -146,16 +167,19 @@ def render() -> str:
         "on this 2-core, 24 GB machine, CPU. Calibration: 2048 tokens of tests/data/prose/calib.txt in windows of "
         "512. Peak anon RSS: the largest RssAnon of the process (polled every 0.2 s), what it holds itself; max RSS "
         "(`/usr/bin/time -v`) also counts the page cache of the memory-mapped weights it has touched. x cp: the "
-        "command's wall time over `cp -r` of the same folder in the same run.",
+        "command's wall time over `cp -r` of the same folder in the same run. Load: the 1-minute load average "
+        "when the command ended (2 cores; above 2, other work shared them and stretched the seconds, not the "
+        "memory).",
         "",
-        "| geometry | layers | weights | command | seconds | x cp | s/layer | peak anon RSS | max RSS |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| geometry | layers | weights | command | seconds | x cp | s/layer | peak anon RSS | max RSS | load |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['geometry']} | {r['layers']} | {r['weights_bytes'] / 2**30:.1f} GiB | `{r['command']}` | "
             f"{r['seconds']:.0f} | {r['seconds'] / r['cp_seconds']:.2f} | {r['seconds_per_layer']:.1f} | "
-            f"{r['peak_anon_bytes'] / 2**30:.2f} GiB | {r['max_rss_bytes'] / 2**30:.2f} GiB |"
+            f"{r['peak_anon_bytes'] / 2**30:.2f} GiB | {r['max_rss_bytes'] / 2**30:.2f} GiB | "
+            f"{r.get('load_after', '-')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -166,12 +190,13 @@ def main() -> None:
     r = sub.add_parser("run")
     r.add_argument("--work", type=Path, required=True)
     r.add_argument("--only", nargs="*", default=[])
+    r.add_argument("--commands", nargs="*", default=[], help="run the COMMANDS whose name contains one of these")
     d = sub.add_parser("render")
     d.add_argument("--write", action="store_true")
     args = ap.parse_args()
     if args.cmd == "run":
         args.work.mkdir(parents=True, exist_ok=True)
-        run(args.work, args.only)
+        run(args.work, args.only, args.commands)
         return
     section = render()
     if args.write:
