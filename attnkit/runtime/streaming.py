@@ -20,19 +20,22 @@ class StreamingUnsupported(AttnkitError):
 
 
 def load_streaming(ref: str, device: str = "auto"):
-    """LoadedModel (float32) whose decoder layers are streamed from the checkpoint; soft-caps applied as in
-    load_model. Raises StreamingUnsupported when parameters and checkpoint tensors do not match by name."""
-    loaded, files, layers = build_streamed(ref, device)
+    """LoadedModel (float32) whose decoder layers are streamed from the checkpoint, for calibration: the hidden
+    states are what it is run for, so an untied output head is not loaded (an identity stands in) and a plain
+    embedding table stays in its stored dtype, its rows made float32 as they are looked up (exact: widening
+    loses nothing). Soft-caps applied as in load_model. Raises StreamingUnsupported when parameters and
+    checkpoint tensors do not match by name."""
+    loaded, files, layers = build_streamed(ref, device, hidden_only=True)
     for prefix, layer in layers:
         layer.register_forward_pre_hook(_loader(files, prefix, loaded.device, loaded.dtype), with_kwargs=True)
         layer.register_forward_hook(_dropper, with_kwargs=True)
     return loaded
 
 
-def build_streamed(ref: str, device: str = "auto", dtype=None):
+def build_streamed(ref: str, device: str = "auto", dtype=None, hidden_only: bool = False):
     """(LoadedModel with its decoder layers on the meta device and everything else loaded, the weight files,
     [(prefix, layer)]): what load_streaming hooks up and attnkit.runtime.layerwise drives layer by layer.
-    `dtype`: a torch dtype for the weights (float32 when None)."""
+    `dtype`: a torch dtype for the weights (float32 when None); `hidden_only`: see load_streaming."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -55,13 +58,21 @@ def build_streamed(ref: str, device: str = "auto", dtype=None):
     except (ValueError, OSError, ImportError) as exc:  # load_model reports these its own way
         raise StreamingUnsupported(f"{ref}: cannot build the model on the meta device ({exc})") from None
     files = ckpt.weight_files
+    embedding = model.get_input_embeddings()
+    compact = hidden_only and type(embedding) is torch.nn.Embedding  # subclasses may scale in their dtype
+    tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+    if hidden_only and model.get_output_embeddings() is not None and not tied:
+        model.set_output_embeddings(torch.nn.Identity())  # untied: an identity instead of a head nobody reads
     with LazyReader(files) as reader:
         stored = set(reader.names())
         layers = _decoder_layers(model)
         layer_param_ids = {id(p) for _, layer in layers for p in layer.parameters()}
         for name, param in model.named_parameters():
             if id(param) not in layer_param_ids and name in stored:
-                _set(model, name, reader.get(name, dtype=dtype), dev)
+                keep = compact and param is embedding.weight
+                _set(model, name, reader.get(name) if keep else reader.get(name, dtype=dtype), dev)
+    if compact:
+        embedding.register_forward_hook(lambda module, args, out: out.to(dtype))
     model.tie_weights()  # a tied head follows the embeddings just loaded
     _check_names(ref, model, layers, layer_param_ids, stored)
     model.eval()
