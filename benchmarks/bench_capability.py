@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -212,9 +213,16 @@ def render() -> str:
             + " | ".join(f"{r['perplexity'][t]['perplexity']:.1f} ({r['perplexity'][t]['kl']:.2f})" for t in TEXTS)
             + " |"
         )
-    lines += ["", "Commands (`attnkit ...`, SRC the source folder):", ""]
-    lines += [f"- {name}: `{rows[name]['manifest']}`" for name in names]
+    lines += ["", "Commands (`attnkit ...`; SRC: the source folder, DIR: --work):", ""]
+    lines += [f"- {name}: `{_portable(rows[name]['manifest'])}`" for name in names]
     return "\n".join(lines) + "\n"
+
+
+def _portable(command: str) -> str:
+    """A manifest's command line with this machine's paths as SRC (the source), DIR (--work) and repo-relative."""
+    command = re.sub(r"/\S*/SmolLM2-135M-Instruct[^/\s]*", "SRC", command)
+    command = re.sub(r"/\S*/(" + "|".join(map(re.escape, [*MODELS, "heal.jsonl"])) + r")(?=\s|$)", r"DIR/\1", command)
+    return command.replace(str(ROOT) + "/", "")
 
 
 def main() -> None:
