@@ -321,15 +321,10 @@ def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -
         report["seconds"] = time.perf_counter() - started
         return report
     log = log or (lambda _msg: None)
-    with LayerSpill(req.out) if req.calib else _no_spill() as spill:
+    with LayerSpill(req.out) if req.calib else contextlib.nullcontext() as spill:
         _calibrate_and_write(req, src, report, spill, log)
     report["seconds"] = time.perf_counter() - started
     return report
-
-
-@contextlib.contextmanager
-def _no_spill():
-    yield None
 
 
 def _calibrate_and_write(req: ConvertRequest, src: GQASource, report: dict, spill, log) -> None:

@@ -124,11 +124,11 @@ def memory_report(s: Shapes, req, device) -> dict:
         **chosen,
         "available": free,
         "fits": fits,
-        "fitting_options": [] if fits else _fitting(s, req, HEADROOM * free, copies),
+        "fitting_options": [] if fits else _fitting(s, req, HEADROOM * free, copies, shards),
     }
 
 
-def _fitting(s: Shapes, req, budget: float, copies: int) -> list[dict]:
+def _fitting(s: Shapes, req, budget: float, copies: int, shards: int) -> list[dict]:
     """The smallest changes of the request that fit `budget`, each with its total: one option, then pairs."""
     choices = []
     if req.micro_batch_size > 1:
@@ -159,7 +159,7 @@ def _fitting(s: Shapes, req, budget: float, copies: int) -> list[dict]:
                 settings["checkpointing"],
                 copies,
                 settings["live"],
-                processes() if req.fsdp else 1,
+                shards,
             )
             if total["total"] <= budget:
                 found.append({"options": " ".join(name for name, _ in combo), "total": total["total"]})
