@@ -174,7 +174,8 @@ def render() -> str:
         "| geometry | layers | weights | command | seconds | x cp | s/layer | peak anon RSS | max RSS | load |",
         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
+    order = {(g, c): i for i, (g, c) in enumerate((g, c) for g in GEOMETRIES for c in COMMANDS)}
+    for r in sorted(rows, key=lambda r: order.get((r["geometry"], r["command"]), len(order))):
         lines.append(
             f"| {r['geometry']} | {r['layers']} | {r['weights_bytes'] / 2**30:.1f} GiB | `{r['command']}` | "
             f"{r['seconds']:.0f} | {r['seconds'] / r['cp_seconds']:.2f} | {r['seconds_per_layer']:.1f} | "

@@ -62,6 +62,15 @@ def meta_state(config: dict, dtype: str) -> dict:
     return state
 
 
+def _random(name: str, shape, dt, g):
+    """Ones for norm weights, N(0, 0.02) for the rest (drawn in float32, then cast)."""
+    import torch
+
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dt)
+    return (torch.randn(shape, generator=g) * 0.02).to(dt)
+
+
 def write(config: dict, out: Path, dtype: str, shard_bytes: int, seed: int) -> int:
     """Write the checkpoint into OUT (via OUT.partial); returns the bytes of weights written."""
     import torch
@@ -77,28 +86,27 @@ def write(config: dict, out: Path, dtype: str, shard_bytes: int, seed: int) -> i
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    g = torch.Generator().manual_seed(seed)
-    shards, current, size = [], {}, 0
+    shards, current, size = [], [], 0  # the names of each shard, planned from the shapes
     for name, (shape, dt) in state.items():
-        t = torch.ones(shape, dtype=dt) if name.endswith("norm.weight") else (torch.randn(shape, generator=g) * 0.02)
-        t = t.to(dt)
-        nbytes = t.numel() * t.element_size()
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
         if current and size + nbytes > shard_bytes:
             shards.append(current)
-            current, size = {}, 0
-        current[name] = t
+            current, size = [], 0
+        current.append(name)
         size += nbytes
         if size >= shard_bytes:
             shards.append(current)
-            current, size = {}, 0
+            current, size = [], 0
     if current:
         shards.append(current)
+    g = torch.Generator().manual_seed(seed)
     index = {}
-    for i, shard in enumerate(shards, 1):
+    for i, names in enumerate(shards, 1):  # one shard in memory at a time
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(partial / file), metadata={"format": "pt"})
-        index.update(dict.fromkeys(shard, file))
-        shard.clear()
+        tensors = {name: _random(name, *state[name], g) for name in names}
+        save_file(tensors, str(partial / file), metadata={"format": "pt"})
+        index.update(dict.fromkeys(names, file))
+        del tensors
     (partial / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1)
     )

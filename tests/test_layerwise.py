@@ -34,6 +34,33 @@ def test_layer_streamed_eval_and_probe_equal_the_whole_model(runner, tmp_path, f
     assert pr_layers["heads"] == pr_whole["heads"] and pr_layers["final"] == pr_whole["final"]
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_bf16_table_and_head_stay_bf16_when_streamed(runner, tmp_path, monkeypatch, tied):
+    """The embedding table and the output head of a bf16 checkpoint are kept as stored (rows widened as they
+    are used: the table per lookup, the head a slice at a time), which is what bounds a layer-streamed 8B or 70B
+    model's memory; the figures equal the whole float32 model's bit for bit."""
+    import torch
+
+    import attnkit.runtime.sliced_head as sliced_head
+    from attnkit.runtime.layerwise import load_layerwise
+    from tests.helpers import char_tokenizer
+    from tests.tiny import build_model, save_model
+
+    src = char_tokenizer(save_model(build_model("llama_gqa", tie_word_embeddings=tied).bfloat16(), tmp_path / "m"))
+    model = load_layerwise(str(src), "cpu", torch.float32).model
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert model.get_output_embeddings().weight.dtype == torch.bfloat16
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    monkeypatch.setattr(sliced_head, "SLICE_ELEMENTS", 7 * 64)  # slices of 7 rows (hidden 64), a short last one
+    for command in ("eval", "probe"):
+        whole, layers = (_json(runner, [command, str(src), *TEXT, "--layer-stream", m]) for m in ("never", "always"))
+        if command == "eval":
+            assert layers.pop("layer_streamed") and not whole.pop("layer_streamed") and layers == whole
+        else:
+            assert layers["models"][0]["heads"] == whole["models"][0]["heads"]
+            assert layers["models"][0]["final"] == whole["models"][0]["final"]
+
+
 def test_auto_streams_when_the_weights_do_not_fit(runner, tmp_path, monkeypatch):
     import attnkit.runtime.loader as loader
 

@@ -17,44 +17,42 @@ def _logits(loaded, ids):
         return loaded.model(input_ids=ids, use_cache=False).logits
 
 
-def _calibration_view(streamed, full, ids):
-    """What the streamed model gives and what the full load gives for it: logits where the head is tied (it is
-    the embedding), else the final hidden states (the untied head is an identity when streaming)."""
-    if isinstance(streamed.model.get_output_embeddings(), torch.nn.Identity):
-        with torch.no_grad():
-            outputs = full.model(input_ids=ids, use_cache=False, output_hidden_states=True)
-        return outputs.hidden_states[-1]
-    return _logits(full, ids)
+def _final_hidden(loaded, ids):
+    """The final hidden states (what a streamed model is compared on: its head is an identity, calibration
+    reads hidden states only)."""
+    with torch.no_grad():
+        return loaded.model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states[-1]
 
 
 @pytest.mark.parametrize("family", CAUSAL)
 def test_streamed_model_equals_full_load(tmp_path, family):
-    """Bit for bit; an untied output head is not loaded (calibration reads hidden states only)."""
+    """Bit for bit; the output head, tied or not, is not loaded (calibration reads hidden states only)."""
     folder = make_checkpoint(tmp_path / family, family, max_shard_size="100KB")  # sharded: layers span files
     ids = torch.randint(0, 100, (2, 24))
     streamed = load_streaming(str(folder), "cpu")
     layer_params = [p for n, p in streamed.model.named_parameters() if ".layers." in n or ".h." in n]
     assert layer_params and all(p.is_meta for p in layer_params)  # nothing of the layers is resident
-    got, again = _logits(streamed, ids), _logits(streamed, ids)
+    got, again = _final_hidden(streamed, ids), _final_hidden(streamed, ids)
     assert all(p.is_meta for n, p in streamed.model.named_parameters() if ".layers." in n or ".h." in n)
     full = load_model(str(folder), device="cpu", dtype="float32")
-    tied = full.model.get_output_embeddings().weight is full.model.get_input_embeddings().weight
-    assert isinstance(streamed.model.get_output_embeddings(), torch.nn.Identity) != tied
-    want = _calibration_view(streamed, full, ids)
+    assert isinstance(streamed.model.get_output_embeddings(), torch.nn.Identity)
+    want = _final_hidden(full, ids)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(again, want, rtol=0, atol=0)
 
 
-def test_a_bf16_embedding_table_stays_bf16_and_gives_the_float32_rows(tmp_path):
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_bf16_embedding_table_stays_bf16_and_gives_the_float32_rows(tmp_path, tied):
     """Widening bf16 to float32 is exact, so the table stays in its stored dtype (half the memory) and the
-    hidden states equal a float32 full load's, bit for bit."""
-    model = build_model("llama_gqa").to(torch.bfloat16)
+    hidden states equal a float32 full load's, bit for bit; a tied head (a bf16 table) is not run."""
+    model = build_model("llama_gqa", tie_word_embeddings=tied).to(torch.bfloat16)
     folder = save_model(model, tmp_path / "bf16")
     streamed = load_streaming(str(folder), "cpu")
     assert streamed.model.get_input_embeddings().weight.dtype == torch.bfloat16
     ids = torch.randint(0, 100, (2, 24))
     full = load_model(str(folder), device="cpu", dtype="float32")
-    torch.testing.assert_close(_logits(streamed, ids), _calibration_view(streamed, full, ids), rtol=0, atol=0)
+    assert (full.model.get_output_embeddings().weight is full.model.get_input_embeddings().weight) == tied
+    torch.testing.assert_close(_final_hidden(streamed, ids), _final_hidden(full, ids), rtol=0, atol=0)
 
 
 def test_renamed_tensor_is_refused(tmp_path):
@@ -74,7 +72,7 @@ def test_a_head_renamed_on_load_does_not_stop_streaming(tmp_path):
     streamed = load_streaming(str(folder), "cpu")
     ids = torch.randint(0, 100, (1, 16))
     full = load_model(str(folder), device="cpu", dtype="float32")
-    torch.testing.assert_close(_logits(streamed, ids), _calibration_view(streamed, full, ids), rtol=0, atol=0)
+    torch.testing.assert_close(_final_hidden(streamed, ids), _final_hidden(full, ids), rtol=0, atol=0)
 
 
 def test_calibration_falls_back_to_a_full_load_when_streaming_is_unsupported(tmp_path, monkeypatch):

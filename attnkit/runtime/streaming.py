@@ -21,9 +21,9 @@ class StreamingUnsupported(AttnkitError):
 
 def load_streaming(ref: str, device: str = "auto"):
     """LoadedModel (float32) whose decoder layers are streamed from the checkpoint, for calibration: the hidden
-    states are what it is run for, so an untied output head is not loaded (an identity stands in) and a plain
-    embedding table stays in its stored dtype, its rows made float32 as they are looked up (exact: widening
-    loses nothing). Soft-caps applied as in load_model. Raises StreamingUnsupported when parameters and
+    states are what it is run for, so the output head is not loaded (an identity stands in, tied or not) and a
+    plain embedding table stays in its stored dtype, its rows made float32 as they are looked up (exact:
+    widening loses nothing). Soft-caps applied as in load_model. Raises StreamingUnsupported when parameters and
     checkpoint tensors do not match by name."""
     loaded, files, layers = build_streamed(ref, device, hidden_only=True)
     for prefix, layer in layers:
@@ -44,6 +44,7 @@ def build_streamed(ref: str, device: str = "auto", dtype=None, hidden_only: bool
     from attnkit.io.resolve import resolve
     from attnkit.runtime.capped_attention import apply_softcaps
     from attnkit.runtime.loader import LoadedModel, check_causal, load_tokenizer, resolve_device
+    from attnkit.runtime.sliced_head import SlicedHead
 
     dtype = dtype or torch.float32
     ckpt = resolve(ref)
@@ -59,21 +60,29 @@ def build_streamed(ref: str, device: str = "auto", dtype=None, hidden_only: bool
         raise StreamingUnsupported(f"{ref}: cannot build the model on the meta device ({exc})") from None
     files = ckpt.weight_files
     embedding = model.get_input_embeddings()
-    compact = hidden_only and type(embedding) is torch.nn.Embedding  # subclasses may scale in their dtype
     tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
-    if hidden_only and model.get_output_embeddings() is not None and not tied:
-        model.set_output_embeddings(torch.nn.Identity())  # untied: an identity instead of a head nobody reads
+    head = model.get_output_embeddings()
+    headless = hidden_only and head is not None
+    if headless:
+        model.set_output_embeddings(torch.nn.Identity())  # an identity instead of a head nobody reads
+    sliced = not hidden_only and type(head) is torch.nn.Linear and head.bias is None  # attnkit.runtime.sliced_head
+    # tables and heads stay as stored, widened as they are used; subclasses (Gemma's scaled embedding) may
+    # compute in the table's dtype, so they are widened up front, as is a table that another head reads
+    compact = type(embedding) is torch.nn.Embedding and (headless or sliced or not tied)
     with LazyReader(files) as reader:
         stored = set(reader.names())
         layers = _decoder_layers(model)
         layer_param_ids = {id(p) for _, layer in layers for p in layer.parameters()}
         for name, param in model.named_parameters():
             if id(param) not in layer_param_ids and name in stored:
-                keep = compact and param is embedding.weight
-                _set(model, name, reader.get(name) if keep else reader.get(name, dtype=dtype), dev)
+                keep = (compact and param is embedding.weight) or (sliced and not tied and param is head.weight)
+                _set(model, name, _as_stored(reader.get(name), dtype) if keep else reader.get(name, dtype=dtype), dev)
     if compact:
         embedding.register_forward_hook(lambda module, args, out: out.to(dtype))
-    model.tie_weights()  # a tied head follows the embeddings just loaded
+    if sliced:
+        model.set_output_embeddings(SlicedHead(embedding.weight if tied else head.weight, dtype))
+    elif not headless:
+        model.tie_weights()  # a tied head follows the embeddings just loaded
     _check_names(ref, model, layers, layer_param_ids, stored)
     model.eval()
     apply_softcaps(model)
@@ -89,6 +98,12 @@ def load_for_calibration(ref: str, device: str = "auto"):
         return load_streaming(ref, device)
     except StreamingUnsupported:
         return load_model(ref, device=device, dtype="float32")
+
+
+def _as_stored(tensor, dtype):
+    """The tensor in its stored dtype where that is no wider than `dtype` (widening per lookup is exact and
+    the table stays small), else in `dtype` (narrowing first or per lookup rounds each element the same)."""
+    return tensor if tensor.element_size() <= dtype.itemsize else tensor.to(dtype)
 
 
 def _decoder_layers(model) -> list[tuple[str, object]]:
