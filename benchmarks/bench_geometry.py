@@ -3,7 +3,7 @@
 Usage: python benchmarks/bench_geometry.py run --work DIR [--only NAME ...] [--commands PART ...]   (rows replace
        their geometry's and command's earlier ones)
        python benchmarks/bench_geometry.py render [--write]
-Geometries (GEOMETRIES): Llama-3.1-8B (all 32 layers) and Llama-3.1-70B at 8 and 16 layers, bf16, ~5 GB
+Geometries (GEOMETRIES): Llama-3.1-8B (all 32 layers) and Llama-3.1-70B at 2, 8 and 16 layers, bf16, ~5 GB
 shards; each is built in DIR, measured, and removed. Per geometry: `cp -r` of the folder, then `convert gqa
 --method mean`, `convert mqa --method merge` and `convert mla --kv-budget 0.25` (2048 calibration tokens of
 tests/data/prose/calib.txt, windows of 512) and `probe --layer-stream always` (2048 tokens), each under `/usr/bin/time -v` (maximum RSS) while a poller reads
@@ -43,7 +43,13 @@ PROBE = [
     "always",
 ]
 #: name -> (preset, layers or None for all)
-GEOMETRIES = {"llama-3.1-8b": ("llama-3.1-8b", None), "70b@8": ("llama-3.1-70b", 8), "70b@16": ("llama-3.1-70b", 16)}
+#: 70b@2: the calibrated converts' peak at the 70B width (one layer is live at a time) in minutes, not hours
+GEOMETRIES = {
+    "llama-3.1-8b": ("llama-3.1-8b", None),
+    "70b@2": ("llama-3.1-70b", 2),
+    "70b@8": ("llama-3.1-70b", 8),
+    "70b@16": ("llama-3.1-70b", 16),
+}
 #: command name -> attnkit arguments after SRC OUT
 COMMANDS = {
     "convert gqa --method mean": ["convert", "gqa", "{src}", "{out}", "--kv-heads", "2", "--method", "mean"],
