@@ -62,6 +62,12 @@ def meta_state(config: dict, dtype: str) -> dict:
     return state
 
 
+def _nbytes(shape, dt) -> int:
+    import torch
+
+    return torch.Size(shape).numel() * dt.itemsize
+
+
 def _random(name: str, shape, dt, g):
     """Ones for norm weights, N(0, 0.02) for the rest (drawn in float32, then cast)."""
     import torch
@@ -79,7 +85,7 @@ def write(config: dict, out: Path, dtype: str, shard_bytes: int, seed: int) -> i
     from tests.realmodel import smollm2_folder
 
     state = meta_state(config, dtype)
-    total = sum(torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() for shape, dt in state.values())
+    total = sum(_nbytes(shape, dt) for shape, dt in state.values())
     free = shutil.disk_usage(out.parent).free
     if total * 1.01 > free:
         fail(f"{out.parent}: {total / 2**30:.1f} GiB of weights do not fit the {free / 2**30:.1f} GiB free", 1)
@@ -88,7 +94,7 @@ def write(config: dict, out: Path, dtype: str, shard_bytes: int, seed: int) -> i
     partial.mkdir(parents=True)
     shards, current, size = [], [], 0  # the names of each shard, planned from the shapes
     for name, (shape, dt) in state.items():
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+        nbytes = _nbytes(shape, dt)
         if current and size + nbytes > shard_bytes:
             shards.append(current)
             current, size = [], 0
