@@ -133,3 +133,21 @@ def tiny_source(tmp_path: Path, family: str, biases: bool = False, offset: float
     folder = tmp_path / f"src-{family}"
     save_model(model, folder)
     return char_tokenizer(folder)
+
+
+def assert_numbers_close(got, want, rel: float, path: str = "") -> None:
+    """Two JSON-like trees with the same structure whose numbers agree to `rel` relative to the larger magnitude
+    (for figures that differ only in float32 rounding); everything else equal."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), path
+        for key in want:
+            assert_numbers_close(got[key], want[key], rel, f"{path}.{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_numbers_close(g, w, rel, f"{path}[{i}]")
+    elif isinstance(want, float) and not isinstance(want, bool):
+        assert isinstance(got, float | int), path
+        assert abs(got - want) <= rel * max(abs(got), abs(want)) + 1e-12, f"{path}: {got} vs {want}"
+    else:
+        assert got == want, f"{path}: {got!r} vs {want!r}"

@@ -314,3 +314,36 @@ def test_needs_calibration_text(runner, tmp_path):
     src = tiny_source(tmp_path, "llama_gqa")
     result = runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "out"), "--kv-budget", "0.5"])
     assert result.exit_code == 2 and "--calib" in result.output
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_converted_layers_wait_on_disk_and_leave_nothing_behind(runner, tmp_path, monkeypatch, fail):
+    """Each layer's DeepseekV3 tensors wait in a temp folder beside OUT (attnkit.commands.convert.layer_spill) until
+    the calibration pass is over, not in the shard writer's buffer beside it; every layer goes through it, what
+    comes back is memory-mapped from the spill file (page cache, not the process's own memory), and the folder
+    is gone afterwards, also when the write fails."""
+    import errno
+
+    import attnkit.commands.convert.layer_spill as spill
+    import attnkit.io.writer as writer
+    from tests.helpers import leftovers
+
+    take = spill.LayerSpill.take
+
+    def counted(self, layer):
+        found = take(self, layer)
+        taken.append(found)
+        mapped.append(str(self.folder) in Path("/proc/self/maps").read_text())
+        return found
+
+    taken, mapped = [], []
+    monkeypatch.setattr(spill.LayerSpill, "take", counted)
+    if fail:
+        monkeypatch.setattr(writer, "write_safetensors", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "io")))
+    src = tiny_source(tmp_path, "llama")
+    result = _convert(runner, src, tmp_path / "out", "--kv-lora-rank", "16", "--rope-dim", "8")
+    assert (result.exit_code != 0) == fail, result.output
+    assert len(taken) == 2 and all(taken) and all(mapped)  # the tiny llama's two layers
+    names = {name for tensors in taken for name in tensors}
+    assert {f"model.layers.{i}.self_attn.kv_b_proj.weight" for i in range(2)} <= names
+    assert leftovers(tmp_path, "out", "src") == ([] if fail else ["out"])

@@ -241,14 +241,42 @@ def test_key_token_weights_brute_force():
     assert torch.allclose(cov[0], (x * wg[:, None]).T @ x, atol=1e-10)
 
 
-def test_refit_o_is_the_ridge_least_squares_solution():
-    from attnkit.ops.orefit import refit_o
+@pytest.mark.parametrize("slice_rows", [None, 4])
+def test_refit_o_is_the_ridge_least_squares_solution(monkeypatch, slice_rows):
+    """Also with o_proj and the prior read in float32 slices of 4 rows (a short last one), as a 70B o_proj is."""
+    import attnkit.ops.orefit as orefit
 
     z_new, z_old = _rand(50, 16, seed=45), _rand(50, 16, seed=46)
     o, prior = _rand(6, 16, seed=47), _rand(6, 16, seed=48)
-    fit = refit_o(z_new, z_old, o, prior, ridge=0.05)
+    if slice_rows:
+        monkeypatch.setattr(orefit, "SLICE_ELEMENTS", slice_rows * 16)
+        o, prior = o.float().double(), prior.float().double()  # the values the float32 inputs below carry
+    fit = orefit.refit_o(z_new, z_old, o.float() if slice_rows else o, prior.float() if slice_rows else prior, 0.05)
     lam = 0.05 * (z_new.T @ z_new).diagonal().mean()
     grad = (z_new @ fit.T - z_old @ o.T).T @ z_new + lam * (fit - prior)  # gradient of the objective / 2
     assert grad.abs().max() < 1e-8
-    exact = refit_o(z_new, z_new, o, o, ridge=0.05)  # target reachable and prior agrees: the source o_proj
+    exact = orefit.refit_o(z_new, z_new, o, o, ridge=0.05)  # target reachable and prior agrees: the source o_proj
     assert torch.allclose(exact, o, atol=1e-10)
+
+
+def test_cholesky_in_place_overwrites_the_matrix_with_its_lower_factor():
+    from attnkit.ops.whiten import cholesky_in_place
+
+    a = _rand(12, 12, seed=50)
+    spd = a @ a.T + torch.eye(12, dtype=torch.float64)
+    work = spd.clone()
+    lower = cholesky_in_place(work)
+    assert lower.data_ptr() == work.data_ptr()  # no copy: what bounds the 70B refits' memory
+    assert torch.equal(lower, lower.tril())
+    assert torch.allclose(lower @ lower.T, spd, atol=1e-12)
+    assert torch.allclose(lower, torch.linalg.cholesky(spd), atol=1e-12)
+
+
+def test_regularize_adds_the_ridge_to_the_diagonal_only():
+    a = _rand(6, 6, seed=51)
+    cov = a @ a.T
+    out = regularize(cov, 0.1)
+    scale = cov.diagonal().mean()
+    assert torch.equal(out - torch.diag(out.diagonal()), cov - torch.diag(cov.diagonal()))
+    assert torch.allclose(out.diagonal(), cov.diagonal() + 0.1 * scale, atol=0)
+    assert out.data_ptr() != cov.data_ptr()

@@ -79,7 +79,7 @@ def test_rope_split_mqa_keeps_every_kept_pair_and_the_logits_at_every_position()
     for t_q, t_k in ((0, 0), (7, 3), (40, 1)):
         for h in range(heads):
             src = _rotate(q[h * d : (h + 1) * d] @ x, freqs, t_q) @ _rotate(k @ y, freqs, t_k)
-            qr = layer.q_rope[h * d : (h + 1) * d] @ x
+            qr = layer.query_head(h, s)[1] @ x
             mla = _rotate_interleaved(qr, freqs, t_q) @ _rotate_interleaved(layer.rope @ y, freqs, t_k)
             assert math.isclose(src.item(), mla.item(), rel_tol=1e-9, abs_tol=1e-9)
 
@@ -218,3 +218,25 @@ def test_fold_o_bias_moves_the_output_bias_onto_the_values():
     delta, residual = fold_o_bias(o, b, s.num_heads, s.num_kv, s.head_dim)
     z_shift = delta.reshape(2, 1, 3).expand(2, 2, 3).reshape(12)  # each KV head's delta reaches its 2 readers
     assert residual < 1e-10 and torch.allclose(o @ z_shift, b, atol=1e-10)
+
+
+@pytest.mark.parametrize("width", [4, 6])
+def test_span_basis_is_orthonormal_and_spans_the_info_rows_first(width):
+    """width 4 = the info rows' count (the path a full latent takes: no [n, n] complement is built); width 6 also
+    fills with the highest-energy directions of u outside their span."""
+    from attnkit.ops.latent_norm import span_basis
+
+    g = torch.Generator().manual_seed(9)
+    info = torch.randn(4, 10, generator=g, dtype=torch.float64)
+    u = torch.randn(200, 10, generator=g, dtype=torch.float64) * torch.linspace(0.1, 3.0, 10, dtype=torch.float64)
+    basis = span_basis(info, u, width)
+    assert basis.shape == (width, 10)
+    assert torch.allclose(basis @ basis.T, torch.eye(width, dtype=torch.float64), atol=1e-12)
+    first = basis[:4]
+    assert torch.allclose(info @ first.T @ first, info, atol=1e-12)  # the info rows lie in the first four
+    if width > 4:
+        rest = torch.eye(10, dtype=torch.float64) - first.T @ first  # projector off span(info)
+        ur = u @ rest
+        vals, vecs = torch.linalg.eigh(ur.T @ ur / u.shape[0])
+        top = vecs[:, -2:]
+        assert torch.allclose(basis[4:].T @ basis[4:], top @ top.T, atol=1e-10)  # the same two directions

@@ -176,7 +176,9 @@ def test_output_dir_makes_its_temp_folder_on_first_use(tmp_path):
     assert leftovers(tmp_path) == [] and not (tmp_path / "out").exists()
 
 
-def test_convert_mla_has_no_temp_folder_while_it_calibrates(runner, tiny, tmp_path, monkeypatch):
+def test_convert_mla_has_only_its_layer_spill_beside_out_while_it_calibrates(runner, tiny, tmp_path, monkeypatch):
+    """The output's temp folder is made when the first shard is written, after calibration; what calibration
+    makes is the layer spill (attnkit.commands.convert.layer_spill), gone at the end."""
     from attnkit.commands.convert import mla
 
     seen = []
@@ -190,4 +192,5 @@ def test_convert_mla_has_no_temp_folder_while_it_calibrates(runner, tiny, tmp_pa
     src = char_tokenizer(tiny("llama_gqa"))
     result = runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "out"), *FAST_CALIB, "--kv-budget", "0.5"])
     assert result.exit_code == 0, result.output
-    assert seen == [[]] and (tmp_path / "out" / "config.json").is_file() and leftovers(tmp_path) == []
+    assert len(seen) == 1 and len(seen[0]) == 1 and seen[0][0].startswith(".out.layers")
+    assert (tmp_path / "out" / "config.json").is_file() and leftovers(tmp_path) == []

@@ -72,7 +72,6 @@ class LayerPlan:
     k_mix: torch.Tensor | None = None
     v_mix: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
-    o: torch.Tensor | None = None  # o_proj refit on calibration outputs, replacing the v_mix fold
     k_err: float | None = None
     v_err: float | None = None
 
@@ -147,7 +146,8 @@ def plan_layer(
         vm = merge_rows(v, basis, s.num_kv, s.groups, o_gram, options.ridge)
         plan.v, plan.v_mix, plan.value_path, v_rec = vm.shared, vm.mix, "merge", vm.reconstruction()
         if s.qk_norm == "none":
-            q_gram = head_gram(augmented_rows(layer, "q", augment), s.num_heads, s.num_kv, basis)
+            q_rows = augmented_rows(layer, "q", augment) if augment else layer["q"]  # [H*D, n']
+            q_gram = head_gram(q_rows, s.num_heads, s.num_kv, basis)
             if options.key_weight == "uniform":
                 q_gram = torch.eye(s.head_dim, dtype=torch.float64).expand(s.num_kv, -1, -1)
             km = merge_keys(
@@ -164,34 +164,37 @@ def plan_layer(
 
 def apply_plan(layer: dict, plan: LayerPlan, s: LayerShape) -> dict:
     """The tensors the conversion changes, each in its source dtype (roles as in the source; a role
-    missing from the result, e.g. q and o under mean pooling, is copied through unchanged)."""
+    missing from the result, e.g. q and o under mean pooling, is copied through unchanged). Each is cast as soon
+    as it is computed, so one float64 [H*D, n] matrix is live at a time."""
     fused = "qkv" in layer
     flat = unfused(layer, s)
     augment = is_biased(flat)
-    new = {"k": plan.k, "v": plan.v}  # [G*D, n(+1)]
+    out = {}
+
+    def put(role: str, rows: torch.Tensor) -> None:  # rows [out, n(+1)] -> role (and its bias), source dtype
+        out[role] = (rows[:, :-1] if augment else rows).to(flat[role].dtype)
+        if f"{role}_bias" in flat:
+            out[f"{role}_bias"] = rows[:, -1].to(flat[f"{role}_bias"].dtype)
+
+    put("k", plan.k)
+    put("v", plan.v)
     if fused or plan.coef is not None or plan.k_mix is not None:
-        q = augmented_rows(flat, "q", augment)  # [H*D, n(+1)]
+        q = augmented_rows(flat, "q", augment) if augment else flat["q"]  # [H*D, n(+1)]
         if plan.coef is not None:
             q = fold_coef_into_q(q, plan.coef, s.num_heads, s.head_dim)
         if plan.k_mix is not None:
             q = fold_mix_into_q(q, plan.k_mix, s.num_heads, slice(s.rotary_dim, s.head_dim))
-        new["q"] = q
-    out = {}
-    for role, rows in new.items():
-        out[role] = rows[:, :-1] if augment else rows
-        if f"{role}_bias" in flat:
-            out[f"{role}_bias"] = rows[:, -1]
-    if plan.o is not None:
-        out["o"] = plan.o
-    elif plan.v_mix is not None:
-        out["o"] = fold_mix_into_o(flat["o"], plan.v_mix, s.num_heads)
+        put("q", q)
+        del q
+    if plan.v_mix is not None:
+        out["o"] = fold_mix_into_o(flat["o"], plan.v_mix, s.num_heads).to(flat["o"].dtype)
     if plan.k_norm is not None:
-        out["k_norm"] = plan.k_norm
+        out["k_norm"] = plan.k_norm.to(flat["k_norm"].dtype)
     if fused:
         out["qkv"] = torch.cat([out.pop("q"), out.pop("k"), out.pop("v")])
         if "qkv_bias" in layer:
             out["qkv_bias"] = torch.cat([out.pop("q_bias"), out.pop("k_bias"), out.pop("v_bias")])
-    return {role: t.to(layer[role].dtype) for role, t in out.items()}
+    return out
 
 
 def expand_layer(converted: dict, s: LayerShape) -> dict:

@@ -34,16 +34,20 @@ def expand_heads(w: torch.Tensor, groups: int, r: int) -> torch.Tensor:
 
 def head_gram(w: torch.Tensor, num_heads: int, num_kv: int, cov: torch.Tensor | None = None) -> torch.Tensor:
     """Per old KV head, the sum over the query heads reading it of W_h^T W_h (cov=None, for o_proj blocks
-    w: [hidden, H*D]) or of E[q_h q_h^T] = W_h C W_h^T (for q_proj rows w: [H*D, n]).  -> [Hkv, D, D]."""
-    w = w.to(torch.float64)
+    w: [hidden, H*D]) or of E[q_h q_h^T] = W_h C W_h^T (for q_proj rows w: [H*D, n]).  -> [Hkv, D, D].
+    w in any dtype; one head at a time is made float64."""
     per = num_heads // num_kv
-    if cov is None:
-        blocks = w.reshape(w.shape[0], num_heads, -1).permute(1, 2, 0)  # [H, D, hidden]
-        gram = blocks @ blocks.transpose(1, 2)  # [H, D, D]
-    else:
-        blocks = w.reshape(num_heads, -1, w.shape[1])  # [H, D, n]
-        gram = blocks @ cov.to(torch.float64) @ blocks.transpose(1, 2)  # [H, D, D]
-    return gram.reshape(num_kv, per, *gram.shape[1:]).sum(dim=1)
+    d = (w.shape[1] if cov is None else w.shape[0]) // num_heads
+    gram = torch.zeros(num_kv, d, d, dtype=torch.float64)
+    cov = None if cov is None else cov.to(torch.float64)
+    for h in range(num_heads):
+        if cov is None:
+            block = w[:, h * d : (h + 1) * d].to(torch.float64)  # [hidden, D]
+            gram[h // per] += block.T @ block
+        else:
+            block = w[h * d : (h + 1) * d].to(torch.float64)  # [D, n]
+            gram[h // per] += block @ cov @ block.T
+    return gram
 
 
 @dataclass
@@ -100,20 +104,29 @@ def merge_rows(
 
 
 def fold_mix_into_o(o_w: torch.Tensor, mix: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """o_proj columns of query head h times mix[h's old KV head].  o_w: [hidden, H*D] -> same shape."""
+    """o_proj columns of query head h times mix[h's old KV head].  o_w: [hidden, H*D] (any dtype) -> same shape,
+    float64, one head's columns at a time."""
     num_kv, d = mix.shape[0], mix.shape[1]
-    blocks = o_w.to(torch.float64).reshape(o_w.shape[0], num_heads, d)  # [hidden, H, D]
-    per_head = mix.to(torch.float64).repeat_interleave(num_heads // num_kv, dim=0)  # [H, D, D]
-    return torch.einsum("ohd,hde->ohe", blocks, per_head).reshape(o_w.shape)
+    out = torch.empty(o_w.shape, dtype=torch.float64)
+    mix = mix.to(torch.float64)
+    for h in range(num_heads):
+        cols = slice(h * d, (h + 1) * d)
+        out[:, cols] = o_w[:, cols].to(torch.float64) @ mix[h // (num_heads // num_kv)]  # [hidden, D]
+    return out
 
 
 def fold_mix_into_q(q_w: torch.Tensor, mix: torch.Tensor, num_heads: int, dims: slice) -> torch.Tensor:
-    """Query rows `dims` of head h become mix[j]^T q_h (so q'.k' = q.(mix k')).  q_w: [H*D, n] -> same."""
+    """Query rows `dims` of head h become mix[j]^T q_h (so q'.k' = q.(mix k')).  q_w: [H*D, n] (any dtype) -> same
+    shape, float64, one head at a time."""
     num_kv = mix.shape[0]
-    heads = q_w.to(torch.float64).reshape(num_heads, -1, q_w.shape[-1]).clone()  # [H, D, n]
-    per_head = mix.to(torch.float64).repeat_interleave(num_heads // num_kv, dim=0)  # [H, k, k]
-    heads[:, dims] = per_head.transpose(1, 2) @ heads[:, dims]
-    return heads.reshape(q_w.shape)
+    d = q_w.shape[0] // num_heads
+    out = torch.empty(q_w.shape, dtype=torch.float64)
+    mix = mix.to(torch.float64)
+    for h in range(num_heads):
+        head = out[h * d : (h + 1) * d]  # [D, n], a view
+        head.copy_(q_w[h * d : (h + 1) * d])
+        head[dims] = mix[h // (num_heads // num_kv)].T @ head[dims]
+    return out
 
 
 @dataclass
@@ -171,15 +184,15 @@ def merge_keys(
     shared = torch.empty(groups, half, w.shape[1], dtype=torch.complex128)
     coef = torch.empty(num_kv, half, dtype=torch.complex128)
     for g in range(groups):
-        cov_c = regularize(covs[g], ridge).to(torch.complex128)
+        cov_r = regularize(covs[g], ridge)  # real: complex rows are multiplied by it part by part
         k = kc[g * r : (g + 1) * r].transpose(0, 1)  # [R/2, r, n]: per pair, the group's complex rows
         sw = (energy[g * r : (g + 1) * r].T + 1e-30).sqrt().to(torch.complex128)[:, :, None]  # [R/2, r, 1]
         a = sw * k  # [R/2, r, n]
-        _, vecs = torch.linalg.eigh(a @ cov_c @ a.conj().transpose(1, 2))  # [R/2, r, r] ascending
+        _, vecs = torch.linalg.eigh(_times_real(a, cov_r) @ a.conj().transpose(1, 2))  # [R/2, r, r] ascending
         u = vecs[:, :, -1]  # [R/2, r]: top left singular vector of a L
         row = torch.einsum("fr,frn->fn", u.conj(), a)  # [R/2, n]
-        kcr = k @ cov_c @ row.conj()[:, :, None]  # [R/2, r, 1]
-        energy_row = torch.einsum("fn,nm,fm->f", row, cov_c, row.conj())[:, None]  # [R/2, 1]
+        kcr = _times_real(k, cov_r) @ row.conj()[:, :, None]  # [R/2, r, 1]
+        energy_row = (_times_real(row, cov_r) * row.conj()).sum(-1)[:, None]  # [R/2, 1]
         # [R/2, r] least squares; a pair whose rows are all zero (a folded QK-norm's dropped pair) gets 0
         c = torch.where(energy_row.abs() > 0, kcr[:, :, 0] / torch.where(energy_row.abs() > 0, energy_row, 1), 0)
         shared[g], c = _normalize(row, c)
@@ -199,6 +212,11 @@ def merge_keys(
     return KeyMerge(torch.cat(parts, dim=1).reshape(groups * d, -1), coef, rest)
 
 
+def _times_real(z: torch.Tensor, mat: torch.Tensor) -> torch.Tensor:
+    """z @ mat for complex z [..., n] and real mat [n, n], without a complex copy of mat."""
+    return torch.complex(z.real @ mat, z.imag @ mat)
+
+
 def _normalize(row: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rescale per pair (row, c) -> (s row, c / s) so each pair's coefficients sum to a real positive
     number and have rms 1.  row: [F, n], c: [F, r] complex."""
@@ -210,10 +228,14 @@ def _normalize(row: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def fold_coef_into_q(q_w: torch.Tensor, coef: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    """Query pairs (i, i + R/2) of head h times conj(coef[h's old KV head, i]).  q_w: [H*D, n] -> same."""
+    """Query pairs (i, i + R/2) of head h times conj(coef[h's old KV head, i]).  q_w: [H*D, n] (any dtype) -> same
+    shape, float64, one head at a time."""
     num_kv, half = coef.shape
-    heads = q_w.to(torch.float64).reshape(num_heads, head_dim, -1).clone()  # [H, D, n]
-    c = coef.conj().repeat_interleave(num_heads // num_kv, dim=0)[:, :, None]  # [H, R/2, 1]
-    z = c * torch.complex(heads[:, :half], heads[:, half : 2 * half])  # [H, R/2, n]
-    heads[:, :half], heads[:, half : 2 * half] = z.real, z.imag
-    return heads.reshape(q_w.shape)
+    out = torch.empty(q_w.shape, dtype=torch.float64)
+    conj = coef.conj()
+    for h in range(num_heads):
+        head = out[h * head_dim : (h + 1) * head_dim]  # [D, n], a view
+        head.copy_(q_w[h * head_dim : (h + 1) * head_dim])
+        z = conj[h // (num_heads // num_kv), :, None] * torch.complex(head[:half], head[half : 2 * half])  # [R/2, n]
+        head[:half], head[half : 2 * half] = z.real, z.imag
+    return out

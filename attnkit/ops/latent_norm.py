@@ -37,11 +37,14 @@ def span_basis(info: torch.Tensor, u: torch.Tensor, width: int) -> torch.Tensor:
     """Orthonormal rows [min(width, n), n] spanning the info rows [r, n] (acting on u), then the highest-energy
     directions of u [N, n] outside their span, as many as `width` allows."""
     n, r = u.shape[1], info.shape[0]
+    fills = max(0, min(width, n) - r)
+    if fills == 0:  # the info rows fill the width: no [n, n] complement to build
+        return torch.linalg.qr(info.T)[0].T
     q, _ = torch.linalg.qr(info.T, mode="complete")  # [n, n]: span(info) first, then its complement
     rest = q[:, r:]  # [n, n - r]
     ur = u @ rest  # [N, n - r]
-    _, vecs = torch.linalg.eigh(ur.T @ ur / u.shape[0])
-    fill = rest @ vecs.flip(1)[:, : max(0, min(width, n) - r)]  # [n, k] top-energy complement directions
+    _, vecs = torch.linalg.eigh((ur.T @ ur).div_(u.shape[0]))
+    fill = rest @ vecs.flip(1)[:, :fills]  # [n, k] top-energy complement directions
     return torch.cat([q[:, :r], fill], dim=1).T
 
 

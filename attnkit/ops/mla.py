@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from attnkit.ops.headmerge import head_gram, merge_keys
-from attnkit.ops.whiten import psd_sqrt, regularize, relative_error
+from attnkit.ops.whiten import cholesky_in_place, psd_sqrt, regularize, relative_error
 
 KEY_WEIGHTS = ("query", "uniform")
 VALUE_WEIGHTS = ("o_proj", "none")
@@ -64,13 +64,16 @@ class MLAOptions:
 class MLALayer:
     """The converted layer in source terms (rows act on x or [x; 1]).
 
-    q_nope: [H*D, n'] and q_rope: [H*P, n'] (interleaved pairs, coefficient folded in) query rows;
+    q: [H*D, n'] the source query rows, as given (query_head makes one head's converted rows at a time, so the
+    whole float64 query, 1 GiB at a 70B model's width, is never held); fade: [D] the factor of each position-free
+    query row; coef: [Hkv, P/2] complex, the kept pairs' key coefficients folded into the RoPE query rows;
     down: [r, n'] latent rows (unit second moment each); up: [Hkv*2D, r] per KV head [k_nope (D); v (D)];
     rope: [P, n'] shared key rows, interleaved (row 2j, 2j+1 = real, imaginary part of kept pair j).
     """
 
-    q_nope: torch.Tensor
-    q_rope: torch.Tensor
+    q: torch.Tensor
+    fade: torch.Tensor
+    coef: torch.Tensor
     down: torch.Tensor
     up: torch.Tensor
     rope: torch.Tensor
@@ -83,6 +86,18 @@ class MLALayer:
         """Fraction of the weighted key/value energy a latent of `rank` channels leaves out."""
         total = self.spectrum.sum().item()
         return self.spectrum[rank:].sum().item() / total if total > 0 else 0.0
+
+    def query_head(self, h: int, s: MLAShape) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query head h's rows, float64: nope [D, n'] (each row times its fade) and rope [s.rope_dim, n'] (the
+        kept pairs times conj(coef of h's KV head), interleaved; zero rows past them where s pads the RoPE key)."""
+        d, kept = s.head_dim, self.coef.shape[1]
+        head = self.q[h * d : (h + 1) * d].to(torch.float64)  # [D, n']
+        pairs = torch.arange(kept)
+        c = self.coef[h // (s.num_heads // s.num_kv)].conj()[:, None]  # [P/2, 1]
+        z = torch.complex(head[pairs], head[pairs + d // 2]) * c  # [P/2, n']
+        rope = torch.zeros(s.rope_dim, head.shape[1], dtype=torch.float64)
+        rope[: 2 * kept] = torch.stack([z.real, z.imag], dim=1).reshape(2 * kept, -1)
+        return head * self.fade[:, None], rope
 
 
 def _pair_rows(d: int, pairs: list[int]) -> torch.Tensor:
@@ -106,17 +121,6 @@ def rope_split(k: torch.Tensor, cov: torch.Tensor, s: MLAShape, q_gram: torch.Te
     return rope, km.coef[:, pairs], fitted
 
 
-def fold_query_rope(q: torch.Tensor, coef: torch.Tensor, s: MLAShape) -> torch.Tensor:
-    """Query rows of the kept pairs times conj(coef of the head's KV head), interleaved.  [H*D, n'] -> [H*P, n']."""
-    d, half = s.head_dim, s.head_dim // 2
-    heads = q.reshape(s.num_heads, d, -1)  # [H, D, n']
-    pairs = torch.tensor(s.pairs, dtype=torch.long)
-    zq = torch.complex(heads[:, pairs], heads[:, pairs + half])  # [H, P/2, n']
-    c = coef.conj().repeat_interleave(s.num_heads // s.num_kv, dim=0)[:, :, None]  # [H, P/2, 1]
-    z = zq * c
-    return torch.stack([z.real, z.imag], dim=2).reshape(s.num_heads * s.rope_dim, -1)  # [H*P, n']
-
-
 def factor_latent(
     rows: torch.Tensor, cov: torch.Tensor, rank: int, weight_roots: torch.Tensor, ridge: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -126,15 +130,15 @@ def factor_latent(
     of the weighted rows); up: [m, rank], the least-squares read-out rows C down^T (down C down^T)^-1;
     spectrum: [min(m, n')] the squared singular values (the weighted energy each latent rank captures).
     """
-    cov_r = regularize(cov, ridge)
-    lower = torch.linalg.cholesky(cov_r)
+    lower = cholesky_in_place(regularize(cov, ridge))  # L L^T = C + ridge: one [n', n'] matrix
     weighted = weight_roots @ rows  # [m, n']
     u, sv, _ = torch.linalg.svd(weighted @ lower, full_matrices=False)
     down = u[:, :rank].T @ weighted  # [rank, n']
-    gram = down @ cov_r @ down.T  # [rank, rank]
+    down_l = down @ lower  # [rank, n']: down C_r = down_l L^T
+    gram = down_l @ down_l.T  # [rank, rank]
     # [m, rank]; least squares, not solve: latent rows beyond the weighted rows' rank are zero (a padded latent,
     # or keys with zero rows such as a folded QK-norm's dropped pairs) and make the gram singular
-    up = torch.linalg.lstsq(gram, down @ cov_r @ rows.T, driver="gelsd").solution.T
+    up = torch.linalg.lstsq(gram, down_l @ (rows @ lower).T, driver="gelsd").solution.T
     return down, up, sv.pow(2)
 
 
@@ -165,13 +169,15 @@ def convert_layer(
     freqs: torch.Tensor,
     options: MLAOptions | None = None,
 ) -> MLALayer:
-    """Convert one layer.  q: [H*D, n'], k, v: [Hkv*D, n'], o: [n, H*D] (o_proj weight), cov: [n', n'],
-    freqs: [D/2] the source's rotary frequencies (radians per token)."""
+    """Convert one layer.  q: [H*D, n'] (any dtype, kept by the result), k, v: [Hkv*D, n'], o: [n, H*D] (o_proj
+    weight), cov: [n', n'], freqs: [D/2] the source's rotary frequencies (radians per token)."""
     options = options or MLAOptions()
-    q, k, v, cov = (t.to(torch.float64) for t in (q, k, v, cov))
+    k, v, cov = (t.to(torch.float64) for t in (k, v, cov))  # q is read a head at a time
     d, hkv = s.head_dim, s.num_kv
-    fit = (1 - options.shrink) * cov + options.shrink * torch.diag(cov.diagonal())  # the metric the fits use
-    if not options.whiten:
+    if options.whiten:  # the metric the fits use: (1 - shrink) C + shrink diag(C)
+        fit = cov * (1 - options.shrink)
+        fit.diagonal().add_(cov.diagonal() * options.shrink)
+    else:
         fit = torch.eye(cov.shape[0], dtype=torch.float64)
     q_gram = head_gram(q, s.num_heads, hkv, fit)  # [Hkv, D, D]: sum over readers of E[q q^T]
     if options.key_weight == "uniform":
@@ -179,7 +185,6 @@ def convert_layer(
     rope, coef, fitted = rope_split(k, fit, s, q_gram, options.ridge)
     residual = k - fitted  # [Hkv*D, n']: position-free from here on
     fade = position_free_scale(freqs, options.residual, options.window).repeat(2)  # [D]: rows i and i + D/2
-    q_nope = (q.reshape(s.num_heads, d, -1) * fade[:, None]).reshape(q.shape)
     nope_gram = q_gram * fade[:, None] * fade[None, :]  # E[q q^T] of the faded queries
     k_roots = _block_roots(nope_gram * (options.key_balance / d), options.ridge)
     if options.value_weight == "o_proj":
@@ -194,8 +199,9 @@ def convert_layer(
     k_rec = fitted + rec[: hkv * d]
     lost = k - fitted
     return MLALayer(
-        q_nope=q_nope,
-        q_rope=fold_query_rope(q, coef, s),
+        q=q,
+        fade=fade,
+        coef=coef,
         down=down,
         up=_per_head_kv(up, hkv, d),
         rope=rope,

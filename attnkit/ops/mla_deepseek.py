@@ -52,11 +52,18 @@ def _norm_plan(width: int, mean_sq: float) -> tuple[float, float, float]:
     return big, weight, rms / weight
 
 
-def query_rows(layer: MLALayer, s: MLAShape, q_scale: float) -> torch.Tensor:
-    """Per head [nope (D) | rope (P)] query rows, times q_scale (softmax-scale fold).  [H*(D+P), n']"""
-    nope = layer.q_nope.reshape(s.num_heads, s.head_dim, -1)
-    rope = layer.q_rope.reshape(s.num_heads, s.rope_dim, -1)
-    return torch.cat([nope, rope], dim=1).reshape(s.num_heads * (s.head_dim + s.rope_dim), -1) * q_scale
+def query_rows(layer: MLALayer, s: MLAShape, q_scale: float, dtype=torch.float64, on_rows=None) -> torch.Tensor:
+    """Per head [nope (D) | rope (P)] query rows, times q_scale (softmax-scale fold) and mapped by on_rows (a map
+    of float64 rows, e.g. onto u) when given, made a head at a time and stored in `dtype`.  [H*(D+P), n'']"""
+    width = s.head_dim + s.rope_dim
+    out = None
+    for h in range(s.num_heads):
+        rows = torch.cat(layer.query_head(h, s)) * q_scale  # [D+P, n']
+        rows = rows if on_rows is None else on_rows(rows)
+        if out is None:
+            out = torch.empty(s.num_heads * width, rows.shape[1], dtype=dtype)
+        out[h * width : (h + 1) * width] = rows
+    return out
 
 
 def kv_tensors(layer: MLALayer, s: MLAShape, augmented: bool) -> dict[str, torch.Tensor]:
@@ -142,8 +149,10 @@ def engine_tensors(
     q_scale: float,
     q_lora_scale: float | None,
     o: torch.Tensor,
+    dtype: torch.dtype = torch.float64,
 ) -> dict[str, torch.Tensor]:
-    """All DeepseekV3Attention tensors of one layer without biases (names relative to self_attn), float64.
+    """All DeepseekV3Attention tensors of one layer without biases (names relative to self_attn): the query rows
+    made a head at a time in `dtype`, o_proj's weight `o` as given, the others float64.
 
     Rows act on u = x / gamma (input_layernorm written with weight 1); plan: the latent (attnkit.ops.latent_norm);
     q_lora_scale: None for a plain q_proj, else the q_lora read-out scale (q_a = identity on u)."""
@@ -151,21 +160,21 @@ def engine_tensors(
     def on_u(rows):  # rows on x or [x; 1] -> rows on u, a constant column replaced by the anchor
         return substitute_constant(fold_gamma(rows, gamma), anchor)
 
-    q = on_u(query_rows(layer, s, q_scale))  # [H*(D+P), n]
-    n = q.shape[1]
     out: dict[str, torch.Tensor] = {}
     if q_lora_scale is None:
-        out["q_proj.weight"] = q
+        out["q_proj.weight"] = query_rows(layer, s, q_scale, dtype, on_u)  # [H*(D+P), n]
     else:
+        q = query_rows(layer, s, q_scale, dtype, lambda rows: on_u(rows) * q_lora_scale)  # [H*(D+P), n]
+        n = q.shape[1]
         out.update(
             {
                 "q_a_proj.weight": torch.eye(n, dtype=torch.float64),
                 "q_a_layernorm.weight": torch.ones(n, dtype=torch.float64),
-                "q_b_proj.weight": q * q_lora_scale,
+                "q_b_proj.weight": q,
             }
         )
     out["kv_a_proj_with_mqa.weight"] = torch.cat([plan.rows, on_u(layer.rope)])  # [R + P, n]
     out["kv_a_layernorm.weight"] = plan.norm_weight
     out["kv_b_proj.weight"] = per_query_head(layer.up, s) @ plan.readout.T  # [H*2D, R]
-    out["o_proj.weight"] = o.to(torch.float64)
+    out["o_proj.weight"] = o
     return out

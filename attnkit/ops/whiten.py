@@ -9,10 +9,17 @@ DEFAULT_RIDGE = 1e-6
 
 
 def regularize(cov: torch.Tensor, ridge: float = DEFAULT_RIDGE) -> torch.Tensor:
-    """cov + ridge * mean(diag(cov)) * I, in float64.  cov: [n, n] symmetric PSD."""
-    cov = cov.to(torch.float64)
-    scale = cov.diagonal().mean().clamp_min(1e-30)
-    return cov + ridge * scale * torch.eye(cov.shape[0], dtype=torch.float64)
+    """cov + ridge * mean(diag(cov)) * I, a new float64 matrix (one copy, no identity built).  cov: [n, n] PSD."""
+    out = cov.to(torch.float64, copy=True)
+    out.diagonal().add_(ridge * out.diagonal().mean().clamp_min(1e-30))
+    return out
+
+
+def cholesky_in_place(mat: torch.Tensor) -> torch.Tensor:
+    """The lower Cholesky factor L of a symmetric positive definite float64 matrix, written over it and returned
+    (its transpose is the same matrix, so LAPACK factors the column-major view in place; no [n, n] copy)."""
+    torch.linalg.cholesky(mat.mT, upper=True, out=mat.mT)  # U = L^T, column-major: the row-major view is L
+    return mat
 
 
 def psd_sqrt(mat: torch.Tensor, ridge: float = DEFAULT_RIDGE) -> torch.Tensor:

@@ -15,8 +15,9 @@ def deepseek_attention(config, layer: int, tensors: dict, device):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
     config._attn_implementation = "sdpa"
-    attn = DeepseekV3Attention(config, layer).to(device=device, dtype=torch.float32)
-    attn.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=True)
+    with torch.device("meta"):  # no initial weights: the tensors are assigned in float32 (one copy)
+        attn = DeepseekV3Attention(config, layer)
+    attn.load_state_dict({k: v.to(device=device, dtype=torch.float32) for k, v in tensors.items()}, assign=True)
     return attn, DeepseekV3RotaryEmbedding(config).to(device)
 
 

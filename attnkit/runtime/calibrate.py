@@ -66,7 +66,7 @@ def token_rows(hidden, augment: bool):
 def input_covariance(hidden, augment: bool):
     """E[x x^T] over all tokens of hidden [B, T, n]: float64 on CPU, [n(+1), n(+1)]."""
     x = token_rows(hidden, augment)
-    return x.T @ x / x.shape[0]
+    return (x.T @ x).div_(x.shape[0])
 
 
 def calibrate(model, windows, module_names: list[str], on_layer: Callable[..., dict | None]) -> None:

@@ -1,10 +1,12 @@
 """Run a causal LM with its decoder layers read from the checkpoint only while they run (bounded memory).
 
 The model is built on the meta device; embeddings, final norm and head are loaded once, and each
-decoder layer's weights are read (as float32, on the target device) by a pre-hook just before the
-layer runs and dropped by a post-hook right after. One forward pass then holds the non-layer
-weights plus one layer, whatever the depth: what calibration needs to handle checkpoints larger than
-memory. The math is the stock `transformers` forward, so outputs equal a fully loaded model's.
+decoder layer's weights are read (on the target device) by a pre-hook just before the layer runs and
+dropped by a post-hook right after. One forward pass then holds the non-layer weights plus one layer,
+whatever the depth: what calibration needs to handle checkpoints larger than memory. The layers' linear
+weights stay as stored and are widened a slice at a time as they are used (attnkit.runtime.sliced_linear),
+so on the CPU a layer costs the pages of its file, not a float32 copy. The math is the stock
+`transformers` forward, so outputs equal a fully loaded model's.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def build_streamed(ref: str, device: str = "auto", dtype=None, hidden_only: bool
     from attnkit.io.resolve import resolve
     from attnkit.runtime.capped_attention import apply_softcaps
     from attnkit.runtime.loader import LoadedModel, check_causal, load_tokenizer, resolve_device
-    from attnkit.runtime.sliced_head import SlicedHead
+    from attnkit.runtime.sliced_linear import SlicedLinear, slice_linears
 
     dtype = dtype or torch.float32
     ckpt = resolve(ref)
@@ -65,13 +67,15 @@ def build_streamed(ref: str, device: str = "auto", dtype=None, hidden_only: bool
     headless = hidden_only and head is not None
     if headless:
         model.set_output_embeddings(torch.nn.Identity())  # an identity instead of a head nobody reads
-    sliced = not hidden_only and type(head) is torch.nn.Linear and head.bias is None  # attnkit.runtime.sliced_head
+    sliced = not hidden_only and type(head) is torch.nn.Linear and head.bias is None  # attnkit.runtime.sliced_linear
     # tables and heads stay as stored, widened as they are used; subclasses (Gemma's scaled embedding) may
     # compute in the table's dtype, so they are widened up front, as is a table that another head reads
     compact = type(embedding) is torch.nn.Embedding and (headless or sliced or not tied)
     with LazyReader(files) as reader:
         stored = set(reader.names())
         layers = _decoder_layers(model)
+        for _, layer in layers:
+            slice_linears(layer, dtype)  # read_layer keeps their weights as stored
         layer_param_ids = {id(p) for _, layer in layers for p in layer.parameters()}
         for name, param in model.named_parameters():
             if id(param) not in layer_param_ids and name in stored:
@@ -80,7 +84,7 @@ def build_streamed(ref: str, device: str = "auto", dtype=None, hidden_only: bool
     if compact:
         embedding.register_forward_hook(lambda module, args, out: out.to(dtype))
     if sliced:
-        model.set_output_embeddings(SlicedHead(embedding.weight if tied else head.weight, dtype))
+        model.set_output_embeddings(SlicedLinear(embedding.weight if tied else head.weight, None, dtype))
     elif not headless:
         model.tie_weights()  # a tied head follows the embeddings just loaded
     _check_names(ref, model, layers, layer_param_ids, stored)
@@ -146,12 +150,16 @@ def _set(module, name: str, value, device) -> None:
 
 
 def read_layer(layer, files, prefix: str, device, dtype) -> None:
-    """Read the layer's parameters from the checkpoint (in `dtype`, on `device`)."""
+    """Read the layer's parameters from the checkpoint onto `device`: a SlicedLinear's as stored (where that is
+    no wider than `dtype`), the others (norms) in `dtype`."""
     from attnkit.io.reader import LazyReader
+    from attnkit.runtime.sliced_linear import sliced_parameters
 
+    as_stored = sliced_parameters(layer)
     with LazyReader(files) as reader:
         for name, _ in list(layer.named_parameters()):
-            _set(layer, name, reader.get(f"{prefix}.{name}", dtype=dtype), device)
+            tensor = reader.get(f"{prefix}.{name}")
+            _set(layer, name, _as_stored(tensor, dtype) if name in as_stored else tensor.to(dtype), device)
 
 
 def drop_layer(layer) -> None:

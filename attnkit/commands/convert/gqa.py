@@ -176,18 +176,22 @@ def _calibrate(req: ConvertRequest, src: GQASource, spill: LayerSpill) -> tuple[
             plain = req.method == "merge" and reference_attention_ok(
                 src.spec, layer, req.calib_seq_len, rope, scaling, "sinks" in src.arch.tensors
             )
-            key_cov = None
-            if plain and req.options.key_weight == "attention":
-                key_cov = attention_key_covariance(weights, hidden, rope, scaling, src.shape, augment)
-            plans[layer] = plan_layer(
-                weights, src.shape, req.method, input_covariance(hidden, augment), req.options, key_cov
+            attention_weighted = plain and req.options.key_weight == "attention"
+            plans[layer] = plan_layer(  # the covariances (0.5 GiB each at a 70B width) are freed on return
+                weights,
+                src.shape,
+                req.method,
+                input_covariance(hidden, augment),
+                req.options,
+                attention_key_covariance(weights, hidden, rope, scaling, src.shape, augment)
+                if attention_weighted
+                else None,
             )
-            if plain and req.options.o_refit:
-                plans[layer].o = refit_output(
-                    weights, plans[layer], hidden, rope, scaling, src.shape, req.options.o_refit
-                )
-                plans[layer].value_path = "merge + o refit"
             converted = apply_plan(weights, plans[layer], src.shape)
+            if plain and req.options.o_refit:
+                refit = refit_output(weights, converted, hidden, rope, scaling, src.shape, req.options.o_refit)
+                converted["o"] = refit.to(weights["o"].dtype)
+                plans[layer].value_path = "merge + o refit"
             spill.put(layer, converted)
             plans[layer] = _summary(plans[layer])
             if not req.sequential:
@@ -202,7 +206,7 @@ def _calibrate(req: ConvertRequest, src: GQASource, spill: LayerSpill) -> tuple[
 
 def _summary(plan: LayerPlan) -> LayerPlan:
     """The plan without its tensors (paths and errors for the report)."""
-    return dataclasses.replace(plan, k=None, v=None, coef=None, k_mix=None, v_mix=None, k_norm=None, o=None)
+    return dataclasses.replace(plan, k=None, v=None, coef=None, k_mix=None, v_mix=None, k_norm=None)
 
 
 def _stream(reader, src: GQASource, req: ConvertRequest, plans: list, writer, spill: LayerSpill | None) -> dict:

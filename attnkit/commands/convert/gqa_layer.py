@@ -4,7 +4,7 @@ metric and the o_proj refit against the source attention output (attnkit.ops.att
 from __future__ import annotations
 
 from attnkit.ops.attnweight import causal_attention, key_token_weights, weighted_group_covariance
-from attnkit.ops.gqa import apply_plan, expand_layer, unfused
+from attnkit.ops.gqa import expand_layer, unfused
 from attnkit.ops.orefit import refit_o
 from attnkit.runtime.calibrate import token_rows
 
@@ -49,8 +49,9 @@ def attention_key_covariance(weights: dict, hidden, rope, scaling: float, shape,
     return weighted_group_covariance(token_rows(hidden, augment), w, shape.groups)
 
 
-def refit_output(weights: dict, plan, hidden, rope, scaling: float, shape, ridge: float):
-    """o_proj refit so the converted layer's attention output matches the source's on these tokens.  -> [hidden, H*D]"""
+def refit_output(weights: dict, converted: dict, hidden, rope, scaling: float, shape, ridge: float):
+    """o_proj refit so the converted layer's attention output matches the source's on these tokens.
+    converted: apply_plan's tensors (its o_proj, the fold, is the prior).  -> [hidden, H*D] float64"""
     import torch
 
     x = hidden.detach().to(device="cpu", dtype=torch.float32)  # [B, T, n]
@@ -61,5 +62,5 @@ def refit_output(weights: dict, plan, hidden, rope, scaling: float, shape, ridge
         z = causal_attention(*(_project(x, flat, r, shape.head_dim) for r in ("q", "k", "v")), cos, sin, scaling)
         return z.reshape(-1, z.shape[-1])
 
-    converted = unfused({**weights, **expand_layer(apply_plan(weights, plan, shape), shape)}, shape)
-    return refit_o(outputs(converted), outputs(weights), unfused(weights, shape)["o"], converted["o"], ridge)
+    new = unfused({**weights, **expand_layer(converted, shape)}, shape)
+    return refit_o(outputs(new), outputs(weights), unfused(weights, shape)["o"], new["o"], ridge)

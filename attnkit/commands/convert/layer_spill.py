@@ -1,6 +1,7 @@
 """Converted attention tensors kept on disk between calibration and writing, so that a calibrated conversion holds
 one layer at a time whatever the layer count (the plans of every layer, with their float64 o_proj refits, grew
-with the model: 4 GB for an 8B geometry).
+with the model: 4 GB for an 8B geometry; `convert mla` wrote each layer into the shard writer's buffer, up to a
+shard, 1 GiB, of converted tensors held beside the calibration).
 
 The folder is a marked temp folder beside OUT (attnkit.io.tempdirs): removed when the conversion ends, and by a
 later run if this one was killed.
@@ -30,7 +31,9 @@ class LayerSpill:
         save_file({role: t.detach().to("cpu").contiguous() for role, t in tensors.items()}, str(self._path(layer)))
 
     def take(self, layer: int) -> dict | None:
-        """The tensors put for `layer` (read into memory, the file removed), or None when none were."""
+        """The tensors put for `layer`, or None when none were. safetensors memory-maps them from the file (page
+        cache, not the process's own memory, however long a shard writer holds them); the file's name is removed
+        at once, its data when the last of them is freed."""
         from safetensors.torch import load_file
 
         path = self._path(layer)

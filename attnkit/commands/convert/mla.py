@@ -18,6 +18,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 
+from attnkit.commands.convert.layer_spill import LayerSpill
 from attnkit.commands.convert.mla_layer import convert_one, refit_o_proj, without_o_bias
 from attnkit.commands.convert.mla_target import expected_shapes, target_config
 from attnkit.commands.quality import score_rewrite
@@ -336,8 +337,9 @@ def input_gamma(src: MLASource, weight):
     return gamma
 
 
-def _calibrate_and_convert(req: MLARequest, src: MLASource, config, writer, expected: dict) -> tuple[list, dict]:
-    """One pass over the calibration windows; each layer is converted (and written) when reached."""
+def _calibrate_and_convert(req: MLARequest, src: MLASource, config, spill, expected: dict) -> tuple[list, dict]:
+    """One pass over the calibration windows; each layer is converted when reached, its tensors put in `spill`
+    (attnkit.commands.convert.layer_spill) under their full names."""
     import torch
 
     loaded = load_for_calibration(str(src.root), req.device)  # decoder layers streamed when possible
@@ -386,11 +388,11 @@ def _calibrate_and_convert(req: MLARequest, src: MLASource, config, writer, expe
                     norm_eps=config.rms_norm_eps,
                 )
             rows[layer]["layer"] = layer
-            for name, t in tensors.items():
-                full = f"model.layers.{layer}.self_attn.{name}"
-                if full not in expected:
-                    raise AttnkitError(f"internal: {full} is not a DeepseekV3 tensor")
-                writer.add(full, t)
+            named = {f"model.layers.{layer}.self_attn.{name}": t for name, t in tensors.items()}
+            unknown = [full for full in named if full not in expected]
+            if unknown:
+                raise AttnkitError(f"internal: {unknown[0]} is not a DeepseekV3 tensor")
+            spill.put(layer, named)
             if req.sequential:
                 replace_output_once(
                     loaded.model.get_submodule(modules[layer]), config, layer, tensors, loaded.device, scale
@@ -523,7 +525,11 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
     expected = expected_shapes(config)
 
     def weights(writer) -> dict:
-        report["layers"], report["calibration"] = _calibrate_and_convert(req, src, config, writer, expected)
+        with LayerSpill(req.out) as spill:  # converted layers wait on disk, not in the writer's shard buffer
+            report["layers"], report["calibration"] = _calibrate_and_convert(req, src, config, spill, expected)
+            for layer in range(src.spec.num_layers):
+                for name, t in spill.take(layer).items():
+                    writer.add(name, t)
         with LazyReader(src.ckpt.weight_files) as reader:
             _copy_rest(reader, src, writer, expected, fold_input_norm=req.latent_norm != "bias")
         report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

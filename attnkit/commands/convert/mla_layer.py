@@ -52,7 +52,9 @@ def convert_one(
             "norm_error": 0.0,
         }
     else:
-        tensors, row = _engine_layer(src, weights, hidden, cov, gamma, freqs, options, latent_norm, norm_eps, q_scale)
+        tensors, row = _engine_layer(
+            src, weights, hidden, cov, gamma, freqs, options, latent_norm, norm_eps, q_scale, dtype
+        )
     return {name: t.to(dtype) for name, t in tensors.items()}, row
 
 
@@ -67,6 +69,7 @@ def _engine_layer(
     latent_norm: str,
     norm_eps: float,
     q_scale: float,
+    dtype,
 ) -> tuple[dict, dict]:
     """One layer by the engine route: factor at the ranks the anchor and span latents need, keep the latent
     (attnkit.ops.latent_norm) that leaves the smaller error on the calibration tokens, write it without biases."""
@@ -78,7 +81,8 @@ def _engine_layer(
     shape = dataclasses.replace(s, rope_dim=min(s.rope_dim, s.head_dim))  # wider RoPE keys are padded below
     u = hidden.detach().reshape(-1, hidden.shape[-1]).to(device="cpu", dtype=torch.float64) / gamma  # [N, n]
     anchor = anchor_row(u)
-    q, k, v = (augmented_rows(weights, r, augmented) for r in ("q", "k", "v"))
+    q = augmented_rows(weights, "q", augmented) if augmented else weights["q"]  # read a head at a time
+    k, v = (augmented_rows(weights, r, augmented) for r in ("k", "v"))
     full = min(2 * s.num_kv * s.head_dim, cov.shape[0])  # rank of the stacked keys and values
     candidates = []
     for kind in ("anchor", "span") if latent_norm == "auto" else (latent_norm,):
@@ -95,7 +99,15 @@ def _engine_layer(
         layer = _pad_rope(layer, shape, s.rope_dim)
     q_lora_scale = q_lora_readout(u, norm_eps) if src.q_lora else None
     tensors = engine_tensors(
-        layer, plan, s, gamma=gamma, anchor=anchor, q_scale=q_scale, q_lora_scale=q_lora_scale, o=weights["o"]
+        layer,
+        plan,
+        s,
+        gamma=gamma,
+        anchor=anchor,
+        q_scale=q_scale,
+        q_lora_scale=q_lora_scale,
+        o=weights["o"],
+        dtype=dtype,
     )
     row = {
         "k_err": layer.k_err,
@@ -127,17 +139,15 @@ def without_o_bias(src: MLASource, weights: dict) -> dict:
 
 
 def _pad_rope(layer, shape: MLAShape, rope_dim: int):
-    """The layer with its RoPE key and query rows padded by zero pairs from shape.rope_dim to rope_dim (slower
-    frequencies that the source does not have)."""
+    """The layer with its RoPE key rows padded by zero pairs from shape.rope_dim to rope_dim (slower frequencies
+    that the source does not have; MLALayer.query_head pads the query rows to the shape it is given)."""
     import dataclasses
 
     import torch
 
     extra = rope_dim - shape.rope_dim
     rope = torch.cat([layer.rope, torch.zeros(extra, layer.rope.shape[1], dtype=layer.rope.dtype)])
-    heads = layer.q_rope.reshape(shape.num_heads, shape.rope_dim, -1)
-    q_rope = torch.cat([heads, torch.zeros(shape.num_heads, extra, heads.shape[2], dtype=heads.dtype)], dim=1)
-    return dataclasses.replace(layer, rope=rope, q_rope=q_rope.reshape(shape.num_heads * rope_dim, -1))
+    return dataclasses.replace(layer, rope=rope)
 
 
 def refit_o_proj(
@@ -161,6 +171,7 @@ def refit_o_proj(
     attn, rotary = deepseek_attention(config, layer, tensors, device)
     x = hidden.detach().to(device).float()
     _, z_new = run_attention(attn, rotary, x if input_scale is None else x * input_scale.to(x))
+    del attn  # its float32 weights (0.75 GiB at a 70B width) are not needed for the fit
     z_old = source_attention_inputs(weights, hidden.to(device), rope, scaling, s, norm_eps)
     o = weights["o"]
     return refit_o(z_new.cpu(), z_old.cpu(), o, o, ridge).to(tensors["o_proj.weight"].dtype)
