@@ -165,14 +165,14 @@ def main() -> None:
             *lines,
             "",
             "Ratios are streamed / full. A bf16 checkpoint loaded whole becomes float32 in anonymous memory (twice "
-            "its file size); streamed, only one layer is converted at a time. An fp32 checkpoint loaded whole stays "
-            "memory-mapped from its file, so its anonymous peak hardly changes, but every weight is still mapped "
-            "and must be resident to run. What remains in the streamed runs is the Python/torch runtime, the fp32 "
-            "embeddings, the per-layer float64 factorization and the 64 MiB shard buffer; SmolLM2's 30 layers are "
-            "only 0.43 GB in fp32. For Llama-3-8B (arithmetic, not measured here) a full fp32 load is 32 GB, the "
-            "streamed pass about 4.2 GB of untied embeddings and head plus one 0.87 GB layer. Streaming costs "
-            "7-12% more time here: each layer is read and converted to float32 as it runs, and freed memory is "
-            "handed back to the OS after each layer.",
+            "its file size); streamed, each layer's linear weights stay as stored (memory-mapped) and are widened to "
+            "float32 a slice of rows at a time as they run (attnkit/runtime/sliced_linear.py). An fp32 checkpoint "
+            "loaded whole stays memory-mapped from its file, so its anonymous peak hardly changes, but every weight "
+            "is still mapped and must be resident to run. What remains in the streamed runs is the Python/torch "
+            "runtime, the calibration activations, the per-layer float64 factorization and the 64 MiB shard "
+            "buffer; SmolLM2's 30 layers are only 0.43 GB in fp32. At Llama-3.1-8B a full fp32 load is 32 GB: "
+            '"big checkpoints" below measures the streamed pass at that geometry and at the 70B width. The time '
+            "ratio is what reading one layer at a time costs.",
         ]
     )
     print()

@@ -137,8 +137,10 @@ def run(work: Path, only: list[str], commands: list[str]) -> None:
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         copy = work / f"{name}-copy"
         shutil.rmtree(copy, ignore_errors=True)
-        base = measure(["cp", "-r", str(src), str(copy)])
-        shutil.rmtree(copy)
+        cp_seconds = None  # no baseline where the disk cannot hold a second copy (70b@16 needs 2 x 32 GB)
+        if shutil.disk_usage(work).free > 1.1 * size:
+            cp_seconds = measure(["cp", "-r", str(src), str(copy)])["seconds"]
+            shutil.rmtree(copy)
         config = json.loads((src / "config.json").read_text())
         for command, args in COMMANDS.items():
             if commands and not any(c in command for c in commands):
@@ -155,12 +157,16 @@ def run(work: Path, only: list[str], commands: list[str]) -> None:
                 "command": command,
                 **result,
                 "seconds_per_layer": result["seconds"] / config["num_hidden_layers"],
-                "cp_seconds": base["seconds"],
+                "cp_seconds": cp_seconds,
             }
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows = [r for r in rows if (r["geometry"], r["command"]) != (name, command)] + [row]
             RESULTS.write_text(json.dumps(rows, indent=1) + "\n")
         shutil.rmtree(src)
+
+
+def _times_cp(row: dict) -> str:
+    return f"{row['seconds'] / row['cp_seconds']:.2f}" if row.get("cp_seconds") else "-"
 
 
 def render() -> str:
@@ -173,9 +179,9 @@ def render() -> str:
         "on this 2-core, 24 GB machine, CPU. Calibration: 2048 tokens of tests/data/prose/calib.txt in windows of "
         "512. Peak anon RSS: the largest RssAnon of the process (polled every 0.2 s), what it holds itself; max RSS "
         "(`/usr/bin/time -v`) also counts the page cache of the memory-mapped weights it has touched. x cp: the "
-        "command's wall time over `cp -r` of the same folder in the same run. Load: the 1-minute load average "
-        "when the command ended (2 cores; above 2, other work shared them and stretched the seconds, not the "
-        "memory).",
+        "command's wall time over `cp -r` of the same folder in the same run (-: the disk had no room for the "
+        "copy). Load: the 1-minute load average when the command ended (2 cores; above 2, other work shared them "
+        "and stretched the seconds, not the memory).",
         "",
         "| geometry | layers | weights | command | seconds | x cp | s/layer | peak anon RSS | max RSS | load |",
         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
@@ -184,7 +190,7 @@ def render() -> str:
     for r in sorted(rows, key=lambda r: order.get((r["geometry"], r["command"]), len(order))):
         lines.append(
             f"| {r['geometry']} | {r['layers']} | {r['weights_bytes'] / 2**30:.1f} GiB | `{r['command']}` | "
-            f"{r['seconds']:.0f} | {r['seconds'] / r['cp_seconds']:.2f} | {r['seconds_per_layer']:.1f} | "
+            f"{r['seconds']:.0f} | {_times_cp(r)} | {r['seconds_per_layer']:.1f} | "
             f"{r['peak_anon_bytes'] / 2**30:.2f} GiB | {r['max_rss_bytes'] / 2**30:.2f} GiB | "
             f"{r.get('load_after', '-')} |"
         )

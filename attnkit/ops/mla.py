@@ -188,7 +188,7 @@ def convert_layer(
     nope_gram = q_gram * fade[:, None] * fade[None, :]  # E[q q^T] of the faded queries
     k_roots = _block_roots(nope_gram * (options.key_balance / d), options.ridge)
     if options.value_weight == "o_proj":
-        v_roots = _block_roots(head_gram(o.to(torch.float64), s.num_heads, hkv), options.ridge)
+        v_roots = _block_roots(head_gram(o, s.num_heads, hkv), options.ridge)
     else:
         v_roots = torch.eye(hkv * d, dtype=torch.float64)
     stacked = torch.cat([residual, v])  # [2*Hkv*D, n']

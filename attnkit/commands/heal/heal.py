@@ -243,7 +243,7 @@ def _train_and_write(req, pair, plan, fingerprint, run, report, started, log) ->
     log(f"writing {req.out}")
     if teacher is None and before is not None:  # top-k: the teacher comes back to score the result
         teacher, _ = _load_models(acc, pair, log, student=False)
-    _write(req, pair, acc, _trained_model(trainer, req, pair, trained), teacher, plan, before, abilities, report)
+    _write(req, pair, acc, _trained_model(trainer, req, pair, trained, names), teacher, plan, before, abilities, report)
     report["seconds"] = time.perf_counter() - started
     return report
 
@@ -310,7 +310,7 @@ def _trainer(req, acc, student, teacher, plan, run, report, before, log, started
     )
     if req.gradient_checkpointing:
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = trainable.add_lora(student, names, req.lora_rank) if req.lora_rank else student
+    model = trainable.add_lora(student, names, req.lora_rank, req.seed) if req.lora_rank else student
     cfg = LoopConfig(
         lr=req.lr,
         warmup_steps=req.warmup_steps,
@@ -384,17 +384,20 @@ def _warnings(req: HealRequest, state) -> list[str]:
     return []
 
 
-def _trained_model(trainer, req: HealRequest, pair, trained: dict | None):
+def _trained_model(trainer, req: HealRequest, pair, trained: dict | None, names: list[str]):
     """The student with its trained tensors (LoRA adapters merged in), outside DDP; with --fsdp (`trained`: the
-    gathered tensors) the student loaded again, unsharded, with them."""
+    gathered tensors) the student loaded again, unsharded, given the same adapters (`names`: the tensors chosen
+    to train), with them."""
     if trained is not None:
         trainer.model = None
         _free_memory()
         model = load_model(str(pair.student.root), device=str(trainer.acc.device), dtype="float32").model
+        if req.lora_rank:
+            model = trainable.add_lora(model, names, req.lora_rank, req.seed)
         for name, tensor in trained.items():
             model.get_parameter(name).data.copy_(tensor)
-        return model
-    model = trainer.acc.unwrap_model(trainer.model)
+    else:
+        model = trainer.acc.unwrap_model(trainer.model)
     return trainable.merge_lora(model) if req.lora_rank else model
 
 

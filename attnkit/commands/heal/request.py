@@ -120,8 +120,6 @@ def check_options(req: HealRequest) -> None:
                 "--fsdp shards the student over processes and this run has 1; launch it with "
                 "torchrun --nproc-per-node N or accelerate launch --num_processes N"
             )
-        if req.lora_rank:
-            raise UsageError("--fsdp shards the student's weights, and with --lora-rank only adapters train: drop one")
     positive = {
         "--batch-size": req.batch_size,
         "--micro-batch-size": req.micro_batch_size,

@@ -15,16 +15,18 @@ from attnkit.errors import AttnkitError
 
 def shard(model) -> None:
     """Shard `model` in place: every decoder layer (the modules in transformers' `_no_split_modules` classes), then
-    the root, whose unit holds the embeddings, the final norm and the output head."""
+    the transformers model, whose unit holds the embeddings, the final norm and the output head. With LoRA the
+    peft wrapper stays outside: validation calls the transformers model directly, so it must be the root."""
     from torch.distributed.fsdp import fully_shard
 
-    units = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in units]
+    root = model.get_base_model() if hasattr(model, "get_base_model") else model
+    units = set(getattr(root, "_no_split_modules", None) or [])
+    layers = [m for m in root.modules() if type(m).__name__ in units]
     if not layers:
-        raise AttnkitError(f"--fsdp: {type(model).__name__} names no decoder-layer class to shard by")
+        raise AttnkitError(f"--fsdp: {type(root).__name__} names no decoder-layer class to shard by")
     for layer in layers:
         fully_shard(layer)
-    fully_shard(model)
+    fully_shard(root)
 
 
 def is_sharded(tensor) -> bool:

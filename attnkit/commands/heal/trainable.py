@@ -63,9 +63,11 @@ def lr_scales(model) -> dict[str, float]:
     return scales
 
 
-def add_lora(model, names: list[str], rank: int):
+def add_lora(model, names: list[str], rank: int, seed: int):
     """Wrap `model` with LoRA adapters of `rank` on the Linear modules among `names` (the output head excepted);
-    other chosen tensors (norms, biases of untouched modules) train directly. Returns the peft model."""
+    other chosen tensors (norms, biases of untouched modules) train directly. Returns the peft model. The
+    adapters' random initialization draws from `seed`: the same in every run and on every process (--fsdp
+    shards each process's own copy)."""
     import torch
 
     try:
@@ -85,9 +87,11 @@ def add_lora(model, names: list[str], rank: int):
     if not linear:
         raise AttnkitError("--lora-rank: none of the tensors to train belongs to a Linear module")
     direct = [model.get_parameter(n) for n in names if n.rsplit(".", 1)[0] not in linear]
-    wrapped = get_peft_model(
-        model, LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, bias="none", target_modules=linear)
-    )
+    with torch.random.fork_rng():  # the caller's random streams (CPU and CUDA) left as they were
+        torch.manual_seed(seed)
+        wrapped = get_peft_model(
+            model, LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, bias="none", target_modules=linear)
+        )
     for p in direct:
         p.requires_grad_(True)
     return wrapped
