@@ -673,6 +673,28 @@ def test_a_plan_that_cannot_fit_is_refused_before_loading_naming_what_would_fit(
     assert result.exit_code == 1 and "gradient checkpointing, LoRA or teacher logits makes it" in result.output
 
 
+def test_the_plan_of_sharded_lora_divides_the_frozen_weights_and_the_adapters_state():
+    from attnkit.commands.heal.memory import BYTES, Shapes, plan
+
+    s = Shapes(
+        teacher_params=10_000,
+        student_params=9_000,
+        trainable=[(64, 32), (32,)],
+        layers=3,
+        hidden=32,
+        intermediate=64,
+        vocab=100,
+    )
+    adapters = 4 * (64 + 32) + 32  # rank x (out + in) for the matrix; the vector trains directly
+    one, four = plan(s, 2, 16, 4, False), plan(s, 2, 16, 4, False, shards=4)
+    assert one["trained_values"] == four["trained_values"] == adapters
+    assert one["items"]["student"] == (9_000 + adapters) * BYTES
+    assert four["items"]["student"] == ((9_000 + adapters) // 4 + 9_000 // 3) * BYTES  # plus one layer whole
+    assert four["items"]["gradients"] == adapters // 4 * BYTES
+    assert four["items"]["optimizer"] == 2 * adapters // 4 * BYTES
+    assert four["items"]["teacher"] == one["items"]["teacher"] == 10_000 * BYTES  # the teacher is not sharded
+
+
 def test_the_plan_of_topk_holds_the_teacher_only_while_it_computes_the_targets(runner, pair, tmp_path):
     from attnkit.commands.heal.memory import RUNTIME
 
