@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.docsection import replace_section  # noqa: E402
+from benchmarks.docsection import publish  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "geometry.json"
 CALIB = ["--calib", str(ROOT / "tests/data/prose/calib.txt"), "--calib-tokens", "2048", "--calib-seq-len", "512"]
@@ -212,10 +212,7 @@ def main() -> None:
         run(args.work, args.only, args.commands)
         return
     section = render()
-    if args.write:
-        replace_section(ROOT / "docs" / "benchmarks.md", section)
-    else:
-        print(section)
+    publish(section, args.write)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.docsection import replace_section  # noqa: E402
+from benchmarks.docsection import publish  # noqa: E402
 
 CALIB = ["--calib", str(ROOT / "tests/data/prose/calib.txt"), "--calib-tokens", "2048", "--calib-seq-len", "512"]
 TEXTS = {"prose": ROOT / "tests/data/prose/heldout.txt", "legal": "legal_gpl3.txt", "technical": "technical_pyref.txt"}
@@ -180,10 +180,7 @@ def main() -> None:
         run(args)
         return
     section = render(args)
-    if args.write:
-        replace_section(ROOT / "docs" / "benchmarks.md", section)
-    else:
-        print(section)
+    publish(section, args.write)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.docsection import replace_section  # noqa: E402
+from benchmarks.docsection import publish  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "qkclip_qknorm.json"
 CALIB = ROOT / "tests/data/prose/calib.txt"
@@ -134,10 +134,7 @@ def main() -> None:
         args.work.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(run(args.work), indent=1) + "\n")
     section = render(json.loads(RESULTS.read_text()))
-    if args.write:
-        replace_section(ROOT / "docs" / "benchmarks.md", section)
-    else:
-        print(section)
+    publish(section, args.write)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.docsection import replace_section  # noqa: E402
+from benchmarks.docsection import publish  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "qknorm_mla.json"
 CALIB = ROOT / "tests/data/prose/calib.txt"
@@ -147,10 +147,7 @@ def main() -> None:
         RESULTS.write_text(json.dumps(run(args.work), indent=1) + "\n")
     rows = json.loads(RESULTS.read_text())
     section = render(rows)
-    if args.write:
-        replace_section(ROOT / "docs" / "benchmarks.md", section)
-    else:
-        print(section)
+    publish(section, args.write)
 
 
 if __name__ == "__main__":

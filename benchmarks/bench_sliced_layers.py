@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_geometry import PROBE, measure  # noqa: E402
-from benchmarks.docsection import replace_section  # noqa: E402
+from benchmarks.docsection import publish  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "sliced_layers.json"
 PRESET = "llama-3.1-70b"
@@ -104,10 +104,7 @@ def main() -> None:
     else:
         rows = json.loads(RESULTS.read_text())
     section = render(rows)
-    if args.write:
-        replace_section(ROOT / "docs" / "benchmarks.md", section)
-    else:
-        print(section)
+    publish(section, args.write)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
 
 def replace_section(path: Path, section: str) -> None:
     """Replace the section that starts with `section`'s first line ("## name") by `section`, or append it."""
@@ -16,3 +18,11 @@ def replace_section(path: Path, section: str) -> None:
     pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)
     text = pattern.sub(lambda _m: block, text, count=1) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block
     path.write_text(text.rstrip("\n") + "\n")
+
+
+def publish(section: str, write: bool) -> None:
+    """Put `section` into docs/benchmarks.md when `write`, else print it."""
+    if write:
+        replace_section(DOCS, section)
+    else:
+        print(section)
