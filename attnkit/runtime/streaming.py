@@ -53,6 +53,7 @@ def build_streamed(ref: str, device: str = "auto", dtype=None, hidden_only: bool
     if not ckpt.weight_files:
         raise StreamingUnsupported(f"{ref}: only safetensors checkpoints can be streamed, not {ckpt.kind}")
     check_causal(ref, ckpt.model_type)
+    bound_heap()
     dev = resolve_device(device)
     try:
         config = AutoConfig.from_pretrained(str(ckpt.root))
@@ -188,18 +189,35 @@ def _dropper(layer, args, kwargs, output):
 
 def trim_heap() -> None:
     """Return freed heap memory to the OS (glibc keeps freed arenas otherwise, so RSS would grow layer by layer)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+#: glibc's mallopt parameter for the size from which malloc maps memory of its own, and the size used here
+M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20
+
+
+def bound_heap() -> None:
+    """Have glibc serve every allocation of 1 MiB or more by a mapping of its own, unmapped when freed. By default
+    it moves that threshold up to 32 MiB as large blocks are freed and serves them from the heap, where the
+    layer-sized buffers freed and made again in every layer leave holes that the OS never gets back: the held
+    memory of a streamed run then creeps up layer after layer (docs/benchmarks.md, "big checkpoints").
+    Process-wide, set once a run streams layers."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 @functools.lru_cache(maxsize=1)
-def _malloc_trim():
-    """glibc's malloc_trim, or None where the C library has none."""
+def _libc():
+    """glibc (malloc_trim and mallopt), or None where the C library lacks them."""
     import ctypes
     import ctypes.util
 
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim, libc.mallopt  # noqa: B018 -- both, or neither
     except (OSError, AttributeError):
         return None
+    return libc
