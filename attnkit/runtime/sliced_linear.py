@@ -15,8 +15,10 @@ class SlicedLinear(torch.nn.Module):
     """y = x @ weight.T + bias with weight [out, in] (and bias [out]) as stored, computed in `dtype` slice by
     slice of output rows.
 
-    Each output is the same dot product over `in` as the whole layer's, so on the CPU (where this is what runs)
-    the result equals the layer widened up front bit for bit (tests/test_layerwise.py, tests/test_streaming.py)."""
+    Where the weight is stored in `dtype` it is one plain linear, the whole layer's own result. Otherwise each
+    output is the same dot product over `in` as the widened layer's, but BLAS may sum a product split by rows
+    in another order: equal to float rounding, not bit for bit (tests/test_layerwise.py,
+    tests/test_streaming.py)."""
 
     def __init__(self, weight: torch.nn.Parameter, bias: torch.nn.Parameter | None, dtype: torch.dtype):
         super().__init__()
