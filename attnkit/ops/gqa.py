@@ -92,6 +92,12 @@ def augmented_rows(layer: dict, role: str, augment: bool) -> torch.Tensor:
     return torch.cat([w, col], dim=1)
 
 
+def stored_rows(layer: dict, role: str, augment: bool) -> torch.Tensor:
+    """Weight rows of `role` as stored, for consumers that widen them a head at a time; augmented_rows' float64
+    rows with the bias column when augmenting.  [out, n(+1)]"""
+    return augmented_rows(layer, role, augment) if augment else layer[role]
+
+
 def unfused(layer: dict, s: LayerShape) -> dict:
     """The layer with a fused qkv split into q, k, v roles (other layers unchanged)."""
     if "qkv" not in layer:
@@ -146,7 +152,7 @@ def plan_layer(
         vm = merge_rows(v, basis, s.num_kv, s.groups, o_gram, options.ridge)
         plan.v, plan.v_mix, plan.value_path, v_rec = vm.shared, vm.mix, "merge", vm.reconstruction()
         if s.qk_norm == "none":
-            q_rows = augmented_rows(layer, "q", augment) if augment else layer["q"]  # [H*D, n']
+            q_rows = stored_rows(layer, "q", augment)  # [H*D, n']
             q_gram = head_gram(q_rows, s.num_heads, s.num_kv, basis)
             if options.key_weight == "uniform":
                 q_gram = torch.eye(s.head_dim, dtype=torch.float64).expand(s.num_kv, -1, -1)
@@ -179,7 +185,7 @@ def apply_plan(layer: dict, plan: LayerPlan, s: LayerShape) -> dict:
     put("k", plan.k)
     put("v", plan.v)
     if fused or plan.coef is not None or plan.k_mix is not None:
-        q = augmented_rows(flat, "q", augment) if augment else flat["q"]  # [H*D, n(+1)]
+        q = stored_rows(flat, "q", augment)  # [H*D, n(+1)]
         if plan.coef is not None:
             q = fold_coef_into_q(q, plan.coef, s.num_heads, s.head_dim)
         if plan.k_mix is not None:

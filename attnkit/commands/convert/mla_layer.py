@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from attnkit.errors import AttnkitError
 from attnkit.ops.anchor import anchor_row, fold_o_bias, substitute_constant
-from attnkit.ops.gqa import augmented_rows, is_biased
+from attnkit.ops.gqa import augmented_rows, is_biased, stored_rows
 from attnkit.ops.latent_norm import anchor_plan, fold_gamma, span_plan
 from attnkit.ops.mla import MLAOptions, MLAShape, convert_layer
 from attnkit.ops.mla_deepseek import attention_tensors, engine_tensors, q_lora_readout
@@ -81,7 +81,7 @@ def _engine_layer(
     shape = dataclasses.replace(s, rope_dim=min(s.rope_dim, s.head_dim))  # wider RoPE keys are padded below
     u = hidden.detach().reshape(-1, hidden.shape[-1]).to(device="cpu", dtype=torch.float64) / gamma  # [N, n]
     anchor = anchor_row(u)
-    q = augmented_rows(weights, "q", augmented) if augmented else weights["q"]  # read a head at a time
+    q = stored_rows(weights, "q", augmented)  # read a head at a time
     k, v = (augmented_rows(weights, r, augmented) for r in ("k", "v"))
     full = min(2 * s.num_kv * s.head_dim, cov.shape[0])  # rank of the stacked keys and values
     candidates = []
