@@ -88,8 +88,8 @@ def _load_average() -> list[float]:
 
 
 def _score(folder: Path, teacher, windows) -> dict:
-    from attnkit.commands.analyse.evaluate import evaluate
     from attnkit.runtime import load_model
+    from attnkit.scoring.perplexity import evaluate
 
     r = evaluate(load_model(str(folder), device="cpu", dtype="float32"), windows, reference=teacher)
     return {

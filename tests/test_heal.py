@@ -18,6 +18,7 @@ from attnkit.commands.heal.heal import heal
 from attnkit.commands.heal.loop import Interrupted, LoopConfig, batch_indices, lr_at
 from attnkit.commands.heal.request import HealRequest
 from attnkit.io.safetensors_header import read_headers
+from attnkit.scoring.options import EvalOptions
 from tests.helpers import PROSE, char_tokenizer, modules_after
 from tests.tiny import build_model, save_model
 
@@ -435,11 +436,12 @@ def test_teacher_text_takes_at_most_half_of_max_time(pair, tmp_path, monkeypatch
     a time budget asks for by default, and training gets the rest."""
     import attnkit.commands.heal.heal as heal_module
     import attnkit.commands.heal.loop as loop
+    import attnkit.commands.heal.plan as plan
     import attnkit.commands.heal.samples as samples
 
     clock = FakeClock()
-    monkeypatch.setattr(heal_module, "time", clock)
-    monkeypatch.setattr(loop, "time", clock)
+    for module in (heal_module, plan, loop):
+        monkeypatch.setattr(module, "time", clock)
     generate, distill = samples._generate, loop.distill_loss
 
     def slow_batch(*args, **kwargs):
@@ -544,7 +546,7 @@ def test_training_is_a_line_of_the_one_progress_display(pair, tmp_path):
 
     buffer = io.StringIO()
     with progress.display(lambda: Console(file=buffer, force_terminal=True, width=160), force=True):
-        heal(_request(pair, tmp_path / "out", eval=[str(pair[2])], eval_tokens=64, eval_seq_len=32))
+        heal(_request(pair, tmp_path / "out", scoring=EvalOptions(files=(str(pair[2]),), tokens=64, seq_len=32)))
     text = buffer.getvalue()
     assert "training" in text and "2048/2048" in text and "tok/s, loss" in text
     assert "scoring 2 window(s) x 32 tokens against the reference" in text
