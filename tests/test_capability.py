@@ -342,7 +342,21 @@ def test_heal_reports_teacher_before_and_after(runner, tmp_path, tasks_dir):
             ],
         )
     )
-    tasks = report["eval"]["tasks"]
+    evaluation = report["eval"]
+    tasks, change = evaluation["tasks"], evaluation["change"]["tasks"]
+    # the shared block: the teacher is the source, the healed student the result; `before` is the same block
+    assert tasks["source"]["rows"] and change["before"]["rows"] and tasks["result"]["rows"]
+    assert evaluation["before"]["tasks"]["result"] == change["before"]
+    assert evaluation["before"]["tasks"]["source"] == tasks["source"]  # against the same teacher scores
+    assert {r["metric"] for r in change["comparison"]} == {r["metric"] for r in tasks["comparison"]}
+    assert [r["length"] for r in evaluation["passkey"]["comparison"]] == [300]
+    assert [r["length"] for r in evaluation["change"]["passkey"]["comparison"]] == [300]
+    # the keys of the last release, kept for one more
     assert tasks["teacher"]["rows"] and tasks["before"]["rows"] and tasks["after"]["rows"]
     assert {r["metric"] for r in tasks["comparison"]} == {r["metric"] for r in tasks["against_teacher"]}
-    assert [r["length"] for r in report["eval"]["passkey"]["comparison"]] == [300]
+    assert (tasks["teacher"], tasks["before"], tasks["after"], tasks["against_teacher"]) == (
+        tasks["source"],
+        change["before"],
+        tasks["result"],
+        tasks["comparison"],
+    )

@@ -106,6 +106,51 @@ def test_heal_writes_the_students_layout_and_a_manifest(runner, pair, tmp_path):
     assert not Path(str(out) + ".checkpoint").exists()  # removed once OUT is written
 
 
+def test_heal_scores_before_and_after_with_the_keys_of_every_rewrite_report(runner, pair, tmp_path):
+    """heal's "eval" is the shared comparison's block (the teacher the source, the healed student the result),
+    `before` the same block for the student as loaded; the keys of the last release are still written."""
+    from attnkit.scoring.comparison import EVAL_KEYS
+
+    teacher, student, data = pair
+    out = tmp_path / "out"
+    prompt = "The harbour"
+    args = ("--eval", str(data), "--eval-seq-len", "64", "--eval-tokens", "256", "--sample-prompt", prompt)
+    result = _heal(runner, pair, out, *args)
+    assert result.exit_code == 0, result.output
+    e = json.loads(result.stdout)["eval"]
+    assert list(e)[: len(EVAL_KEYS)] == list(EVAL_KEYS) and list(e["before"]) == list(EVAL_KEYS)
+    before = e["before"]
+    assert e["files"] == before["files"] == [str(data)] and e["tokens"] == before["tokens"] == 4 * 64
+    assert e["source_perplexity"] == pytest.approx(before["source_perplexity"], rel=1e-6)  # the teacher's, twice
+    assert e["kl_mean"] < before["kl_mean"] and 0 <= e["top1_agreement"] <= 1
+    assert [s["prompt"] for s in e["samples"]] == [s["prompt"] for s in before["samples"]] == [prompt]
+    assert e["samples"][0]["source"] == before["samples"][0]["source"]  # the teacher's greedy continuation
+    assert e["tasks"] is None and e["passkey"] is None and e["change"] == {"tasks": None, "passkey": None}
+    # deprecated, written for one more release
+    assert e["teacher_perplexity"] == e["source_perplexity"]
+    assert e["after"] == {k: e[k] for k in ("perplexity", "kl_mean", "kl_max", "top1_agreement")}
+    manifest = json.loads((out / "attnkit.json").read_text())
+    assert manifest["eval"] == e
+
+
+def test_teacher_tokens_and_its_deprecated_name(runner, pair, tmp_path):
+    """--teacher-tokens sets the teacher-written tokens; --sample-tokens, its old name, still does (with a note)
+    for one release; both at once are refused."""
+    teacher, student, _ = pair
+    common = ["heal", str(student), str(tmp_path / "out"), "--teacher", str(teacher), "--dry-run"]
+    common += ["--sample-cache", str(tmp_path / "cache"), "--format", "json"]
+    new = runner.invoke(app, [*common, "--teacher-tokens", "3k"])
+    assert new.exit_code == 0, new.output
+    assert json.loads(new.stdout)["data"]["tokens_requested"] == 3 * 1024 and "deprecated" not in new.stderr
+    old = runner.invoke(app, [*common, "--sample-tokens", "3k"])
+    assert old.exit_code == 0, old.output
+    assert json.loads(old.stdout)["data"] == json.loads(new.stdout)["data"]
+    assert "--sample-tokens is deprecated" in old.stderr
+    both = runner.invoke(app, [*common, "--sample-tokens", "3k", "--teacher-tokens", "3k"])
+    assert both.exit_code == 2 and "not both" in both.output
+    assert "--sample-tokens" not in runner.invoke(app, ["heal", "--help"]).stdout
+
+
 def test_rewritten_parameters_are_the_changed_attention_tensors():
     from attnkit.commands.heal.pair import rewritten_parameters
 
