@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, print_notes, stderr
-from attnkit.cli.output import Column, render, render_capability
+from attnkit.cli.output import Column, render, render_capability, render_rewrite_scores
 from attnkit.cli.shared import CAPABILITY, DEVICE, EVAL, SAMPLES, request_fields, writes
 from attnkit.units import human_bytes
 
@@ -196,8 +196,8 @@ def register(app: typer.Typer) -> None:
             json_obj=report,
             caption=_caption(report),
         )
-        render_capability(report.get("eval"), fmt, ("result", "source"))
-        if report.get("eval"):
+        if report["eval"]:  # greedy samples, tasks and pass keys against the teacher; what training changed
+            render_rewrite_scores(report["eval"], fmt)
             render_capability(report["eval"]["change"], fmt, ("after", "before"))
 
 
