@@ -76,10 +76,10 @@ def write_models(work: Path, source: Path, names: list[str]) -> None:
 
 def score(path: Path, tasks: Path, name: str) -> dict:
     """Every score of one model, the per-item task values included."""
-    from attnkit.commands.analyse.capability import CapabilitySpec, check_capability, run_capability
-    from attnkit.commands.analyse.passkey import PasskeySpec
-    from attnkit.commands.analyse.tasks import TaskSpec
     from attnkit.runtime import load_model
+    from attnkit.scoring.capability import CapabilitySpec, check_capability, run_capability
+    from attnkit.scoring.passkey import PasskeySpec
+    from attnkit.scoring.tasks import TaskSpec
 
     started = time.perf_counter()
     loaded = load_model(str(path), device="cpu", dtype="float32")
@@ -94,9 +94,9 @@ def score(path: Path, tasks: Path, name: str) -> dict:
 
 
 def perplexity(path: Path, source) -> dict:
-    from attnkit.commands.analyse.evaluate import evaluate
     from attnkit.runtime import load_model
     from attnkit.runtime.texts import make_windows, read_texts
+    from attnkit.scoring.perplexity import evaluate
 
     model = load_model(str(path), device="cpu", dtype="float32")
     rows = {}
@@ -108,10 +108,10 @@ def perplexity(path: Path, source) -> dict:
 
 
 def run(work: Path, only: list[str]) -> None:
-    from attnkit.commands.analyse.capability import side_by_side
-    from attnkit.commands.analyse.passkey import compare_passkey
-    from attnkit.commands.analyse.tasks import public
     from attnkit.runtime import load_model
+    from attnkit.scoring.capability import side_by_side
+    from attnkit.scoring.passkey import compare_passkey
+    from attnkit.scoring.tasks import public
     from tests.realmodel import smollm2_folder
 
     source = smollm2_folder()

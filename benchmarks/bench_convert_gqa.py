@@ -183,6 +183,7 @@ def speed() -> dict:
 def quality(only: str | None) -> list[dict]:
     from attnkit.commands.convert.gqa import ConvertRequest, convert_gqa
     from attnkit.ops.gqa import MergeOptions
+    from attnkit.scoring.options import EvalOptions
     from tests.realmodel import smollm2_folder
 
     model = smollm2_folder()
@@ -199,8 +200,7 @@ def quality(only: str | None) -> list[dict]:
                 kv_heads=1,
                 method=method,
                 calib=[CALIB] if method == "merge" else [],
-                eval=[HELDOUT],
-                eval_tokens=4096,
+                scoring=EvalOptions(files=(HELDOUT,), tokens=4096),
                 sequential=sequential,
                 options=MergeOptions(**opts),
                 device="cpu",

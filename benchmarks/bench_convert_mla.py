@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from attnkit.commands.convert.mla import MLARequest, convert_mla  # noqa: E402
 from attnkit.ops.mla import MLAOptions  # noqa: E402
+from attnkit.scoring.options import EvalOptions  # noqa: E402
 from benchmarks.docsection import replace_section  # noqa: E402
 from tests.realmodel import smollm2_folder  # noqa: E402
 
@@ -43,9 +44,7 @@ def run(
             calib=[calib],
             calib_tokens=2048,
             calib_seq_len=512,
-            eval=[heldout],
-            eval_tokens=4096,
-            eval_seq_len=512,
+            scoring=EvalOptions(files=(heldout,), tokens=4096, seq_len=512),
             sequential=sequential,
             options=MLAOptions(**opts),
             device="cpu",

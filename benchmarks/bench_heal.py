@@ -88,8 +88,8 @@ def _load_average() -> list[float]:
 
 
 def _score(folder: Path, teacher, windows) -> dict:
-    from attnkit.commands.analyse.evaluate import evaluate
     from attnkit.runtime import load_model
+    from attnkit.scoring.perplexity import evaluate
 
     r = evaluate(load_model(str(folder), device="cpu", dtype="float32"), windows, reference=teacher)
     return {
@@ -110,7 +110,7 @@ def run(name: str, work: Path, source: str) -> dict:
     if WIKI in extra:
         data = [str(wiki_corpus(work)) if x == WIKI else x for x in extra]
     else:
-        data = [*extra, "--sample-tokens", SAMPLE_TOKENS[name.split("-")[0]]]
+        data = [*extra, "--teacher-tokens", SAMPLE_TOKENS[name.split("-")[0]]]
     load_before = _load_average()
     started = time.perf_counter()
     report = _attnkit(
@@ -156,6 +156,14 @@ def _results(work: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def _healed(ev: dict) -> tuple[dict, float]:
+    """(the healed student's --eval scores, the teacher's perplexity) of a heal report's "eval": the block's own
+    fields since issue 30, `after` and `teacher_perplexity` in the results saved before it."""
+    if "source_perplexity" in ev:
+        return ev, ev["source_perplexity"]
+    return ev["after"], ev["teacher_perplexity"]
+
+
 def _ppl(d: dict, teacher: float) -> str:
     return f"{d['perplexity']:.2f} ({d['perplexity'] / teacher:.2f}x)"
 
@@ -163,6 +171,7 @@ def _ppl(d: dict, teacher: float) -> str:
 def _row(e: dict) -> str:
     r, t = e["report"], e["technical"]
     ev, tr, v = r["eval"], r["training"], r["validation"]
+    after, teacher = _healed(ev)
     technical = (
         "-"
         if t is None
@@ -175,8 +184,8 @@ def _row(e: dict) -> str:
         f"| {e['name']} | {' '.join(e['options']).replace(WIKI, NAME)} | {tr['steps']} | {tr['tokens']:,} | "
         f"{tr['tokens_per_second']:.0f} | {tr['stopped']} (best step {tr['best_step']}) | "
         f"{v['before']['kl_mean']:.3f} -> {v['after']['kl_mean']:.3f} | "
-        f"{_ppl(ev['before'], ev['teacher_perplexity'])} -> {_ppl(ev['after'], ev['teacher_perplexity'])} | "
-        f"{ev['before']['kl_mean']:.3f} -> {ev['after']['kl_mean']:.3f} | {technical} | "
+        f"{_ppl(ev['before'], teacher)} -> {_ppl(after, teacher)} | "
+        f"{ev['before']['kl_mean']:.3f} -> {after['kl_mean']:.3f} | {technical} | "
         f"{e['load_average_before'][0]:.1f} / {e['load_average_after'][0]:.1f} |"
     )
 
@@ -194,7 +203,7 @@ def plot(results: dict, path: Path) -> None:
         if not name.startswith("final-"):
             continue
         curve = e["report"]["validation"]["curve"]
-        teacher = e["report"]["eval"]["teacher_perplexity"]
+        teacher = _healed(e["report"]["eval"])[1]
         ax.plot(
             [c["tokens"] for c in curve],
             [c["eval_perplexity"] for c in curve],
@@ -265,7 +274,8 @@ def _gpu_note(e: dict) -> str:
 
 def _goal(e: dict) -> str:
     ev = e["report"]["eval"]
-    before, after = (ev[k]["perplexity"] / ev["teacher_perplexity"] for k in ("before", "after"))
+    healed, teacher = _healed(ev)
+    before, after = (d["perplexity"] / teacher for d in (ev["before"], healed))
     goal, tr = GOALS[e["student"]], e["report"]["training"]
     passes = tr["tokens"] / e["report"]["data"]["train_tokens"]
     curve = [round(c["eval_perplexity"], 1) for c in e["report"]["validation"]["curve"]]

@@ -64,9 +64,9 @@ def run(work: Path, rounds: int, tokens: str) -> list[dict]:
                 "seconds": report["seconds"],
                 "bytes_per_token": (report.get("teacher_targets") or {}).get("bytes_per_token"),
                 "eval_before": e["before"]["perplexity"],
-                "eval_after": e["after"]["perplexity"],
-                "kl_after": e["after"]["kl_mean"],
-                "teacher_perplexity": e["teacher_perplexity"],
+                "eval_after": e["perplexity"],
+                "kl_after": e["kl_mean"],
+                "teacher_perplexity": e["source_perplexity"],
             }
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)

@@ -54,9 +54,9 @@ VARIANTS = {
 
 def score(model_dir: Path, texts: Path) -> dict:
     """{text: {ppl, src, kl}} against the source, on the first 4096 tokens of each text."""
-    from attnkit.commands.analyse.evaluate import evaluate
     from attnkit.runtime import load_model
     from attnkit.runtime.texts import make_windows, read_texts
+    from attnkit.scoring.perplexity import evaluate
     from tests.realmodel import smollm2_folder
 
     src = load_model(str(smollm2_folder()), device="cpu", dtype="float32")

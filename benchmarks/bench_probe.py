@@ -35,8 +35,8 @@ def _child(mode: str, model_dir: str, seq_len: int, threads: int | None) -> dict
     if threads:
         torch.set_num_threads(threads)
 
-    from attnkit.commands.analyse.probe import probe
     from attnkit.runtime import load_model, make_windows, read_texts
+    from attnkit.scoring.attention_stats import probe
 
     loaded = load_model(model_dir, device="cpu", dtype="float32")
     ids = make_windows(loaded.tokenizer, read_texts([str(p) for p in TEXTS]), seq_len, seq_len)  # [1, T]
@@ -108,7 +108,7 @@ def main() -> None:
         [
             "`python benchmarks/bench_probe.py --write docs/benchmarks.md`: SmolLM2-135M-Instruct, fp32, CPU, batch 1, "
             "one window per run (text: tests/data/prose). *forward* is a plain `model(ids)` with the default sdpa "
-            "attention and full logits; *probe* is `attnkit.commands.analyse.probe.probe` on the same tokens (the same sdpa "
+            "attention and full logits; *probe* is `attnkit.scoring.attention_stats.probe` on the same tokens (the same sdpa "
             "forward plus the blockwise statistics pass and the chunked final-logit statistics). Best of "
             f"{args.repeat} fresh-process runs each; *extra* = peak RSS minus RSS before the run (model loaded).",
             "",

@@ -42,9 +42,9 @@ def sources(work: Path) -> dict[str, Path]:
 
 def max_logit(model: Path, text: Path) -> float:
     """The largest pre-cap attention logit over layers and heads on the first TOKENS tokens of text."""
-    from attnkit.commands.analyse.probe import probe
     from attnkit.runtime import load_model
     from attnkit.runtime.texts import make_windows, read_texts
+    from attnkit.scoring.attention_stats import probe
 
     loaded = load_model(str(model), device="cpu", dtype="float32")
     windows = make_windows(loaded.tokenizer, read_texts([str(text)]), 512, TOKENS)
@@ -52,9 +52,9 @@ def max_logit(model: Path, text: Path) -> float:
 
 
 def perplexities(source: Path, model: Path) -> dict:
-    from attnkit.commands.analyse.evaluate import evaluate
     from attnkit.runtime import load_model
     from attnkit.runtime.texts import make_windows, read_texts
+    from attnkit.scoring.perplexity import evaluate
 
     src = load_model(str(source), device="cpu", dtype="float32")
     out = load_model(str(model), device="cpu", dtype="float32")

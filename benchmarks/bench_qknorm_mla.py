@@ -62,9 +62,9 @@ def convert(source: Path, out: Path, budget: float, search: bool) -> dict:
 
 def score(source: Path, model_dir: Path) -> dict:
     """{text: {ppl, src, kl}} against the source on the first 4096 tokens of each text."""
-    from attnkit.commands.analyse.evaluate import evaluate
     from attnkit.runtime import load_model
     from attnkit.runtime.texts import make_windows, read_texts
+    from attnkit.scoring.perplexity import evaluate
 
     src = load_model(str(source), device="cpu", dtype="float32")
     model = load_model(str(model_dir), device="cpu", dtype="float32")

@@ -66,8 +66,8 @@ def _run(kind: str, kwargs: dict, src: str, out: Path, args) -> dict:
 
 def _score(source, folder: Path, wins) -> dict:
     """Perplexity of source and result, KL(source || result) and top-1 agreement on the held-out windows."""
-    from attnkit.commands.analyse.evaluate import evaluate
     from attnkit.commands.retrofit.common import load
+    from attnkit.scoring.perplexity import evaluate
 
     return evaluate(load(folder, "cpu"), wins, reference=source).to_dict()
 

@@ -86,8 +86,8 @@ def probe_against_forward(model: str, device: str, seq_len: int) -> dict:
     """Step 1, in this process: seconds and peak GPU bytes of probe and of a plain sdpa forward."""
     import torch
 
-    from attnkit.commands.analyse.probe import probe
     from attnkit.runtime import load_model, make_windows, read_texts
+    from attnkit.scoring.attention_stats import probe
 
     loaded = load_model(model, device=device, dtype="auto")
     ids = make_windows(loaded.tokenizer, read_texts(TEXTS), seq_len, seq_len).to(device)  # [1, T]

@@ -88,9 +88,9 @@ def install(model, source_dir: Path, layers: list[dict]) -> None:
 
 
 def score(source: Path, converted: Path) -> dict:
-    from attnkit.commands.analyse.evaluate import evaluate
     from attnkit.runtime import load_model
     from attnkit.runtime.texts import make_windows, read_texts
+    from attnkit.scoring.perplexity import evaluate
 
     manifest = json.loads((converted / "attnkit.json").read_text())
     src = load_model(str(source), device="cpu", dtype="float32")

@@ -136,7 +136,7 @@ def test_paired_difference_on_the_same_items(runner, src, tasks_dir, tmp_path):
 
 
 def test_paired_interval_matches_a_hand_computation():
-    from attnkit.commands.analyse.tasks import Z95, compare_tasks
+    from attnkit.scoring.tasks import Z95, compare_tasks
 
     row = {"task": "t", "metric": "acc", "filter": "none", "stderr": None, "n": 4}
     source = {"rows": [{**row, "value": 0.5}], "items": {"t|acc|none": {0: 1, 1: 0, 2: 1, 3: 0}}}
@@ -194,9 +194,9 @@ def test_the_lm_eval_command_line_runs_attnkit_models(src, tasks_dir, tmp_path):
 def test_bad_task_and_passkey_input_is_refused_before_a_model_loads(
     runner, src, tasks_dir, tmp_path, monkeypatch, args, words
 ):
-    from attnkit.commands.analyse import eval_models
+    from attnkit.commands.analyse import eval as eval_command
 
-    monkeypatch.setattr(eval_models, "open_model", lambda *a, **k: pytest.fail("a model loaded before the checks"))
+    monkeypatch.setattr(eval_command, "open_model", lambda *a, **k: pytest.fail("a model loaded before the checks"))
     (tmp_path / "empty").mkdir()
     argv = ["eval", str(src), *[a.format(tasks=tasks_dir, empty=tmp_path / "empty") for a in args]]
     one_line_error(runner.invoke(app, argv), 2, words)
@@ -217,8 +217,8 @@ def test_without_lm_eval_the_error_names_the_extra(runner, src, monkeypatch):
 def test_passkey_prompts_are_sized_placed_and_start_as_the_tokenizer_starts(src):
     from transformers import AutoTokenizer
 
-    from attnkit.commands.analyse.passkey import ANSWER_TOKENS, FILLER, PasskeySpec, depths, probes
     from attnkit.runtime.texts import prompt_ids
+    from attnkit.scoring.passkey import ANSWER_TOKENS, FILLER, PasskeySpec, depths, probes
 
     tok = AutoTokenizer.from_pretrained(str(src))
     spec = PasskeySpec(lengths=(400, 500), depths=3, trials=2, seed=1)
@@ -342,7 +342,21 @@ def test_heal_reports_teacher_before_and_after(runner, tmp_path, tasks_dir):
             ],
         )
     )
-    tasks = report["eval"]["tasks"]
+    evaluation = report["eval"]
+    tasks, change = evaluation["tasks"], evaluation["change"]["tasks"]
+    # the shared block: the teacher is the source, the healed student the result; `before` is the same block
+    assert tasks["source"]["rows"] and change["before"]["rows"] and tasks["result"]["rows"]
+    assert evaluation["before"]["tasks"]["result"] == change["before"]
+    assert evaluation["before"]["tasks"]["source"] == tasks["source"]  # against the same teacher scores
+    assert {r["metric"] for r in change["comparison"]} == {r["metric"] for r in tasks["comparison"]}
+    assert [r["length"] for r in evaluation["passkey"]["comparison"]] == [300]
+    assert [r["length"] for r in evaluation["change"]["passkey"]["comparison"]] == [300]
+    # the keys of the last release, kept for one more
     assert tasks["teacher"]["rows"] and tasks["before"]["rows"] and tasks["after"]["rows"]
     assert {r["metric"] for r in tasks["comparison"]} == {r["metric"] for r in tasks["against_teacher"]}
-    assert [r["length"] for r in report["eval"]["passkey"]["comparison"]] == [300]
+    assert (tasks["teacher"], tasks["before"], tasks["after"], tasks["against_teacher"]) == (
+        tasks["source"],
+        change["before"],
+        tasks["result"],
+        tasks["comparison"],
+    )

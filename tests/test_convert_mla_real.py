@@ -9,6 +9,7 @@ import pytest
 from attnkit.commands.convert.mla import MLARequest, convert_mla
 from attnkit.ops.mla import MLAOptions
 from attnkit.runtime.generate import cache_check
+from attnkit.scoring.options import EvalOptions
 from tests.realmodel import smollm2_folder
 
 PROSE = Path(__file__).parent / "data" / "prose"
@@ -22,9 +23,7 @@ def _convert(out: Path, options: MLAOptions, sequential: bool = True) -> dict:
         calib=[str(PROSE / "calib.txt")],
         calib_tokens=256,
         calib_seq_len=256,
-        eval=[str(PROSE / "heldout.txt")],
-        eval_tokens=256,
-        eval_seq_len=256,
+        scoring=EvalOptions(files=(str(PROSE / "heldout.txt"),), tokens=256, seq_len=256),
         sequential=sequential,
         options=options,
         device="cpu",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnkit.cli import app
-from attnkit.commands.analyse.evaluate import evaluate
+from attnkit.scoring.perplexity import evaluate
 from tests.helpers import PROSE, char_tokenizer
 from tests.tiny import build_model
 
@@ -125,11 +125,12 @@ def test_eval_and_probe_count_the_same_tokens_and_take_both_dtype_spellings(tiny
 
 @pytest.mark.parametrize("command", ["eval", "probe"])
 def test_every_model_and_option_is_checked_before_one_loads(tiny, runner, tmp_path, monkeypatch, command):
-    from attnkit.commands.analyse import eval_models, probe
+    from attnkit.commands.analyse import eval as eval_command
+    from attnkit.commands.analyse import probe
 
     model = char_tokenizer(tiny("llama_gqa"))
     (tmp_path / "t.txt").write_text(PROSE * 3)
-    for module in (eval_models, probe):
+    for module in (eval_command, probe):
         monkeypatch.setattr(module, "open_model", lambda *a, **k: pytest.fail("a model was loaded before the checks"))
     second = ["--reference", str(tmp_path / "nope")] if command == "eval" else [str(tmp_path / "nope")]
     out = runner.invoke(app, [command, str(model), *second, str(tmp_path / "t.txt")])

@@ -18,6 +18,7 @@ from attnkit.commands.heal.heal import heal
 from attnkit.commands.heal.loop import Interrupted, LoopConfig, batch_indices, lr_at
 from attnkit.commands.heal.request import HealRequest
 from attnkit.io.safetensors_header import read_headers
+from attnkit.scoring.options import EvalOptions
 from tests.helpers import PROSE, char_tokenizer, modules_after
 from tests.tiny import build_model, save_model
 
@@ -103,6 +104,51 @@ def test_heal_writes_the_students_layout_and_a_manifest(runner, pair, tmp_path):
     assert v["after"]["kl_mean"] < v["before"]["kl_mean"]
     assert e["after"]["kl_mean"] < e["before"]["kl_mean"] and e["tokens"] == 4 * 64 and e["predicted"] == 4 * 63
     assert not Path(str(out) + ".checkpoint").exists()  # removed once OUT is written
+
+
+def test_heal_scores_before_and_after_with_the_keys_of_every_rewrite_report(runner, pair, tmp_path):
+    """heal's "eval" is the shared comparison's block (the teacher the source, the healed student the result),
+    `before` the same block for the student as loaded; the keys of the last release are still written."""
+    from attnkit.scoring.comparison import EVAL_KEYS
+
+    teacher, student, data = pair
+    out = tmp_path / "out"
+    prompt = "The harbour"
+    args = ("--eval", str(data), "--eval-seq-len", "64", "--eval-tokens", "256", "--sample-prompt", prompt)
+    result = _heal(runner, pair, out, *args)
+    assert result.exit_code == 0, result.output
+    e = json.loads(result.stdout)["eval"]
+    assert list(e)[: len(EVAL_KEYS)] == list(EVAL_KEYS) and list(e["before"]) == list(EVAL_KEYS)
+    before = e["before"]
+    assert e["files"] == before["files"] == [str(data)] and e["tokens"] == before["tokens"] == 4 * 64
+    assert e["source_perplexity"] == pytest.approx(before["source_perplexity"], rel=1e-6)  # the teacher's, twice
+    assert e["kl_mean"] < before["kl_mean"] and 0 <= e["top1_agreement"] <= 1
+    assert [s["prompt"] for s in e["samples"]] == [s["prompt"] for s in before["samples"]] == [prompt]
+    assert e["samples"][0]["source"] == before["samples"][0]["source"]  # the teacher's greedy continuation
+    assert e["tasks"] is None and e["passkey"] is None and e["change"] == {"tasks": None, "passkey": None}
+    # deprecated, written for one more release
+    assert e["teacher_perplexity"] == e["source_perplexity"]
+    assert e["after"] == {k: e[k] for k in ("perplexity", "kl_mean", "kl_max", "top1_agreement")}
+    manifest = json.loads((out / "attnkit.json").read_text())
+    assert manifest["eval"] == e
+
+
+def test_teacher_tokens_and_its_deprecated_name(runner, pair, tmp_path):
+    """--teacher-tokens sets the teacher-written tokens; --sample-tokens, its old name, still does (with a note)
+    for one release; both at once are refused."""
+    teacher, student, _ = pair
+    common = ["heal", str(student), str(tmp_path / "out"), "--teacher", str(teacher), "--dry-run"]
+    common += ["--sample-cache", str(tmp_path / "cache"), "--format", "json"]
+    new = runner.invoke(app, [*common, "--teacher-tokens", "3k"])
+    assert new.exit_code == 0, new.output
+    assert json.loads(new.stdout)["data"]["tokens_requested"] == 3 * 1024 and "deprecated" not in new.stderr
+    old = runner.invoke(app, [*common, "--sample-tokens", "3k"])
+    assert old.exit_code == 0, old.output
+    assert json.loads(old.stdout)["data"] == json.loads(new.stdout)["data"]
+    assert "--sample-tokens is deprecated" in old.stderr
+    both = runner.invoke(app, [*common, "--sample-tokens", "3k", "--teacher-tokens", "3k"])
+    assert both.exit_code == 2 and "not both" in both.output
+    assert "--sample-tokens" not in runner.invoke(app, ["heal", "--help"]).stdout
 
 
 def test_rewritten_parameters_are_the_changed_attention_tensors():
@@ -435,11 +481,12 @@ def test_teacher_text_takes_at_most_half_of_max_time(pair, tmp_path, monkeypatch
     a time budget asks for by default, and training gets the rest."""
     import attnkit.commands.heal.heal as heal_module
     import attnkit.commands.heal.loop as loop
+    import attnkit.commands.heal.plan as plan
     import attnkit.commands.heal.samples as samples
 
     clock = FakeClock()
-    monkeypatch.setattr(heal_module, "time", clock)
-    monkeypatch.setattr(loop, "time", clock)
+    for module in (heal_module, plan, loop):
+        monkeypatch.setattr(module, "time", clock)
     generate, distill = samples._generate, loop.distill_loss
 
     def slow_batch(*args, **kwargs):
@@ -544,7 +591,7 @@ def test_training_is_a_line_of_the_one_progress_display(pair, tmp_path):
 
     buffer = io.StringIO()
     with progress.display(lambda: Console(file=buffer, force_terminal=True, width=160), force=True):
-        heal(_request(pair, tmp_path / "out", eval=[str(pair[2])], eval_tokens=64, eval_seq_len=32))
+        heal(_request(pair, tmp_path / "out", scoring=EvalOptions(files=(str(pair[2]),), tokens=64, seq_len=32)))
     text = buffer.getvalue()
     assert "training" in text and "2048/2048" in text and "tok/s, loss" in text
     assert "scoring 2 window(s) x 32 tokens against the reference" in text

@@ -190,23 +190,24 @@ def test_a_cache_path_that_is_a_file_is_refused_before_dequantizing(runner, tmp_
     ],
 )
 def test_options_are_checked_before_the_model_loads(runner, src, text, monkeypatch, args, words):
-    from attnkit.commands.analyse import eval_models, probe
+    from attnkit.commands.analyse import eval as eval_command
+    from attnkit.commands.analyse import probe
 
-    for module in (eval_models, probe):
+    for module in (eval_command, probe):
         monkeypatch.setattr(module, "open_model", lambda *a, **k: pytest.fail("a model loaded before the checks"))
     result = runner.invoke(app, [a.format(src=src, text=text) for a in args])
     one_line_error(result, 2, words)
 
 
 def test_a_heal_jsonl_of_the_wrong_shape_is_refused_before_the_models_load(runner, tmp_path, monkeypatch):
-    from attnkit.commands.heal import heal
+    from attnkit.commands.heal import models
 
     teacher = tiny_source(tmp_path, "llama")
     student = tmp_path / "student"
     assert runner.invoke(app, ["convert", "mqa", str(teacher), str(student)]).exit_code == 0
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps({"text": PROSE * 40}) + "\n" + json.dumps({"body": "no text field"}) + "\n")
-    monkeypatch.setattr(heal, "_load_models", lambda *a, **k: pytest.fail("models loaded before the data check"))
+    monkeypatch.setattr(models, "load_models", lambda *a, **k: pytest.fail("models loaded before the data check"))
     result = runner.invoke(
         app,
         [

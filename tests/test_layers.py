@@ -1,5 +1,7 @@
-"""Imports point one way: cli -> commands -> runtime, engines -> ops, io -> archs -> the base modules. No package
-imports one at its own level or above (so there are no cycles), function-level imports included."""
+"""Imports point one way: cli -> commands -> scoring -> runtime, engines -> ops, io -> archs -> the base modules. No
+package imports one at its own level or above (so there are no cycles), function-level imports included. Inside
+commands/, no command imports another command's modules: what two commands share lives in a lower layer (scoring)
+or in the write path's own modules (commands/rewrite.py, source.py, write.py)."""
 
 from __future__ import annotations
 
@@ -21,12 +23,16 @@ LAYERS = {
     "param_count": 3,
     "runtime": 4,
     "engines": 4,
-    "commands": 5,
-    "cli": 6,
-    "api": 6,
-    "__init__": 7,
-    "__main__": 7,
+    "scoring": 5,
+    "commands": 6,
+    "cli": 7,
+    "api": 7,
+    "__init__": 8,
+    "__main__": 8,
 }
+#: The modules of commands/ that every writing command shares (requests and their checks, the source opener, the
+#: write path); every other name under commands/ is a command (a package such as analyse, or a module: export).
+WRITE_PATH = {"rewrite", "source", "write"}
 
 
 def _package(module: str) -> str:
@@ -43,8 +49,8 @@ def _imports(path: Path) -> set[str]:
                 found |= {
                     "attnkit.errors" if alias.name == "__version__" else f"attnkit.{alias.name}" for alias in node.names
                 }
-            else:
-                found.add(node.module)
+            else:  # the module, and each name as a submodule (from attnkit.commands import heal)
+                found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
         elif isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name.startswith("attnkit.")}
     return found
@@ -69,3 +75,27 @@ def test_imports_point_down():
             if target != source and LAYERS[target] >= LAYERS[source]:
                 upward.append(f"{rel}: {module}")
     assert upward == []
+
+
+def _command(module: str) -> str | None:
+    """attnkit.commands.heal.loop -> heal; attnkit.commands.export -> export; None outside commands/."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["attnkit", "commands"] else None
+
+
+def test_no_command_imports_another_commands_modules():
+    """A module of one command (e.g. commands/heal/heal.py) imports its own command's modules, the write path's
+    (WRITE_PATH) and lower layers; never another command's (e.g. attnkit.commands.analyse.*, which the writers
+    imported to score a rewrite). The write path's modules import no command at all."""
+    crossing = []
+    for path in sorted((ROOT / "commands").rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        own = _command(".".join(rel.parts))
+        if own is None:  # commands/__init__.py
+            continue
+        for module in _imports(path):
+            target = _command(module)
+            if target is None or target in WRITE_PATH or target == own:
+                continue
+            crossing.append(f"{rel}: {module}")
+    assert crossing == []

@@ -150,8 +150,8 @@ def test_a_failed_write_leaves_the_old_file_whole(tmp_path):
 def test_probe_table_on_a_full_disk_keeps_the_previous_table(tmp_path, monkeypatch):
     import pandas as pd
 
-    from attnkit.commands.analyse.probe import ProbeResult
     from attnkit.commands.analyse.probe_report import write_table
+    from attnkit.scoring.attention_stats import ProbeResult
 
     path = tmp_path / "stats.csv"
     path.write_text("previous\n")

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from attnkit.cli import app
-from attnkit.commands.analyse.probe import probe
 from attnkit.commands.analyse.probe_rules import parse_rule
 from attnkit.errors import UsageError
 from attnkit.runtime.hook import attention_hook
+from attnkit.scoring.attention_stats import probe
 from tests.helpers import PROSE, char_tokenizer
 from tests.tiny import build_model
 
@@ -225,9 +225,9 @@ def test_probe_smollm2_matches_manual_head():
 def test_plot_uses_one_colour_scale_and_marks_the_fail_if_bound(tmp_path, monkeypatch):
     import matplotlib.figure
 
-    from attnkit.commands.analyse.probe import ProbeResult
     from attnkit.commands.analyse.probe_report import plot
     from attnkit.commands.analyse.probe_rules import max_logit_limit, parse_rule
+    from attnkit.scoring.attention_stats import ProbeResult
 
     def result(name, scale):
         heads = [

@@ -80,7 +80,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Perplexity on text windows (with --reference: KL(ref || model) and top-1 agreement), task accuracy
         through lm-eval (--tasks) and pass-key retrieval (--passkey), the reference beside the model."""
-        from attnkit.commands.analyse.eval_models import EvalRequest, run_eval
+        from attnkit.commands.analyse.eval import EvalRequest, run_eval
 
         spec = capability_spec(
             tasks, tasks_dir, num_fewshot, limit, passkey, depths, trials, seed, passkey_variant, batch_size

@@ -8,8 +8,8 @@ from typing import List, Optional
 import typer
 
 from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, print_notes, stderr
-from attnkit.cli.output import Column, render, render_capability
-from attnkit.cli.shared import CAPABILITY, DEVICE, EVAL, request_fields, writes
+from attnkit.cli.output import Column, render, render_capability, render_rewrite_scores
+from attnkit.cli.shared import CAPABILITY, DEVICE, EVAL, SAMPLES, request_fields, writes
 from attnkit.units import human_bytes
 
 
@@ -27,10 +27,10 @@ def _caption(report: dict) -> str:
         f"validation KL {v['before']['kl_mean']:.4f} -> {v['after']['kl_mean']:.4f}"
     )
     e = report.get("eval")
-    if e and e.get("before"):
+    if e and e.get("perplexity") is not None:
         text += (
-            f"; --eval perplexity {e['before']['perplexity']:.3f} -> {e['after']['perplexity']:.3f} "
-            f"(teacher {e['teacher_perplexity']:.3f}), KL {e['before']['kl_mean']:.4f} -> {e['after']['kl_mean']:.4f}"
+            f"; --eval perplexity {e['before']['perplexity']:.3f} -> {e['perplexity']:.3f} "
+            f"(teacher {e['source_perplexity']:.3f}), KL {e['before']['kl_mean']:.4f} -> {e['kl_mean']:.4f}"
         )
     return text + f"; wrote {report['output']}"
 
@@ -45,7 +45,9 @@ def register(app: typer.Typer) -> None:
         ),
     )
     @handle_errors
-    @writes(EVAL, CAPABILITY, DEVICE, model_help="The rewritten model (e.g. a convert or retrofit output folder).")
+    @writes(
+        EVAL, SAMPLES, CAPABILITY, DEVICE, model_help="The rewritten model (e.g. a convert or retrofit output folder)."
+    )
     def heal_(
         teacher: str = typer.Option(..., "--teacher", "-t", help="The source model the student was rewritten from."),
         data: List[str] = typer.Option(
@@ -101,8 +103,11 @@ def register(app: typer.Typer) -> None:
             None, "--checkpoint-dir", help="Checkpoint folder (OUT.checkpoint)."
         ),
         resume: bool = typer.Option(False, "--resume", help="Continue the run saved in the checkpoint folder."),
-        sample_tokens: Optional[str] = typer.Option(
-            None, "--sample-tokens", help="Teacher-written tokens when no --data (default: the budget)."
+        teacher_tokens: Optional[str] = typer.Option(
+            None, "--teacher-tokens", help="Teacher-written training tokens when no --data (default: the budget)."
+        ),
+        old_teacher_tokens: Optional[str] = typer.Option(
+            None, "--sample-tokens", hidden=True, help="Deprecated name of --teacher-tokens."
         ),
         sample_cache: Optional[Path] = typer.Option(
             None, "--sample-cache", help="Where teacher-written text is cached."
@@ -120,6 +125,8 @@ def register(app: typer.Typer) -> None:
         from attnkit.commands.heal.heal import heal
         from attnkit.commands.heal.request import HealRequest, parse_duration
         from attnkit.units import parse_tokens
+
+        teacher_tokens = _teacher_tokens(teacher_tokens, old_teacher_tokens)
 
         req = HealRequest(
             **request_fields(shared),
@@ -148,7 +155,7 @@ def register(app: typer.Typer) -> None:
             checkpoint_every=checkpoint_every,
             checkpoint_dir=checkpoint_dir,
             resume=resume,
-            sample_tokens=parse_tokens(sample_tokens) if sample_tokens is not None else None,
+            teacher_tokens=parse_tokens(teacher_tokens) if teacher_tokens is not None else None,
             sample_cache=sample_cache,
             gradient_checkpointing=gradient_checkpointing,
             seed=seed,
@@ -189,7 +196,21 @@ def register(app: typer.Typer) -> None:
             json_obj=report,
             caption=_caption(report),
         )
-        render_capability(report.get("eval"), fmt, ("after", "before"))
+        if report["eval"]:  # greedy samples, tasks and pass keys against the teacher; what training changed
+            render_rewrite_scores(report["eval"], fmt)
+            render_capability(report["eval"]["change"], fmt, ("after", "before"))
+
+
+def _teacher_tokens(given: str | None, old: str | None) -> str | None:
+    """--teacher-tokens, or its deprecated name --sample-tokens (said so on stderr; kept for one release)."""
+    from attnkit.errors import UsageError
+
+    if old is None:
+        return given
+    if given is not None:
+        raise UsageError("give --teacher-tokens (--sample-tokens is its deprecated name), not both")
+    print_notes(notes=["--sample-tokens is deprecated: it is called --teacher-tokens now"])
+    return old
 
 
 def _num_s(v) -> str:

@@ -141,7 +141,7 @@ def _signed(v) -> str:
 
 
 def render_capability(section: dict | None, fmt: OutputFormat, names: tuple[str, str]) -> None:
-    """The task-accuracy and pass-key tables of a report (attnkit.commands.analyse.capability.side_by_side), in
+    """The task-accuracy and pass-key tables of a report (attnkit.scoring.capability.side_by_side), in
     table and Markdown output: `names` are the keys of the model measured and of the one it is measured against
     (("model", "reference") in eval, ("result", "source") in rewrite reports)."""
     if not section or fmt not in (OutputFormat.table, OutputFormat.markdown):

@@ -2,9 +2,10 @@
 
 Every command that writes a checkpoint (convert, retrofit, heal, export) gets MODEL and OUT first and the
 output options last (--max-shard-size, --overwrite, --dry-run), plus the groups it asks for: DEVICE,
-CALIB (calibration text), EVAL (evaluation text) and SAMPLES (greedy samples). The decorator `writes` adds them
-to the command's signature and hands their values to it as one mapping, `shared`; `request_fields` turns that
-mapping into the keyword arguments of attnkit.commands.rewrite's requests.
+CALIB (calibration text), EVAL (evaluation text), SAMPLES (greedy samples) and CAPABILITY (tasks, pass keys). The
+decorator `writes` adds them to the command's signature and hands their values to it as one mapping, `shared`;
+`request_fields` turns that mapping into the keyword arguments of attnkit.commands.rewrite's requests (the scoring
+groups into one attnkit.scoring.options.EvalOptions).
 """
 
 from __future__ import annotations
@@ -98,10 +99,10 @@ def capability_spec(
     batch_size: int = 1,
 ):
     """The CapabilitySpec of comma-separated --tasks and --passkey lengths (e.g. "1k,2k"), None for none."""
-    from attnkit.commands.analyse.capability import CapabilitySpec
-    from attnkit.commands.analyse.passkey import PasskeySpec
-    from attnkit.commands.analyse.tasks import TaskSpec
     from attnkit.errors import UsageError
+    from attnkit.scoring.capability import CapabilitySpec
+    from attnkit.scoring.passkey import PasskeySpec
+    from attnkit.scoring.tasks import TaskSpec
     from attnkit.units import parse_list, parse_tokens
 
     if tasks is None and (tasks_dir is not None or limit is not None or num_fewshot is not None):
@@ -150,8 +151,7 @@ def writes(*groups: dict, model_help: str = MODEL_HELP) -> Callable:
 
 
 def request_fields(shared: dict) -> dict:
-    """The WriteRequest / RewriteRequest keyword arguments of the shared values a command took."""
-    from attnkit.commands.rewrite import DEFAULT_PROMPTS
+    """The WriteRequest / RewriteRequest / HealRequest keyword arguments of the shared values a command took."""
     from attnkit.units import parse_bytes
 
     fields = dict(
@@ -169,13 +169,19 @@ def request_fields(shared: dict) -> dict:
             calib=list(shared["calib"]), calib_tokens=shared["calib_tokens"], calib_seq_len=shared["calib_seq_len"]
         )
     if "eval_files" in shared:
-        fields.update(
-            eval=list(shared["eval_files"]), eval_tokens=shared["eval_tokens"], eval_seq_len=shared["eval_seq_len"]
-        )
-    if "sample_prompts" in shared:
-        fields["sample_prompts"] = list(shared["sample_prompts"]) or list(DEFAULT_PROMPTS)
+        fields["scoring"] = eval_options(shared)
+    return fields
+
+
+def eval_options(shared: dict):
+    """The EvalOptions of the EVAL, SAMPLES and CAPABILITY values a command took (defaults for a group it lacks)."""
+    from attnkit.scoring.options import EvalOptions
+
+    fields = dict(files=tuple(shared["eval_files"]), tokens=shared["eval_tokens"], seq_len=shared["eval_seq_len"])
+    if shared.get("sample_prompts"):
+        fields["sample_prompts"] = tuple(shared["sample_prompts"])
     if "eval_tasks" in shared:
         fields["capability"] = capability_spec(
             shared["eval_tasks"], shared["eval_tasks_dir"], limit=shared["eval_limit"], passkey=shared["eval_passkey"]
         )
-    return fields
+    return EvalOptions(**fields)

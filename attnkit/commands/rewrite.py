@@ -1,21 +1,22 @@
 """What every command that writes a checkpoint takes (WriteRequest: export, heal; RewriteRequest: convert and
-retrofit, which also calibrate and score), and the checks those options get before anything is resolved or
-loaded."""
+retrofit, which also calibrate and score: attnkit.scoring.options.EvalOptions), and the checks those options get
+before anything is resolved or loaded."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from attnkit.commands.analyse.capability import CapabilitySpec, check_capability
 from attnkit.errors import UsageError
 from attnkit.io.writer import OutputDir
 from attnkit.runtime.loader import resolve_device
 from attnkit.runtime.texts import check_text_files, check_window_options, make_windows, read_texts
+from attnkit.scoring.capability import check_capability
+from attnkit.scoring.options import EvalOptions, check_eval_options
 from attnkit.units import MAX_TOKENS, check_bounds
 
-#: Prompt of the greedy sample when none is given: a fact a small model knows and a damaged one gets wrong.
-DEFAULT_PROMPTS = ("The capital of the United States is",)
+#: The flags that set calib_seq_len and calib_tokens, for the messages.
+CALIB_FLAGS = ("--calib-seq-len", "--calib-tokens")
 
 
 @dataclass(kw_only=True)
@@ -33,22 +34,12 @@ class WriteRequest:
 
 @dataclass(kw_only=True)
 class RewriteRequest(WriteRequest):
-    """A rewrite of the source: calibration text, evaluation text and what the report scores on it."""
+    """A rewrite of the source: calibration text, and what the report scores the result on against its source."""
 
     calib: list[str] = field(default_factory=list)
     calib_tokens: int = 2048
     calib_seq_len: int = 512
-    eval: list[str] = field(default_factory=list)
-    eval_tokens: int | None = 4096
-    eval_seq_len: int = 512
-    sample_prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))  # greedy samples with --eval
-    sample_tokens: int = 16
-    capability: CapabilitySpec = field(default_factory=CapabilitySpec)  # tasks and pass keys of source and result
-
-    @property
-    def scored(self) -> bool:
-        """Whether the report scores the result against its source (--eval text, tasks or pass keys)."""
-        return bool(self.eval) or bool(self.capability)
+    scoring: EvalOptions = field(default_factory=EvalOptions)
 
 
 def local_sources(ref: str) -> list[Path]:
@@ -61,40 +52,32 @@ def local_sources(ref: str) -> list[Path]:
     return []
 
 
-def check_write(req: WriteRequest, inputs: list[str] | None = None) -> None:
+def check_write(req: WriteRequest, inputs: list[str] | None = None):
     """--device exists and OUT can be written: it is absent, an empty folder or (--overwrite) a folder, its parent
-    can hold it, and it neither is, holds nor lies inside a local input (`inputs`: refs, default the model)."""
-    resolve_device(req.device)
+    can hold it, and it neither is, holds nor lies inside a local input (`inputs`: refs, default the model).
+    Returns the device --device names (a torch.device)."""
+    device = resolve_device(req.device)
     if req.max_shard_bytes <= 0:
         raise UsageError(f"--max-shard-size must be positive, got {req.max_shard_bytes}")
     sources = [p for ref in (inputs or [req.model]) for p in local_sources(ref)]
     OutputDir(Path(req.out), overwrite=req.overwrite, sources=sources)  # checks only; creates nothing
+    return device
 
 
 def check_rewrite(req: RewriteRequest) -> None:
-    """check_write, plus: text files are UTF-8 text, token budgets hold a window, and a window has room."""
-    check_text_files([*req.calib, *req.eval])
-    for kind, files, tokens, seq_len in (
-        ("calib", req.calib, req.calib_tokens, req.calib_seq_len),
-        ("eval", req.eval, req.eval_tokens, req.eval_seq_len),
-    ):
-        check_window_options(seq_len, tokens if files else None, (f"--{kind}-seq-len", f"--{kind}-tokens"))
-        if tokens is not None:
-            check_bounds(f"--{kind}-tokens", tokens, 1, MAX_TOKENS)
-    check_bounds("the greedy samples' new tokens", req.sample_tokens, 1, MAX_TOKENS)
+    """check_write, plus: text files are UTF-8 text, token budgets hold a window, a window has room, and the
+    scoring options (attnkit.scoring.options) hold."""
+    check_text_files(req.calib)
+    check_window_options(req.calib_seq_len, req.calib_tokens if req.calib else None, CALIB_FLAGS)
+    check_bounds("--calib-tokens", req.calib_tokens, 1, MAX_TOKENS)
+    check_eval_options(req.scoring)
     check_write(req)
-    check_capability(req.capability, [req.model])
+    check_capability(req.scoring.capability, [req.model])
 
 
 def calib_windows(tokenizer, req: RewriteRequest):
     """The --calib text as windows [N, --calib-seq-len], at most --calib-tokens in all."""
-    return make_windows(
-        tokenizer,
-        read_texts(req.calib),
-        req.calib_seq_len,
-        req.calib_tokens,
-        flags=("--calib-seq-len", "--calib-tokens"),
-    )
+    return make_windows(tokenizer, read_texts(req.calib), req.calib_seq_len, req.calib_tokens, flags=CALIB_FLAGS)
 
 
 def calib_info(req: RewriteRequest, windows, **extra) -> dict:
@@ -106,10 +89,3 @@ def calib_info(req: RewriteRequest, windows, **extra) -> dict:
         "seq_len": int(windows.shape[1]),
         **extra,
     }
-
-
-def eval_windows(tokenizer, req: RewriteRequest):
-    """The --eval text as windows [N, --eval-seq-len], at most --eval-tokens in all."""
-    return make_windows(
-        tokenizer, read_texts(req.eval), req.eval_seq_len, req.eval_tokens, flags=("--eval-seq-len", "--eval-tokens")
-    )

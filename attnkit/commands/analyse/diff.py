@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from attnkit.commands.analyse.probe import probe
 from attnkit.commands.source import open_source
 from attnkit.errors import AttnkitError
 from attnkit.io.reader import LazyReader
@@ -21,6 +20,7 @@ from attnkit.progress import phase
 from attnkit.runtime import load_model, make_windows, read_texts
 from attnkit.runtime.loader import dtype_name, resolve_device
 from attnkit.runtime.texts import check_text_files
+from attnkit.scoring.attention_stats import probe
 
 #: Per-head probe fields compared; a row holds each for A and B and their difference B - A.
 PROBE_FIELDS = ("max_logit", "logz_mean", "entropy_mean")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from attnkit.errors import ThresholdError, UsageError
 
 if TYPE_CHECKING:
-    from attnkit.commands.analyse.probe import ProbeResult
+    from attnkit.scoring.attention_stats import ProbeResult
 
 #: Per-head metrics a --fail-if rule may test (entropy_min: the head's mean entropy, tested on every head).
 HEAD_METRICS = {

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from attnkit.archs.tensors import role_shape
 from attnkit.commands.convert.gqa_layer import attention_key_covariance, reference_attention_ok, refit_output
 from attnkit.commands.convert.layer_spill import LayerSpill
-from attnkit.commands.quality import score_rewrite
 from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows, check_rewrite
 from attnkit.commands.source import Source, open_source
 from attnkit.commands.write import write_checkpoint
@@ -41,6 +40,7 @@ from attnkit.ops.gqa import (
 from attnkit.progress import phase
 from attnkit.runtime.calibrate import attention_module_name, calibrate, input_covariance
 from attnkit.runtime.streaming import load_for_calibration
+from attnkit.scoring.comparison import compare_checkpoints
 
 ROLE_ORDER = ("q", "q_bias", "k", "k_bias", "v", "v_bias", "qkv", "qkv_bias", "o", "k_norm")
 
@@ -263,7 +263,7 @@ def _layer_rows(plans: list) -> list[dict]:
 
 
 def _loads_with_kv_heads(groups: int):
-    """extra(result) for score_rewrite: the written model loads with `groups` KV heads."""
+    """extra(result) for compare_checkpoints: the written model loads with `groups` KV heads."""
 
     def check(result) -> dict:
         heads = result.model.config.num_key_value_heads
@@ -347,7 +347,9 @@ def _calibrate_and_write(req: ConvertRequest, src: GQASource, report: dict, spil
 
     def score(folder) -> dict:
         log("evaluating source and result")
-        report["eval"] = score_rewrite(req, src.root, folder, extra=_loads_with_kv_heads(req.kv_heads))["eval"]
+        report["eval"] = compare_checkpoints(
+            req.scoring, src.root, folder, req.device, extra=_loads_with_kv_heads(req.kv_heads)
+        )["eval"]
         return {"eval": report["eval"]}
 
     write_checkpoint(
@@ -357,5 +359,5 @@ def _calibrate_and_write(req: ConvertRequest, src: GQASource, report: dict, spil
         config=_config(src, req.kv_heads),
         weights=weights,
         body=lambda: {k: report[k] for k in ("method", "parameters", "calibration", "error_basis", "layers")},
-        score=score if req.scored else None,
+        score=score if req.scoring else None,
     )

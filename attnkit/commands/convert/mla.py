@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from attnkit.commands.convert.layer_spill import LayerSpill
 from attnkit.commands.convert.mla_layer import convert_one, refit_o_proj, without_o_bias
 from attnkit.commands.convert.mla_target import expected_shapes, target_config
-from attnkit.commands.quality import score_rewrite
 from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows, check_rewrite
 from attnkit.commands.source import Source, open_source
 from attnkit.commands.write import write_checkpoint
@@ -35,6 +34,7 @@ from attnkit.runtime.attention import replace_output_once
 from attnkit.runtime.calibrate import attention_module_name, calibrate
 from attnkit.runtime.generate import cache_check
 from attnkit.runtime.streaming import load_for_calibration
+from attnkit.scoring.comparison import compare_checkpoints
 from attnkit.units import check_bounds
 
 #: Families whose attention maps onto DeepseekV3 (the rest are refused with the reason in REFUSED).
@@ -537,8 +537,8 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
 
     def score(folder) -> dict:
         log("scoring source and result on the --eval text ...")
-        report["eval"] = score_rewrite(
-            req, src.root, folder, extra=lambda result: {"cache": cache_check(result.model)}
+        report["eval"] = compare_checkpoints(
+            req.scoring, src.root, folder, req.device, extra=lambda result: {"cache": cache_check(result.model)}
         )["eval"]
         return {"eval": report["eval"]}
 
@@ -551,7 +551,7 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
         body=lambda: {
             k: report[k] for k in ("parameters", "calibration", "kv_bytes_per_token", "layers", "notes", "warnings")
         },
-        score=score if req.scored else None,
+        score=score if req.scoring else None,
     )
     report["seconds"] = time.perf_counter() - started
     return report

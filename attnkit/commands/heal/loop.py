@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from attnkit.commands.analyse.evaluate import evaluate
 from attnkit.commands.heal import sharding
 from attnkit.commands.heal.loss import attention_capture, distill_loss
 from attnkit.commands.heal.topk import topk_kl
 from attnkit.errors import AttnkitError, Terminated, UsageError
+from attnkit.scoring.perplexity import evaluate
 
 
 class Interrupted(AttnkitError):

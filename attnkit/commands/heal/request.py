@@ -6,10 +6,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from attnkit.commands.analyse.capability import CapabilitySpec
 from attnkit.commands.rewrite import WriteRequest
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.runtime.texts import check_text_files
+from attnkit.scoring.options import EvalOptions, check_eval_options
 from attnkit.units import MAX_COUNT, MAX_TOKENS, check_bounds
 
 TRAIN_CHOICES = ("rewritten", "all")
@@ -25,15 +25,14 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|min|h)?\s*$", re.IGNORECASE)
 
 @dataclass(kw_only=True)
 class HealRequest(WriteRequest):
-    """The student (`model`), teacher and output; data; budget; what trains and how; checkpoints."""
+    """The student (`model`), teacher and output; data; budget; what trains and how; checkpoints; what the report
+    scores before and after training (`scoring`, as every rewrite's report does)."""
 
     teacher: str
     data: list[str] = field(default_factory=list)
     tokens: int | None = None
     max_time: float | None = None  # seconds for the whole command (loading, data, training, scoring)
-    eval: list[str] = field(default_factory=list)
-    eval_tokens: int | None = 4096
-    eval_seq_len: int = 512
+    scoring: EvalOptions = field(default_factory=EvalOptions)  # --eval text, samples, tasks, pass keys
     eval_curve: bool = False  # also score --eval at every validation (reported only)
     train: str = "rewritten"
     lora_rank: int = 0
@@ -54,12 +53,11 @@ class HealRequest(WriteRequest):
     checkpoint_every: int = 50
     checkpoint_dir: Path | None = None
     resume: bool = False
-    sample_tokens: int | None = None
+    teacher_tokens: int | None = None  # teacher-written training tokens when no --data
     sample_cache: Path | None = None
     gradient_checkpointing: bool = False
     fsdp: bool = False  # shard the student's weights, gradients and optimizer state over the processes (FSDP2)
     seed: int = 0
-    capability: CapabilitySpec = field(default_factory=CapabilitySpec)  # tasks, pass keys: teacher, before, after
 
     @property
     def budget_tokens(self) -> int | None:
@@ -80,8 +78,8 @@ class HealRequest(WriteRequest):
 
     @property
     def samples_needed(self) -> int:
-        """Teacher-written tokens to train on when no --data is given (--sample-tokens, else the token budget)."""
-        return self.sample_tokens or self.budget_tokens or DEFAULT_TOKENS
+        """Teacher-written tokens to train on when no --data is given (--teacher-tokens, else the token budget)."""
+        return self.teacher_tokens or self.budget_tokens or DEFAULT_TOKENS
 
 
 def parse_duration(text: str) -> float:
@@ -102,94 +100,79 @@ def processes() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+#: Number options: flag -> (request field, lowest, highest); None: unbounded (still finite), POSITIVE: above 0.
+#: A field that is None (not given) is not checked.
+POSITIVE = "positive"
+BOUNDS = {
+    "--top-k": ("top_k", 1, MAX_TOP_K),
+    "--batch-size": ("batch_size", POSITIVE, MAX_COUNT),
+    "--micro-batch-size": ("micro_batch_size", POSITIVE, MAX_COUNT),
+    "--val-tokens": ("val_tokens", POSITIVE, MAX_TOKENS),
+    "--eval-every": ("eval_every", POSITIVE, MAX_COUNT),
+    "--checkpoint-every": ("checkpoint_every", POSITIVE, MAX_COUNT),
+    "--lr": ("lr", POSITIVE, None),
+    "--tokens": ("tokens", POSITIVE, None),
+    "--teacher-tokens": ("teacher_tokens", POSITIVE, None),
+    "--max-time": ("max_time", POSITIVE, None),
+    "--lora-rank": ("lora_rank", 0, MAX_LORA_RANK),
+    "--warmup-steps": ("warmup_steps", 0, MAX_COUNT),
+    "--patience": ("patience", 0, MAX_COUNT),
+    "--weight-decay": ("weight_decay", 0, None),
+    "--max-grad-norm": ("max_grad_norm", 0, None),
+    "--attn-loss": ("attn_loss", 0, None),
+    "--seed": ("seed", 0, MAX_COUNT),
+    "--seq-len": ("seq_len", 2, MAX_TOKENS),
+}
+#: Options that take one of a few words: flag -> (request field, the words).
+CHOICES = {"--train": ("train", TRAIN_CHOICES), "--teacher-logits": ("teacher_logits", TEACHER_LOGITS)}
+
+
 def check_options(req: HealRequest) -> None:
     """Every option's value and every input path, before anything is loaded; one-line UsageErrors."""
     if req.tokens is not None and req.max_time is not None:
         raise UsageError("give one budget: --tokens or --max-time, not both")
-    if req.train not in TRAIN_CHOICES:
-        raise UsageError(f"--train must be one of {', '.join(TRAIN_CHOICES)}, got {req.train!r}")
-    if req.teacher_logits not in TEACHER_LOGITS:
-        raise UsageError(f"--teacher-logits must be one of {', '.join(TEACHER_LOGITS)}, got {req.teacher_logits!r}")
-    check_bounds("--top-k", req.top_k, 1, MAX_TOP_K)
+    for flag, (name, words) in CHOICES.items():
+        if getattr(req, name) not in words:
+            raise UsageError(f"{flag} must be one of {', '.join(words)}, got {getattr(req, name)!r}")
+    for flag, (name, low, high) in BOUNDS.items():
+        _check_number(flag, getattr(req, name), low, high)
+    _check_combinations(req)
+    check_eval_options(req.scoring)
+    for path in req.data:
+        check_data_path(Path(path))
+    check_text_files([p for p in req.data if Path(p).suffix.lower() in (".txt", ".jsonl")])
+    if req.resume and not (req.checkpoint_folder / "run.json").is_file():
+        raise UsageError(f"--resume: {req.checkpoint_folder} holds no heal checkpoint (run.json)")
+
+
+def _check_number(flag: str, value, low, high) -> None:
+    """One BOUNDS row: finite and within its bounds (check_bounds), or above 0 for POSITIVE."""
+    if value is None:
+        return
+    check_bounds(flag, value, None if low == POSITIVE else low, high)
+    if low == POSITIVE and not value > 0:
+        raise UsageError(f"{flag} must be positive, got {value}")
+
+
+def _check_combinations(req: HealRequest) -> None:
+    """Options that are each valid but not together."""
     if req.teacher_logits == "top-k" and req.attn_loss > 0:
         raise UsageError("--attn-loss compares attention with the teacher's, which --teacher-logits top-k does not run")
-    if req.fsdp:
-        world = processes()
-        if world < 2:
-            raise UsageError(
-                "--fsdp shards the student over processes and this run has 1; launch it with "
-                "torchrun --nproc-per-node N or accelerate launch --num_processes N"
-            )
-    positive = {
-        "--batch-size": req.batch_size,
-        "--micro-batch-size": req.micro_batch_size,
-        "--val-tokens": req.val_tokens,
-        "--eval-every": req.eval_every,
-        "--checkpoint-every": req.checkpoint_every,
-    }
-    optional = (
-        ("--lr", req.lr),
-        ("--tokens", req.tokens),
-        ("--sample-tokens", req.sample_tokens),
-        ("--max-time", req.max_time),
-    )
-    positive.update({flag: v for flag, v in optional if v is not None})
-    for flag, value in positive.items():
-        check_bounds(flag, value)
-        if not value > 0:
-            raise UsageError(f"{flag} must be positive, got {value}")
-    non_negative = {
-        "--lora-rank": req.lora_rank,
-        "--warmup-steps": req.warmup_steps,
-        "--patience": req.patience,
-        "--weight-decay": req.weight_decay,
-        "--max-grad-norm": req.max_grad_norm,
-        "--attn-loss": req.attn_loss,
-        "--seed": req.seed,
-    }
-    for flag, value in non_negative.items():
-        check_bounds(flag, value, 0)
-    counts = {
-        "--batch-size": req.batch_size,
-        "--micro-batch-size": req.micro_batch_size,
-        "--eval-every": req.eval_every,
-        "--checkpoint-every": req.checkpoint_every,
-        "--warmup-steps": req.warmup_steps,
-        "--patience": req.patience,
-        "--seed": req.seed,
-    }
-    for flag, value in counts.items():
-        check_bounds(flag, value, high=MAX_COUNT)
-    for flag, value in (
-        ("--seq-len", req.seq_len),
-        ("--val-tokens", req.val_tokens),
-        ("--eval-seq-len", req.eval_seq_len),
-    ):
-        check_bounds(flag, value, high=MAX_TOKENS)
-    check_bounds("--lora-rank", req.lora_rank, high=MAX_LORA_RANK)
+    if req.fsdp and processes() < 2:
+        raise UsageError(
+            "--fsdp shards the student over processes and this run has 1; launch it with "
+            "torchrun --nproc-per-node N or accelerate launch --num_processes N"
+        )
     if not 0 <= req.min_lr_ratio <= 1:
         raise UsageError(f"--min-lr-ratio must be in [0, 1], got {req.min_lr_ratio}")
     if req.batch_size % req.micro_batch_size:
         raise UsageError(
             f"--batch-size {req.batch_size} is not a multiple of --micro-batch-size {req.micro_batch_size}"
         )
-    for flag, value in (("--seq-len", req.seq_len), ("--eval-seq-len", req.eval_seq_len)):
-        if value < 2:
-            raise UsageError(f"{flag} must be at least 2, got {value}")
     if req.val_tokens < req.seq_len:
         raise UsageError(f"--val-tokens {req.val_tokens} is shorter than one window (--seq-len {req.seq_len})")
-    if req.eval_curve and not req.eval:
+    if req.eval_curve and not req.scoring.files:
         raise UsageError("--eval-curve needs --eval text")
-    for path in req.eval:
-        if not Path(path).is_file():
-            raise AttnkitError(f"{path}: file not found")
-
-    check_text_files(req.eval)
-    for path in req.data:
-        check_data_path(Path(path))
-    check_text_files([p for p in req.data if Path(p).suffix.lower() in (".txt", ".jsonl")])
-    if req.resume and not (req.checkpoint_folder / "run.json").is_file():
-        raise UsageError(f"--resume: {req.checkpoint_folder} holds no heal checkpoint (run.json)")
 
 
 def check_data_path(path: Path) -> None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from attnkit.commands.quality import score_rewrite
 from attnkit.commands.rewrite import RewriteRequest, check_rewrite
 from attnkit.commands.source import Source, open_source
 from attnkit.io.reader import LazyReader
 from attnkit.progress import phase
 from attnkit.runtime import load_model
+from attnkit.scoring.comparison import compare_checkpoints
 
 
 def check_source(req: RewriteRequest, check: Callable | None = None) -> Source:
@@ -27,11 +27,11 @@ def check_source(req: RewriteRequest, check: Callable | None = None) -> Source:
 def scorer(req: RewriteRequest, src: Source, report: dict) -> Callable | None:
     """With --eval, write_checkpoint's score(folder): the eval scores and both models' probe summaries, put in
     the report and the manifest; None without --eval."""
-    if not req.scored:
+    if not req.scoring:
         return None
 
     def score(folder) -> dict:
-        report.update(score_rewrite(req, src.root, folder, probe=True))
+        report.update(compare_checkpoints(req.scoring, src.root, folder, req.device, probe=True))
         return {"eval": report["eval"], "probe": report["probe"]}
 
     return score

@@ -22,12 +22,12 @@ import sys
 import time
 from dataclasses import dataclass
 
-from attnkit.commands.analyse.probe import probe
 from attnkit.commands.retrofit.common import check_source, load, scorer, stream_weights
 from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.runtime.calibrate import attention_module_name, calibrate
+from attnkit.scoring.attention_stats import probe
 
 
 @dataclass(kw_only=True)

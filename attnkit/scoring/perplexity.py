@@ -1,5 +1,5 @@
 """Perplexity of a model on token windows, and its divergence from a reference model on the same windows: the
-scoring every command shares (eval, rewrite reports, heal)."""
+scoring every command shares (`attnkit eval`, every rewrite's report, heal's validation)."""
 
 from __future__ import annotations
 

@@ -1,26 +1,20 @@
 """`attnkit eval`: what a model scores, beside a reference when one is given. Perplexity on text windows (KL to the
-reference and top-1 agreement), task accuracy through lm-eval and pass-key retrieval at long contexts
-(attnkit.commands.analyse.capability). Everything is checked before the first model loads."""
+reference and top-1 agreement), task accuracy through lm-eval and pass-key retrieval at long contexts, scored by
+attnkit.scoring (perplexity, capability). Everything is checked before the first model loads."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from attnkit.commands.analyse.capability import (
-    CapabilitySpec,
-    check_capability,
-    check_plot,
-    plot_passkey,
-    run_capability,
-    side_by_side,
-)
-from attnkit.commands.analyse.evaluate import evaluate
+from attnkit.commands.analyse.passkey_plot import check_plot, plot_passkey
 from attnkit.errors import UsageError
 from attnkit.runtime import make_windows
 from attnkit.runtime.layerwise import LayerStreamed, check_run_options, open_model
 from attnkit.runtime.loader import check_models
 from attnkit.runtime.texts import check_text_files, check_window_options, read_texts
+from attnkit.scoring.capability import CapabilitySpec, check_capability, run_capability, side_by_side
+from attnkit.scoring.perplexity import evaluate
 from attnkit.units import MAX_COUNT, check_bounds
 
 #: The perplexity fields of the report, null when no text is given.
