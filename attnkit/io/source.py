@@ -26,7 +26,6 @@ from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import Checkpoint, checkpoint_digest
 from attnkit.io.complete import checked_weights
 from attnkit.io.finite import check_finite_files
-from attnkit.io.gguf_load import dequantized
 from attnkit.io.resolve import resolve_weights
 
 
@@ -117,6 +116,8 @@ def open_source(
     registry (False: let them through unchecked beyond their headers, for transformers' own loading report);
     `scan`: scan the weights for NaN and Inf now (False: the caller does, Source.check_finite, or checks what it
     loads); `dequantize`: False leaves a GGUF file as its header describes it (no weight files to read)."""
+    from attnkit.io.gguf_load import dequantized
+
     ckpt = resolve_weights(ref, purpose)
     arch = spec = None
     if registry or not isinstance(ckpt.model_type, str) or ckpt.model_type in supported_model_types():
