@@ -229,8 +229,8 @@ def test_eval_report_carries_greedy_samples_of_source_and_result(runner, tmp_pat
 
 
 def test_manifest_names_a_gguf_source_as_gguf(tmp_path):
-    from attnkit.commands.source import Source
     from attnkit.io.checkpoint import Checkpoint
+    from attnkit.io.source import Source
 
     class Spec:
         model_type = "llama"

@@ -12,10 +12,10 @@ import huggingface_hub
 import pytest
 import torch
 
-from attnkit.commands.source import open_source
 from attnkit.errors import AttnkitError
 from attnkit.io.reader import LazyReader
 from attnkit.io.resolve import resolve
+from attnkit.io.source import open_source
 from tests.tiny import build_model, save_model
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnkit.commands.source import open_source
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import safetensors_files
 from attnkit.io.reader import LazyReader
+from attnkit.io.source import open_source
 from tests.tiny import build_model, save_model
 
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from attnkit.archs import get_arch
 from attnkit.archs.spec import attention_spec
 from attnkit.commands.rewrite import WriteRequest, check_write
-from attnkit.commands.source import open_source
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.gguf_load import gguf_cache_folder
 from attnkit.io.reader import LazyReader
 from attnkit.io.resolve import resolve
+from attnkit.io.source import open_source
 from attnkit.progress import phase
 from attnkit.runtime.loader import dtype_name
 

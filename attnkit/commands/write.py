@@ -8,7 +8,7 @@ the caller may score it (e.g. --eval) before attnkit.json is written; then it is
 error or signal the temp folder is removed and OUT is untouched (attnkit.io.writer.OutputDir).
 
 attnkit.json has one schema for every command (docs/checkpoints.md): attnkit_version, operation (e.g.
-"convert mla"), command (the command line), source (attnkit.commands.source.Source.record), parameters,
+"convert mla"), command (the command line), source (attnkit.io.source.Source.record), parameters,
 warnings, eval (null without scores), then what the operation adds.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from attnkit import __version__
 from attnkit.commands.rewrite import WriteRequest, local_sources
-from attnkit.commands.source import Source
+from attnkit.io.source import Source
 from attnkit.io.writer import OutputDir, ShardedWriter, copy_side_files, verify_output
 
 MANIFEST = "attnkit.json"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
@@ -46,18 +45,6 @@ def resolve(ref: str, *, need_weights: bool = True) -> Checkpoint:
 
         return resolve_hub(ref, need_weights=need_weights)
     raise AttnkitError(f"{ref}: no such file or folder, and not a valid hub id")
-
-
-def open_weights(ref: str, purpose: str, check: Callable[[Checkpoint], None] | None = None) -> Checkpoint:
-    """The one way a command opens a model reference to read or run its weights: resolve_weights, then
-    `check(checkpoint)` (the caller's refusals, on a GGUF file's header before anything is dequantized), then a
-    GGUF file dequantized once into the cache (gguf_load.dequantized)."""
-    from attnkit.io.gguf_load import dequantized
-
-    ckpt = resolve_weights(ref, purpose)
-    if check is not None:
-        check(ckpt)
-    return dequantized(ckpt)
 
 
 def resolve_weights(ref: str, purpose: str) -> Checkpoint:

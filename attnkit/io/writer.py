@@ -201,7 +201,7 @@ class ShardedWriter:
     def add(self, name: str, tensor, scanned: bool = False) -> None:
         """Queue `tensor` under `name`; writes a shard first when it would overflow the current one. A tensor
         holding NaN or Inf is refused (so what a writer wrote needs no second scan); `scanned`: the caller copies
-        it unchanged from a source that was scanned when opened (commands.source.open_source), so it is not
+        it unchanged from a source that was scanned when opened (attnkit.io.source.open_source), so it is not
         scanned again."""
         from attnkit.io.finite import is_finite
 

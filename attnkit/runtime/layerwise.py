@@ -13,7 +13,6 @@ order, so the final hidden states and whatever hooks collect per layer equal a f
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 from attnkit.progress import phase
@@ -86,9 +85,9 @@ def _replaced_forward(modules: list, forward):
             del module.forward
 
 
-def load_layerwise(ref: str, device: str = "auto", dtype=None) -> LayerStreamed:
-    """The checkpoint as a LayerStreamed model (safetensors checkpoints whose tensors are the model's parameters
-    by name; StreamingUnsupported otherwise)."""
+def load_layerwise(ref, device: str = "auto", dtype=None) -> LayerStreamed:
+    """The checkpoint (a reference or an opened Source) as a LayerStreamed model (safetensors checkpoints whose
+    tensors are the model's parameters by name; StreamingUnsupported otherwise)."""
     return LayerStreamed(*build_streamed(ref, device, dtype))
 
 
@@ -109,44 +108,28 @@ def check_run_options(layer_stream: str, device_map: str | None) -> None:
         raise UsageError("--device-map places a whole model; it cannot be combined with --layer-stream always")
 
 
-def open_model(ref: str, *, device: str, dtype: str, layer_stream: str = "auto", device_map: str | None = None):
-    """The model to run: LoadedModel (whole; placed by accelerate with device_map) or LayerStreamed. auto streams a
-    checkpoint whose weights (at the dtype it would run in) exceed FIT_SHARE of the device's free memory, where
-    streaming applies (safetensors, parameters by name)."""
+def open_model(ref, *, device: str, dtype: str, layer_stream: str = "auto", device_map: str | None = None):
+    """The model to run: LoadedModel (whole; placed by accelerate with device_map) or LayerStreamed. `ref`: a
+    reference or the Source check_models opened, which is not opened again. auto streams a checkpoint whose
+    weights (at the dtype it would run in) exceed FIT_SHARE of the device's free memory, where streaming applies
+    (safetensors, parameters by name); a GGUF file runs whole."""
     from attnkit.errors import AttnkitError
-    from attnkit.runtime.loader import free_memory, load_model, resolve_device
+    from attnkit.runtime.loader import free_memory, load_model, resolve_device, resolve_dtype, run_source
     from attnkit.runtime.streaming import StreamingUnsupported
 
-    if layer_stream == "never" or device_map is not None:
-        return load_model(ref, device=device, dtype=dtype, device_map=device_map)
     dev = resolve_device(device)
+    src = run_source(ref, dequantize=layer_stream != "always")
+    if layer_stream == "never" or device_map is not None:
+        return load_model(src, device=device, dtype=dtype, device_map=device_map)
+    run_dtype = resolve_dtype(dtype, dev, src.config)
     if layer_stream == "auto":
-        needed, free = _weight_bytes(ref, dev, dtype), free_memory(dev)
+        needed = None if src.ckpt.dequantized_from else src.numel * run_dtype.itemsize
+        free = free_memory(dev)
         if needed is None or free is None or needed <= FIT_SHARE * free:
-            return load_model(ref, device=device, dtype=dtype)
+            return load_model(src, device=device, dtype=dtype)
     try:
-        return load_layerwise(ref, device, _run_dtype(ref, dev, dtype))
+        return load_layerwise(src, device, run_dtype)
     except StreamingUnsupported as exc:
         if layer_stream == "always":
             raise AttnkitError(f"--layer-stream always: {exc}") from None
-        return load_model(ref, device=device, dtype=dtype)
-
-
-def _run_dtype(ref: str, dev, dtype: str):
-    from attnkit.io.resolve import resolve
-    from attnkit.runtime.loader import resolve_dtype
-
-    return resolve_dtype(dtype, dev, resolve(ref).config)
-
-
-def _weight_bytes(ref: str, dev, dtype: str) -> int | None:
-    """The weights' bytes at the dtype the model would run in, from the headers (None for a GGUF file)."""
-    from attnkit.io.reader import LazyReader
-    from attnkit.io.resolve import resolve
-
-    ckpt = resolve(ref)
-    if not ckpt.weight_files:
-        return None
-    size = _run_dtype(ref, dev, dtype).itemsize
-    with LazyReader(ckpt.weight_files) as reader:
-        return sum(math.prod(reader.info(n).shape) * size for n in reader.names())
+        return load_model(src, device=device, dtype=dtype)

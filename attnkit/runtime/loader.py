@@ -90,39 +90,27 @@ def load_tokenizer(root):
         return None
 
 
-def check_causal(ref: str, model_type: str | None) -> None:
-    """Refuse registry families that are not causal language models (e.g. BERT)."""
-    from attnkit.archs import get_arch, supported_model_types
+def run_source(ref, *, dequantize: bool = True):
+    """`ref` opened to run (attnkit.io.source.open_source: resolved, refused, complete; a GGUF file dequantized
+    through the cache unless `dequantize` is False), or the Source as given when it was opened already. Families
+    outside the registry pass on to transformers' own loading report; the NaN/Inf check is left to the runner:
+    load_model checks the parameters it loaded (no extra read), a layer-streamed model scans the files before it
+    is built (Source.check_finite), since its layers are read only as the run reaches them."""
+    from attnkit.io.source import Source, open_source
 
-    if model_type in supported_model_types() and not get_arch(model_type).causal:
-        raise AttnkitError(f"{ref}: {model_type} is not a causal language model")
-
-
-def check_checkpoint(ckpt) -> None:
-    """Config values and (for registry architectures) every implied tensor, before anything is loaded;
-    other model types are left to transformers' own loading report (see load_model)."""
-    from attnkit.archs import get_arch, supported_model_types
-    from attnkit.archs.spec import attention_spec
-    from attnkit.io.complete import checked_weights
-
-    if not isinstance(ckpt.model_type, str) or ckpt.model_type in supported_model_types():
-        arch = get_arch(ckpt.model_type)  # refuses a model_type that is not a string
-        spec = attention_spec(ckpt.config)
-        if ckpt.weight_files:
-            checked_weights(ckpt, arch, spec)
+    if isinstance(ref, Source):
+        return ref
+    return open_source(str(ref), "run", registry=False, scan=False, dequantize=dequantize)
 
 
-def check_models(refs: list[str], device: str, dtype: str) -> None:
-    """--device, --dtype and every model reference (files, config, completeness; hub ids downloaded) checked
-    before the first model is loaded, so the second of two models cannot fail after the first one ran."""
-    from attnkit.io.resolve import resolve_weights
-
+def check_models(refs: list[str], device: str, dtype: str, layer_stream: str = "auto") -> list:
+    """--device, --dtype and every model reference opened (run_source: files, config, completeness; hub ids
+    downloaded, GGUF files dequantized) before the first model is loaded, so the second of two models cannot
+    fail after the first one ran; returns their Sources, for open_model. With `layer_stream` "always" a GGUF file
+    stays as its header says: it cannot be streamed, and open_model refuses it before anything is dequantized."""
     dtype_name(dtype)
     resolve_device(device)
-    for ref in refs:
-        ckpt = resolve_weights(ref, "run")
-        check_causal(ref, ckpt.model_type)
-        check_checkpoint(ckpt)
+    return [run_source(ref, dequantize=layer_stream != "always") for ref in refs]
 
 
 def free_memory(device) -> int | None:
@@ -150,7 +138,7 @@ def free_memory(device) -> int | None:
 
 
 def load_model(
-    ref: str,
+    ref,
     *,
     device: str = "auto",
     dtype: str = "auto",
@@ -158,26 +146,20 @@ def load_model(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
 ) -> LoadedModel:
-    """Resolve `ref` and load it with AutoModelForCausalLM. A GGUF file is dequantized once into the cache
-    (attnkit.io.gguf_load.dequantized) and loaded from there. transformers' own progress bars are turned off:
-    attnkit's commands show theirs (attnkit.progress)."""
+    """`ref` (a model reference, or a Source opened already: run_source) loaded with AutoModelForCausalLM; a GGUF
+    file from its dequantized cache folder. The loaded parameters are checked for NaN and Inf (no extra read of
+    the files) and transformers' loading report for weights it would make up. transformers' own progress bars
+    are turned off: attnkit's commands show theirs (attnkit.progress)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from attnkit.io.finite import is_finite
-    from attnkit.io.resolve import open_weights
     from attnkit.runtime.capped_attention import apply_softcaps
 
     hf_logging.disable_progress_bar()
     dev = resolve_device(device)
-
-    def check(ckpt) -> None:
-        check_causal(ref, ckpt.model_type)
-        check_checkpoint(ckpt)
-
-    ckpt = open_weights(ref, "run", check)
-    if ckpt.dequantized_from is not None:
-        check_checkpoint(ckpt)
+    src = run_source(ref)
+    ref, ckpt = src.ref, src.ckpt
     torch_dtype = resolve_dtype(dtype, dev, ckpt.config)
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
     if attn_implementation:

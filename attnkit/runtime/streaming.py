@@ -21,12 +21,12 @@ class StreamingUnsupported(AttnkitError):
     """The checkpoint's tensors are not the model's parameters one to one (e.g. fused MoE experts, GGUF)."""
 
 
-def load_streaming(ref: str, device: str = "auto"):
+def load_streaming(ref, device: str = "auto"):
     """LoadedModel (float32) whose decoder layers are streamed from the checkpoint, for calibration: the hidden
     states are what it is run for, so the output head is not loaded (an identity stands in, tied or not) and a
     plain embedding table stays in its stored dtype, its rows made float32 as they are looked up (exact:
-    widening loses nothing). Soft-caps applied as in load_model. Raises StreamingUnsupported when parameters and
-    checkpoint tensors do not match by name."""
+    widening loses nothing). Soft-caps applied as in load_model. `ref`: a reference or an opened Source (see
+    build_streamed). Raises StreamingUnsupported when parameters and checkpoint tensors do not match by name."""
     loaded, files, layers = build_streamed(ref, device, hidden_only=True)
     for prefix, layer in layers:
         layer.register_forward_pre_hook(_loader(files, prefix, loaded.device, loaded.dtype), with_kwargs=True)
@@ -34,25 +34,31 @@ def load_streaming(ref: str, device: str = "auto"):
     return loaded
 
 
-def build_streamed(ref: str, device: str = "auto", dtype=None, hidden_only: bool = False):
+def build_streamed(ref, device: str = "auto", dtype=None, hidden_only: bool = False):
     """(LoadedModel with its decoder layers on the meta device and everything else loaded, the weight files,
     [(prefix, layer)]): what load_streaming hooks up and attnkit.runtime.layerwise drives layer by layer.
-    `dtype`: a torch dtype for the weights (float32 when None); `hidden_only`: see load_streaming."""
+    `ref`: a model reference, or the Source it was opened as (attnkit.runtime.loader.run_source), which is not
+    opened again. `dtype`: a torch dtype for the weights (float32 when None); `hidden_only`: see load_streaming.
+
+    The weight files are scanned for NaN and Inf once the model is known to stream (its parameters match the
+    checkpoint's tensors by name) and before it is returned (Source.check_finite; a no-op for a Source a command
+    opened with the scan): a layer is read only when the run reaches it, so a check as each layer is read would
+    refuse a bad last layer after every other layer ran; the scan refuses it before any work, as a whole load
+    does, at the cost of one more read of the weights (docs/checkpoints.md)."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from attnkit.io.reader import LazyReader
-    from attnkit.io.resolve import resolve
     from attnkit.runtime.capped_attention import apply_softcaps
-    from attnkit.runtime.loader import LoadedModel, check_causal, load_tokenizer, resolve_device
+    from attnkit.runtime.loader import LoadedModel, load_tokenizer, resolve_device, run_source
     from attnkit.runtime.sliced_linear import SlicedLinear, slice_linears
 
     dtype = dtype or torch.float32
-    ckpt = resolve(ref)
+    src = run_source(ref)
+    ref, ckpt = src.ref, src.ckpt
     if not ckpt.weight_files:
         raise StreamingUnsupported(f"{ref}: only safetensors checkpoints can be streamed, not {ckpt.kind}")
-    check_causal(ref, ckpt.model_type)
     bound_heap()
     dev = resolve_device(device)
     try:
@@ -89,20 +95,23 @@ def build_streamed(ref: str, device: str = "auto", dtype=None, hidden_only: bool
     elif not headless:
         model.tie_weights()  # a tied head follows the embeddings just loaded
     _check_names(ref, model, layers, layer_param_ids, stored)
+    src.check_finite()
     model.eval()
     apply_softcaps(model)
     loaded = LoadedModel(model=model, tokenizer=load_tokenizer(ckpt.root), checkpoint=ckpt, device=dev, dtype=dtype)
     return loaded, files, layers
 
 
-def load_for_calibration(ref: str, device: str = "auto"):
-    """load_streaming where the checkpoint allows it, else the fully loaded float32 model (load_model)."""
-    from attnkit.runtime.loader import load_model
+def load_for_calibration(ref, device: str = "auto"):
+    """load_streaming where the checkpoint allows it, else the fully loaded float32 model (load_model); `ref`:
+    a reference or an opened Source (opened once here either way)."""
+    from attnkit.runtime.loader import load_model, run_source
 
+    src = run_source(ref)
     try:
-        return load_streaming(ref, device)
+        return load_streaming(src, device)
     except StreamingUnsupported:
-        return load_model(ref, device=device, dtype="float32")
+        return load_model(src, device=device, dtype="float32")
 
 
 def _as_stored(tensor, dtype):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from attnkit.commands.source import open_source
 from attnkit.errors import AttnkitError
 from attnkit.io.reader import LazyReader
 from attnkit.io.safetensors_header import read_headers
+from attnkit.io.source import open_source
 from attnkit.kvcache import bytes_per_token, cache_dtype
 from attnkit.progress import phase
 from attnkit.runtime import load_model, make_windows, read_texts

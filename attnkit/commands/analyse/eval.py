@@ -55,7 +55,7 @@ class EvalRequest:
 
 def check_request(req: EvalRequest):
     """Options, text files, task names and pass-key lengths and both models, before the first model loads;
-    returns (the text inputs or None, lm-eval's task manager or None)."""
+    returns (the text inputs or None, lm-eval's task manager or None, the models' opened Sources)."""
     models = [req.model, *([req.reference] if req.reference else [])]
     if not req.texts and req.text is None and not req.capability:
         raise UsageError("nothing to score: give text files (or --text), --tasks or --passkey")
@@ -69,17 +69,17 @@ def check_request(req: EvalRequest):
         check_window_options(req.seq_len, req.max_tokens)
         check_text_files(req.texts)
         texts = read_texts(req.texts, req.text)
-    check_models(models, req.device, req.dtype)
-    return texts, check_capability(req.capability, models)
+    sources = check_models(models, req.device, req.dtype, req.layer_stream)
+    return texts, check_capability(req.capability, models), sources
 
 
 def run_eval(req: EvalRequest, log: Callable[[str], None] = lambda message: None) -> dict:
     """The report of `attnkit eval` (docs/eval.md)."""
-    texts, manager = check_request(req)
+    texts, manager, sources = check_request(req)
     stream = "never" if req.capability else req.layer_stream  # lm-eval and pass keys generate: whole models
     opened = {"device": req.device, "dtype": req.dtype, "layer_stream": stream, "device_map": req.device_map}
-    loaded = open_model(req.model, **opened)
-    ref = open_model(req.reference, **opened) if req.reference else None
+    loaded = open_model(sources[0], **opened)
+    ref = open_model(sources[1], **opened) if req.reference else None
     doc = {
         "model": req.model,
         "reference": req.reference,

@@ -41,7 +41,7 @@ class ProbeRequest:
 
 def check_request(req: ProbeRequest):
     """Options, rules, output paths, text files and every model, before the first model loads; returns
-    (rules, text inputs)."""
+    (rules, text inputs, the models' opened Sources)."""
 
     if not req.models:
         raise UsageError("give at least one model")
@@ -56,19 +56,19 @@ def check_request(req: ProbeRequest):
             check_output_path(path, option, suffixes)
     check_text_files(req.texts)
     texts = read_texts(req.texts, req.text)
-    check_models(req.models, req.device, req.dtype)
-    return rules, texts
+    sources = check_models(req.models, req.device, req.dtype, req.layer_stream)
+    return rules, texts, sources
 
 
 def run_probe(req: ProbeRequest, log: Callable[[str], None] = lambda message: None) -> tuple[list[ProbeResult], list]:
     """Probe every model on the same text (one loaded at a time), write --out and --plot; returns the results and
     the --fail-if rules, which the caller checks once the results are shown (check_rules)."""
 
-    rules, texts = check_request(req)
+    rules, texts, sources = check_request(req)
     results = []
-    for ref in req.models:
+    for ref, source in zip(req.models, sources):
         loaded = open_model(
-            ref, device=req.device, dtype=req.dtype, layer_stream=req.layer_stream, device_map=req.device_map
+            source, device=req.device, dtype=req.dtype, layer_stream=req.layer_stream, device_map=req.device_map
         )
         windows = make_windows(loaded.tokenizer, texts, req.seq_len, req.max_tokens)
         log(f"probing {ref}: {windows.shape[0]} window(s) of {req.seq_len} tokens")

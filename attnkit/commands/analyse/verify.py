@@ -28,7 +28,7 @@ from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.resolve import resolve
 from attnkit.progress import phase
 from attnkit.runtime import load_model, read_texts
-from attnkit.runtime.loader import check_checkpoint
+from attnkit.runtime.loader import run_source
 from attnkit.runtime.texts import check_text_files, make_windows
 from attnkit.runtime.texts import prompt_ids as start_ids
 from attnkit.units import MAX_TOKENS, check_bounds
@@ -72,8 +72,8 @@ class Reference:
     vocab: int
 
 
-def check_request(req: VerifyRequest) -> list[str]:
-    """Validate options and paths before any model loads; the engines asked for."""
+def check_request(req: VerifyRequest):
+    """Validate options and paths before any model loads; (the engines asked for, the opened model)."""
 
     for name in req.engines or []:
         if name not in VERIFY_ENGINES:
@@ -104,8 +104,8 @@ def check_request(req: VerifyRequest) -> list[str]:
     if ckpt.kind not in ("folder", "hub") or not ckpt.weight_files:
         raise UsageError(f"{req.model}: verify takes a Hugging Face folder (what attnkit writes), not {ckpt.kind}")
 
-    check_checkpoint(ckpt)  # complete and consistent before any engine runs
-    return list(req.engines or VERIFY_ENGINES)
+    src = run_source(req.model)  # complete and consistent before any engine runs
+    return list(req.engines or VERIFY_ENGINES), src
 
 
 def _sentences(text: str, count: int, words: int = 12) -> list[str]:
@@ -353,7 +353,7 @@ def verify(req: VerifyRequest, log=lambda message: None) -> dict:
     """Run the checks; the report (docs/verify.md). Engines that are not installed get a row saying so."""
 
     started = time.perf_counter()
-    wanted = check_request(req)
+    wanted, src = check_request(req)
     found: dict[str, object] = {}
     missing: dict[str, str] = {}
     if "llama.cpp" in wanted:
@@ -374,7 +374,7 @@ def verify(req: VerifyRequest, log=lambda message: None) -> dict:
         raise AttnkitError("no serving engine found: " + "; ".join(f"{k}: {v}" for k, v in missing.items()))
     text = "\n\n".join(read_texts(req.texts or [str(SAMPLE_TEXT)]))
     log("transformers: greedy continuations and window perplexity ...")
-    loaded = load_model(req.model, device="cpu", dtype="float32")
+    loaded = load_model(src, device="cpu", dtype="float32")
     ref = reference(loaded, text, req)
     rows = []
     with phase("running the engines", len(found), "engines") as advance:

@@ -19,10 +19,10 @@ from attnkit.archs.tensors import role_shape
 from attnkit.commands.convert.gqa_layer import attention_key_covariance, reference_attention_ok, refit_output
 from attnkit.commands.convert.layer_spill import LayerSpill
 from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows, check_rewrite
-from attnkit.commands.source import Source, open_source
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.reader import LazyReader
+from attnkit.io.source import Source, open_source
 from attnkit.kvcache import bytes_per_token, cache_dtype
 from attnkit.ops.gqa import (
     KEY_WEIGHTS,
@@ -163,7 +163,7 @@ def _calibrate(req: ConvertRequest, src: GQASource, spill: LayerSpill) -> tuple[
     """Per-layer plans from calibration (sequential: each layer sees the converted layers before it). Each layer's
     converted tensors go to `spill` as soon as they are known; the plans returned keep only their summary."""
 
-    loaded = load_for_calibration(str(src.root), req.device)  # decoder layers streamed when possible
+    loaded = load_for_calibration(src, req.device)  # decoder layers streamed when possible
     windows = calib_windows(loaded.tokenizer, req)
     template = src.arch.tensors.get("k") or src.arch.tensors["qkv"]
     modules = [attention_module_name(template, src.prefix, i) for i in range(src.spec.num_layers)]

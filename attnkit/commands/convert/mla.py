@@ -22,11 +22,11 @@ from attnkit.commands.convert.layer_spill import LayerSpill
 from attnkit.commands.convert.mla_layer import convert_one, refit_o_proj, without_o_bias
 from attnkit.commands.convert.mla_target import expected_shapes, target_config
 from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows, check_rewrite
-from attnkit.commands.source import Source, open_source
 from attnkit.commands.write import write_checkpoint
 from attnkit.engines.targets import TARGETS, engine_safe, mla_shapes, needs_q_lora
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.reader import LazyReader
+from attnkit.io.source import Source, open_source
 from attnkit.kvcache import apply_variant, bytes_per_token, cache_dtype
 from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, VALUE_WEIGHTS, MLAOptions, MLAShape
 from attnkit.ops.qknorm_fold import fit_fold, folded_weights
@@ -342,7 +342,7 @@ def _calibrate_and_convert(req: MLARequest, src: MLASource, config, spill, expec
     (attnkit.commands.convert.layer_spill) under their full names."""
     import torch
 
-    loaded = load_for_calibration(str(src.root), req.device)  # decoder layers streamed when possible
+    loaded = load_for_calibration(src, req.device)  # decoder layers streamed when possible
     windows = calib_windows(loaded.tokenizer, req)
     modules = [attention_module_name(src.arch.tensors["k"], src.prefix, i) for i in range(src.spec.num_layers)]
     rows: list = [None] * src.spec.num_layers

@@ -11,10 +11,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnkit.commands.source import Source, open_source
 from attnkit.errors import AttnkitError
 from attnkit.io.reader import LazyReader
 from attnkit.io.resolve import resolve_weights
+from attnkit.io.source import Source, open_source
 from attnkit.runtime.loader import load_tokenizer
 
 #: Config keys a rewrite keeps; a student that differs in one is not a rewrite of the teacher.

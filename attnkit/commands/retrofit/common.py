@@ -1,6 +1,6 @@
 """What the retrofits share: their source check and the tensor stream that rewrites some tensors on the way.
 
-Flow of a retrofit: check the request and open the source (attnkit.commands.source) -> (calibrate) -> write
+Flow of a retrofit: check the request and open the source (attnkit.io.source) -> (calibrate) -> write
 through attnkit.commands.write.write_checkpoint (weights, config.json, side files, checks, --eval scores and
 probe summaries, attnkit.json, rename into place). The source is only read.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from attnkit.commands.rewrite import RewriteRequest, check_rewrite
-from attnkit.commands.source import Source, open_source
 from attnkit.io.reader import LazyReader
+from attnkit.io.source import Source, open_source
 from attnkit.progress import phase
 from attnkit.runtime import load_model
 from attnkit.scoring.comparison import compare_checkpoints

@@ -268,7 +268,7 @@ def _anchor_fits(req: QKNormRequest, src, new_dim: int) -> tuple[list[AnchorFit]
     """Per-layer AnchorFit from one pass of the calibration text (decoder layers streamed when possible)."""
 
     spec = src.spec
-    loaded = load_for_calibration(str(src.root), req.device)
+    loaded = load_for_calibration(src, req.device)
     wins = calib_windows(loaded.tokenizer, req)
     modules = [attention_module_name(src.arch.tensors["k"], src.prefix, i) for i in range(spec.num_layers)]
     fits: list = [None] * spec.num_layers
