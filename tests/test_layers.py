@@ -30,7 +30,8 @@ LAYERS = {
     "__init__": 8,
     "__main__": 8,
 }
-#: The modules of commands/ that every writing command shares (requests and their checks, the write path); every other name under commands/ is a command (a package such as analyse, or a module: export).
+#: The modules of commands/ that every writing command shares (requests and their checks, the write path); every
+#: other name under commands/ is a command (a package such as analyse, or a module: export).
 WRITE_PATH = {"rewrite", "write"}
 
 
