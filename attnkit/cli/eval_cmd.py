@@ -18,7 +18,7 @@ from attnkit.cli.common import (
     handle_errors,
     stderr,
 )
-from attnkit.cli.output import Column, render, render_capability
+from attnkit.cli.output import Column, render, render_capability, render_distance
 from attnkit.cli.shared import capability_spec
 
 
@@ -31,6 +31,7 @@ def register(app: typer.Typer) -> None:
             "cat notes.jsonl | attnkit eval HuggingFaceTB/SmolLM2-135M - --device cuda --dtype bf16",
             "attnkit eval ./mla-model --reference ./my-model --tasks hellaswag,arc_easy --limit 500",
             "attnkit eval ./mla-model --reference ./my-model --passkey 1k,2k,4k --plot passkey.png",
+            "attnkit eval ./mla-model heldout.txt --reference ./my-model --seq-len 4096 --plot distance.png",
         ),
     )
     @handle_errors
@@ -71,7 +72,17 @@ def register(app: typer.Typer) -> None:
             help="repeat (one key, said twice), distractors (one key among other numbers) or named (several "
             "keys; one asked by name).",
         ),
-        plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG heat map of pass-key accuracy."),
+        by_distance: Optional[bool] = typer.Option(
+            None,
+            "--by-distance/--no-by-distance",
+            help="Also score the text per distance bucket of the predicted token (0-128, 128-256, ... up to "
+            "--seq-len); default: whenever --seq-len is longer than 128.",
+        ),
+        plot: Optional[str] = typer.Option(
+            None,
+            "--plot",
+            help="Write a .png/.pdf/.svg figure: pass-key accuracy heat maps and the scores by distance.",
+        ),
         device: str = DEVICE_OPTION,
         dtype: str = DTYPE_OPTION,
         layer_stream: str = LAYER_STREAM_OPTION,
@@ -98,6 +109,7 @@ def register(app: typer.Typer) -> None:
                 dtype=dtype,
                 layer_stream=layer_stream,
                 device_map=device_map,
+                by_distance=by_distance,
                 capability=spec,
                 plot=plot,
             ),
@@ -114,4 +126,5 @@ def register(app: typer.Typer) -> None:
                 ]
             caption = f"{doc['windows']} window(s) x {seq_len} tokens, {doc['dtype']}" if doc["windows"] else None
             render([doc], columns, fmt, title=f"eval: {model}", json_obj=doc, caption=caption)
+        render_distance(doc["by_distance"], fmt, ("model", "reference"))
         render_capability(doc, fmt, ("model", "reference"))

@@ -103,6 +103,8 @@ def render(
 def _csv_value(value: Any) -> Any:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (list, tuple)) and any(isinstance(v, dict) for v in value):
+        return json.dumps(value, default=_json_default)  # rows of a sub-table (e.g. by_distance)
     if isinstance(value, (list, tuple)):
         return ";".join("" if v is None else str(v) for v in value)
     if isinstance(value, dict):
@@ -199,6 +201,40 @@ def render_capability(section: dict | None, fmt: OutputFormat, names: tuple[str,
             title=f"pass key ({scores['variant']}): accuracy",
             caption=f"{len(scores['depths'])} depths x {scores['trials']} trials per length{chance}",
         )
+
+
+def render_distance(rows: list[dict] | None, fmt: OutputFormat, names: tuple[str, str]) -> None:
+    """The scores by distance of the predicted token in its window (attnkit.scoring.perplexity, `by_distance`)
+    as a table after the main one, in table and Markdown output (JSON and CSV carry them in the document):
+    `names` are the model measured and the one it is measured against."""
+    if not rows or fmt not in (OutputFormat.table, OutputFormat.markdown):
+        return
+    measured, against = names
+    table = [{**r, "tokens": f"{r['start']:,}-{r['end']:,}"} for r in rows]
+    columns = [Column("tokens", "predicted token at", justify="left"), Column("predicted", "tokens")]
+    if rows[0]["reference_perplexity"] is None:
+        columns.append(Column("perplexity", "perplexity", _ppl))
+    else:
+        columns += [
+            Column("reference_perplexity", f"{against} perplexity", _ppl),
+            Column("perplexity", f"{measured} perplexity", _ppl),
+            Column("ratio", "ratio", _ratio),
+            Column("kl_mean", "KL", _kl),
+            Column("top1_agreement", "top-1 agree", _share),
+        ]
+    render(table, columns, fmt, title="by distance", caption="position of the predicted token in its window")
+
+
+def _ppl(v) -> str:
+    return f"{v:.2f}"
+
+
+def _ratio(v) -> str:
+    return f"{v:.3f}x"
+
+
+def _kl(v) -> str:
+    return f"{v:.4f}"
 
 
 def eval_caption(evaluation: dict | None) -> str:

@@ -90,27 +90,34 @@ def load_tokenizer(root):
         return None
 
 
-def run_source(ref, *, dequantize: bool = True):
+def run_source(ref, *, dequantize: bool = True, check=None):
     """`ref` opened to run (attnkit.io.source.open_source: resolved, refused, complete; a GGUF file dequantized
     through the cache unless `dequantize` is False), or the Source as given when it was opened already. Families
     outside the registry pass on to transformers' own loading report; the NaN/Inf check is left to the runner:
     load_model checks the parameters it loaded (no extra read), a layer-streamed model scans the files before it
-    is built (Source.check_finite), since its layers are read only as the run reaches them."""
+    is built (Source.check_finite), since its layers are read only as the run reaches them. `check(arch, spec,
+    config)`: the caller's refusals of a registry family, before anything is dequantized."""
     from attnkit.io.source import Source, open_source
 
     if isinstance(ref, Source):
         return ref
-    return open_source(str(ref), "run", registry=False, scan=False, dequantize=dequantize)
+    return open_source(str(ref), "run", check, registry=False, scan=False, dequantize=dequantize)
 
 
-def check_models(refs: list[str], device: str, dtype: str, layer_stream: str = "auto") -> list:
+def check_models(refs: list[str], device: str, dtype: str, layer_stream: str = "auto", check=None) -> list:
     """--device, --dtype and every model reference opened (run_source: files, config, completeness; hub ids
     downloaded, GGUF files dequantized) before the first model is loaded, so the second of two models cannot
     fail after the first one ran; returns their Sources, for open_model. With `layer_stream` "always" a GGUF file
-    stays as its header says: it cannot be streamed, and open_model refuses it before anything is dequantized."""
+    stays as its header says: it cannot be streamed, and open_model refuses it before anything is dequantized.
+    `check(ref, arch, spec, config)`: the caller's refusals of each model, on its config (a GGUF file's header)."""
+    import functools
+
     dtype_name(dtype)
     resolve_device(device)
-    return [run_source(ref, dequantize=layer_stream != "always") for ref in refs]
+    return [
+        run_source(ref, dequantize=layer_stream != "always", check=check and functools.partial(check, ref))
+        for ref in refs
+    ]
 
 
 def free_memory(device) -> int | None:
