@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -557,6 +558,10 @@ def test_dry_run_refuses_a_student_whose_attention_is_the_teachers(runner, pair,
         (["--train", "some"], "--train must be one of rewritten, all"),
         (["--resume"], "holds no heal checkpoint"),
         (["--max-time", "soon", "--tokens", "1"], "not a duration"),
+        (["--retrieval-mix", "0"], "--retrieval-mix is the share of training windows"),
+        (["--retrieval-mix", "1.5"], "above 0 and at most 1, got 1.5"),
+        (["--retrieval-mix", "0.5"], "needs windows of at least 256 tokens"),
+        (["--seq-len", "1024", "--val-tokens", "2048"], "--seq-len 1,024 is past the model's 512 positions"),
     ],
 )
 def test_bad_options_are_usage_errors(runner, pair, tmp_path, args, match):
@@ -800,3 +805,69 @@ def test_teacher_logits_top_k_trains_from_a_cache_without_the_teacher(runner, pa
 def test_teacher_logit_options_are_checked(runner, pair, tmp_path, args, match):
     result = _heal(runner, pair, tmp_path / "out", *args)
     assert result.exit_code == 2 and match in result.output
+
+
+def test_retrieval_mix_turns_a_share_of_the_windows_into_tasks_said_once_and_asked_at_the_end(pair):
+    """Windows keep their length and start; each task's answer is in the window twice (said, then answered), a copy
+    ends with a span said earlier; the same seed gives the same windows; the rest are untouched."""
+    from transformers import AutoTokenizer
+
+    from attnkit.commands.heal.retrieval import mix_retrieval
+    from attnkit.runtime.texts import make_windows
+
+    tok = AutoTokenizer.from_pretrained(str(pair[0]))
+    windows = make_windows(tok, [PROSE * 40], 400, None)[:12]  # [12, 400]
+    mixed, info = mix_retrieval(windows, tok, 0.5, seed=3)
+    assert mixed.shape == windows.shape and info == {
+        "fraction": 0.5,
+        "windows": 6,
+        "kinds": {"key": 2, "lookup": 2, "copy": 2},
+    }
+    changed = [i for i in range(12) if not torch.equal(mixed[i], windows[i])]
+    assert changed == [0, 2, 4, 6, 8, 10]
+    texts = ["".join(tok.convert_ids_to_tokens(mixed[i].tolist())) for i in changed]  # one character a token
+    for text in texts[0::3]:  # key: the number said once in the text and once in the answer at the end
+        number = re.findall(r"\d{5,6}", text)
+        assert len(number) == 2 and number[0] == number[1] and text.rstrip(".").endswith(number[0])
+    for text in texts[1::3]:  # lookup: three of the table's numbers asked again at the end
+        asked = re.findall(r"has the number (\d+)\.", text)
+        assert len(asked) == 3 and all(text.count(n) == 2 for n in asked)
+    for i in changed[2::3]:  # copy: the window's last tokens were said before
+        row = mixed[i].tolist()
+        tail = row[-32:]
+        assert any(row[j : j + 32] == tail for j in range(len(row) - 64))
+    again, _ = mix_retrieval(windows, tok, 0.5, seed=3)
+    assert torch.equal(again, mixed)
+
+
+def test_heal_trains_with_the_retrieval_mix_and_reports_it(runner, pair, tmp_path):
+    fast = [a if a != "32" else "256" for a in FAST]
+    teacher, student, data = pair
+    result = runner.invoke(
+        app,
+        [
+            "heal",
+            str(student),
+            str(tmp_path / "out"),
+            "--teacher",
+            str(teacher),
+            "--data",
+            str(data),
+            *fast,
+            "--val-tokens",
+            "512",
+            "--retrieval-mix",
+            "0.5",
+            "--format",
+            "json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["settings"]["retrieval_mix"] == 0.5
+    retrieval = report["data"]["retrieval"]
+    assert (
+        retrieval["fraction"] == 0.5
+        and retrieval["windows"] >= 1
+        and sum(retrieval["kinds"].values()) == retrieval["windows"]
+    )

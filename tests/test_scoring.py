@@ -17,7 +17,15 @@ from attnkit.scoring.passkey import PasskeySpec
 from tests.helpers import PROSE, char_tokenizer
 
 #: What EvalOptions holds, which no request may declare again.
-SCORING_FIELDS = ("eval", "eval_tokens", "eval_seq_len", "sample_prompts", "sample_tokens", "capability")
+SCORING_FIELDS = (
+    "eval",
+    "eval_tokens",
+    "eval_seq_len",
+    "eval_long_seq_len",
+    "sample_prompts",
+    "sample_tokens",
+    "capability",
+)
 
 
 @pytest.mark.parametrize("request_class", [RewriteRequest, HealRequest])
@@ -31,6 +39,7 @@ def test_every_scoring_option_is_one_field_of_eval_options(request_class):
         "seq_len",
         "sample_prompts",
         "sample_tokens",
+        "long_seq_len",
         "capability",
     }
 
@@ -42,6 +51,7 @@ def test_the_cli_builds_one_eval_options_from_the_scoring_groups():
         "eval_files": ["a.txt"],
         "eval_tokens": 1024,
         "eval_seq_len": 256,
+        "eval_long_seq_len": 2048,
         "sample_prompts": ["Once"],
         "eval_tasks": None,
         "eval_tasks_dir": None,
@@ -53,6 +63,7 @@ def test_the_cli_builds_one_eval_options_from_the_scoring_groups():
         files=("a.txt",),
         tokens=1024,
         seq_len=256,
+        long_seq_len=2048,
         sample_prompts=("Once",),
         capability=CapabilitySpec(passkey=PasskeySpec((1024,))),
     )
@@ -125,3 +136,27 @@ def test_heal_eval_report_is_the_after_block_with_before_change_and_the_old_keys
     assert passkey["teacher"] == passkey["source"] and passkey["after"] == passkey["result"]
     assert passkey["before"] == report["change"]["passkey"]["before"]
     assert passkey["against_teacher"] == passkey["comparison"]
+
+
+def test_the_comparison_scores_long_windows_by_distance(tiny, tmp_path):
+    """--eval text also in long windows (capped at the model's 512 positions), scored by distance; a text shorter
+    than one long window says so in the block instead of failing the run."""
+    from attnkit.runtime import load_model
+
+    model = load_model(str(char_tokenizer(tiny("llama_gqa"))), device="cpu", dtype="float32")
+    other = load_model(str(char_tokenizer(tiny("llama_gqa", seed=1))), device="cpu", dtype="float32")
+    (tmp_path / "long.txt").write_text(PROSE * 8)
+    opts = EvalOptions(files=(str(tmp_path / "long.txt"),), seq_len=64, tokens=128, sample_tokens=2)
+    block = Comparison(opts, opts.windows(model.tokenizer))(model, other)
+    long = block["long_context"]
+    assert long["seq_len"] == 512 and long["windows"] == 1 and long["tokens"] == 512 and long["skipped"] is None
+    assert [(r["start"], r["end"]) for r in long["by_distance"]] == [(0, 128), (128, 256), (256, 512)]
+    assert long["longest"] == long["by_distance"][-1] and long["longest"]["ratio"] > 0
+    assert long["longest"]["predicted"] == 256
+
+    (tmp_path / "short.txt").write_text(PROSE)
+    opts = dataclasses.replace(opts, files=(str(tmp_path / "short.txt"),), tokens=64)
+    long = Comparison(opts, opts.windows(model.tokenizer))(model, other)["long_context"]
+    assert long["windows"] == 0 and long["by_distance"] is None and "less than one window of 512" in long["skipped"]
+    off = dataclasses.replace(opts, long_seq_len=0)
+    assert Comparison(off, off.windows(model.tokenizer))(model, other)["long_context"] is None

@@ -106,6 +106,12 @@ def register(app: typer.Typer) -> None:
         teacher_tokens: Optional[str] = typer.Option(
             None, "--teacher-tokens", help="Teacher-written training tokens when no --data (default: the budget)."
         ),
+        retrieval_mix: Optional[float] = typer.Option(
+            None,
+            "--retrieval-mix",
+            help="Share (above 0, at most 1) of the training windows made long-range retrieval tasks (a number said "
+            "once and asked at the end, a table looked up, a passage repeated), built offline from the data.",
+        ),
         old_teacher_tokens: Optional[str] = typer.Option(
             None, "--sample-tokens", hidden=True, help="Deprecated name of --teacher-tokens."
         ),
@@ -156,6 +162,7 @@ def register(app: typer.Typer) -> None:
             checkpoint_dir=checkpoint_dir,
             resume=resume,
             teacher_tokens=parse_tokens(teacher_tokens) if teacher_tokens is not None else None,
+            retrieval_mix=retrieval_mix,
             sample_cache=sample_cache,
             gradient_checkpointing=gradient_checkpointing,
             seed=seed,

@@ -243,13 +243,22 @@ def eval_caption(evaluation: dict | None) -> str:
     if not evaluation or evaluation.get("perplexity") is None:
         return ""
     e = evaluation
-    return (
+    caption = (
         f"; perplexity {e['source_perplexity']:.3f} -> {e['perplexity']:.3f} on {e['tokens']} tokens, "
         f"KL {e['kl_mean']:.4g}, top-1 agreement {e['top1_agreement']:.3f}"
     )
+    longest = (e.get("long_context") or {}).get("longest")
+    if longest:
+        caption += (
+            f"; at {longest['start']:,}-{longest['end']:,} tokens of context perplexity x{longest['ratio']:.3f} "
+            f"the source's, KL {longest['kl_mean']:.4g}"
+        )
+    return caption
 
 
 def render_rewrite_scores(evaluation: dict | None, fmt: OutputFormat) -> None:
-    """After a rewrite's table: its greedy samples and its task and pass-key tables, result against source."""
+    """After a rewrite's table: its greedy samples, its scores by distance on long windows and its task and pass-key
+    tables, result against source."""
     render_samples(evaluation, fmt)
+    render_distance(((evaluation or {}).get("long_context") or {}).get("by_distance"), fmt, ("result", "source"))
     render_capability(evaluation, fmt, ("result", "source"))

@@ -45,6 +45,15 @@ EVAL = {
     ),
     "eval_tokens": (int, typer.Option(4096, "--eval-tokens", min=2, help="At most this many evaluation tokens.")),
     "eval_seq_len": (int, typer.Option(512, "--eval-seq-len", min=2, help="Tokens per evaluation window.")),
+    "eval_long_seq_len": (
+        int,
+        typer.Option(
+            4096,
+            "--eval-long-seq-len",
+            help="Also score the --eval text in windows this long (capped at the model's positions) by distance of "
+            "the predicted token; 0: not.",
+        ),
+    ),
 }
 SAMPLES = {
     "sample_prompts": (
@@ -177,7 +186,12 @@ def eval_options(shared: dict):
     """The EvalOptions of the EVAL, SAMPLES and CAPABILITY values a command took (defaults for a group it lacks)."""
     from attnkit.scoring.options import EvalOptions
 
-    fields = dict(files=tuple(shared["eval_files"]), tokens=shared["eval_tokens"], seq_len=shared["eval_seq_len"])
+    fields = dict(
+        files=tuple(shared["eval_files"]),
+        tokens=shared["eval_tokens"],
+        seq_len=shared["eval_seq_len"],
+        long_seq_len=shared["eval_long_seq_len"],
+    )
     if shared.get("sample_prompts"):
         fields["sample_prompts"] = tuple(shared["sample_prompts"])
     if "eval_tasks" in shared:

@@ -35,6 +35,7 @@ EVAL_KEYS = (
     "kl_max",
     "top1_agreement",
     "samples",
+    "long_context",
     "tasks",
     "passkey",
 )
@@ -62,6 +63,7 @@ class Comparison:
         self.windows = windows
         self._source_capability: dict | None = None
         self.result_capability: list[dict] = []
+        self._long = None  # (length, windows [N, length] or None), made at the first call
 
     def __call__(self, source, result) -> dict:
         """The "eval" block of a report (EVAL_KEYS; see docs/convert-gqa.md): `result` against `source`."""
@@ -87,7 +89,24 @@ class Comparison:
             "kl_max": res.kl_max,
             "top1_agreement": res.top1_agreement,
             "samples": samples(source, result, self.options.sample_prompts, self.options.sample_tokens),
+            "long_context": self.long_context(source, result) if self.options.long_seq_len else None,
         }
+
+    def long_context(self, source, result) -> dict:
+        """Both models on long windows of the --eval text (EvalOptions.long_windows), scored by distance of the
+        predicted token: the rows, and the longest bucket (where a rewrite that forgets far context shows it)."""
+        if self._long is None:
+            config = source.model.config.get_text_config()
+            self._long = self.options.long_windows(source.tokenizer, getattr(config, "max_position_embeddings", None))
+        length, windows = self._long
+        block = {"seq_len": length, "windows": 0, "tokens": 0, "by_distance": None, "longest": None, "skipped": None}
+        if windows is None:
+            block["skipped"] = f"the --eval text holds less than one window of {length:,} tokens"
+            return block
+        res = evaluate(result, windows, reference=source, by_distance=True)
+        rows = res.by_distance
+        block.update(windows=int(windows.shape[0]), tokens=res.tokens, by_distance=rows, longest=rows[-1])
+        return block
 
     def capability(self, source, result) -> dict:
         """{"tasks": ..., "passkey": ...}: per kind the source's scores, the result's and the result against the

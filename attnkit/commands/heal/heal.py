@@ -18,7 +18,7 @@ from attnkit.commands.heal import finish, models, scores, training
 from attnkit.commands.heal.memory import memory_report, refusal, shapes_of
 from attnkit.commands.heal.pair import check_pair, rewrite_summary
 from attnkit.commands.heal.plan import plan_data, teacher_windows
-from attnkit.commands.heal.request import HealRequest, check_options, processes
+from attnkit.commands.heal.request import HealRequest, check_options, check_positions, processes
 from attnkit.commands.heal.resume import check_fingerprint
 from attnkit.commands.heal.run import HealRun
 from attnkit.commands.heal.trainable import default_lr
@@ -38,6 +38,9 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
     check_capability(req.scoring.capability, [req.model, req.teacher])
     _check_checkpoint_folder(req)
     pair = check_pair(req.model, req.teacher, rewritten=req.train != "all")
+    for source in (pair.student, pair.teacher):
+        limit = source.arch.config_value(source.config, "max_positions") if source.arch is not None else None
+        check_positions(req, None if limit is None else int(limit))
     if req.lr is None:
         req = dataclasses.replace(req, lr=default_lr(pair.student.config))
     memory = memory_report(shapes_of(pair, pair.trained), req, device)
@@ -150,6 +153,7 @@ def _fingerprint(req: HealRequest, student: str, teacher: str, data: str) -> dic
         "teacher_logits": req.teacher_logits,
         "top_k": req.top_k,
         "val_tokens": req.val_tokens,
+        "retrieval_mix": req.retrieval_mix,
         "seed": req.seed,
     }
 
@@ -181,5 +185,6 @@ def _settings(req: HealRequest) -> dict:
         "gradient_checkpointing",
         "fsdp",
         "eval_curve",
+        "retrieval_mix",
     )
     return {k: getattr(req, k) for k in keys}

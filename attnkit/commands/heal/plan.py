@@ -10,6 +10,7 @@ from pathlib import Path
 
 from attnkit.commands.heal.data import DataFiles, files_digest, split_windows
 from attnkit.commands.heal.request import HealRequest
+from attnkit.commands.heal.retrieval import mix_retrieval
 from attnkit.commands.heal.samples import cache_folder, teacher_documents
 from attnkit.io.gguf_load import cache_root
 from attnkit.progress import phase
@@ -47,6 +48,7 @@ def plan_data(req: HealRequest, pair) -> DataPlan:
         limit = None if budget is None else (budget + req.val_tokens) // req.seq_len * req.seq_len + req.seq_len
         windows = make_windows(tokenizer, DataFiles(tuple(req.data)), req.seq_len, limit)
         train, val = split_windows(windows, req.val_tokens)
+        train, retrieval = _with_retrieval(req, train, tokenizer)
         digest = files_digest(req.data)
         info = {
             "source": "files",
@@ -54,6 +56,7 @@ def plan_data(req: HealRequest, pair) -> DataPlan:
             "sha256": digest,
             "train_tokens": int(train.numel()),
             "validation_tokens": int(val.numel()),
+            "retrieval": retrieval,
         }
         return DataPlan(tokenizer, evaluation, digest, info, train, val)
 
@@ -95,8 +98,19 @@ def teacher_windows(run, teacher) -> None:
     windows, _ = token_windows(
         ((doc, True) for doc in docs), text_prefix(tokenizer), tokenizer.eos_token_id, req.seq_len
     )
-    plan.train, plan.val = split_windows(windows, req.val_tokens)
-    plan.info.update(info, train_tokens=int(plan.train.numel()), validation_tokens=int(plan.val.numel()))
+    train, plan.val = split_windows(windows, req.val_tokens)
+    plan.train, retrieval = _with_retrieval(req, train, tokenizer)
+    plan.info.update(
+        info, train_tokens=int(plan.train.numel()), validation_tokens=int(plan.val.numel()), retrieval=retrieval
+    )
+
+
+def _with_retrieval(req: HealRequest, train, tokenizer) -> tuple:
+    """(training windows with --retrieval-mix's share made retrieval tasks, the report's entry; None without it).
+    Validation windows stay as the data has them: validation measures the text the model will serve."""
+    if req.retrieval_mix is None:
+        return train, None
+    return mix_retrieval(train, tokenizer, req.retrieval_mix, req.seed)
 
 
 def _sampling_deadline(run):

@@ -20,6 +20,8 @@ MAX_LORA_RANK = 1 << 16
 DEFAULT_TOKENS = 256 * 1024
 TEACHER_LOGITS = ("live", "top-k")
 MAX_TOP_K = 4096
+#: Shortest training window the retrieval mix hides a task in.
+MIN_RETRIEVAL_SEQ_LEN = 256
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|min|h)?\s*$", re.IGNORECASE)
 
 
@@ -54,6 +56,7 @@ class HealRequest(WriteRequest):
     checkpoint_dir: Path | None = None
     resume: bool = False
     teacher_tokens: int | None = None  # teacher-written training tokens when no --data
+    retrieval_mix: float | None = None  # share of training windows made synthetic retrieval tasks (heal.retrieval)
     sample_cache: Path | None = None
     gradient_checkpointing: bool = False
     fsdp: bool = False  # shard the student's weights, gradients and optimizer state over the processes (FSDP2)
@@ -173,6 +176,26 @@ def _check_combinations(req: HealRequest) -> None:
         raise UsageError(f"--val-tokens {req.val_tokens} is shorter than one window (--seq-len {req.seq_len})")
     if req.eval_curve and not req.scoring.files:
         raise UsageError("--eval-curve needs --eval text")
+    if req.retrieval_mix is not None:
+        check_bounds("--retrieval-mix", req.retrieval_mix)
+        if not 0 < req.retrieval_mix <= 1:
+            raise UsageError(
+                f"--retrieval-mix is the share of training windows made retrieval tasks: give a value "
+                f"above 0 and at most 1, got {req.retrieval_mix}"
+            )
+        if req.seq_len < MIN_RETRIEVAL_SEQ_LEN:
+            raise UsageError(
+                f"--retrieval-mix needs windows of at least {MIN_RETRIEVAL_SEQ_LEN} tokens to hide a "
+                f"task in, got --seq-len {req.seq_len}"
+            )
+
+
+def check_positions(req: HealRequest, max_positions: int | None) -> None:
+    """--seq-len within the models' positions (max_position_embeddings), from their configs before any loads."""
+    if max_positions is not None and req.seq_len > max_positions:
+        raise UsageError(
+            f"--seq-len {req.seq_len:,} is past the model's {max_positions:,} positions (max_position_embeddings)"
+        )
 
 
 def check_data_path(path: Path) -> None:
