@@ -1,14 +1,14 @@
 """Cold start of `attnkit kvmem` and `attnkit inspect` (a preset, a config file) against `python -c pass`, side by side.
 
-Every command runs --repeat times in fresh interpreters, all of them interleaved so that machine load hits them
-alike; the table gives the median wall time and the ratios of the median wall and CPU times (user + sys of the
+Every command runs --repeat times in fresh interpreters, all of them interleaved (each round in a new random order)
+so that machine load hits them alike; the table gives the median wall time and the ratios of the median wall and CPU times (user + sys of the
 child) to `python -c pass` of this checkout. Every environment starts from a bytecode cache, as an installed package
 does (pip writes the .pyc files at install): PYTHONPYCACHEPREFIX points into a temporary folder, which the warm-up
 run fills. Other environments run the same commands in the same loop:
   --checkout NAME=PATH  another attnkit source tree with this interpreter (e.g. `git archive` of an earlier commit)
   --no-bytecode         this checkout (and each --checkout) once more with PYTHONDONTWRITEBYTECODE=1 and no cache:
                         every attnkit module compiled from source on every start
-  --typer VERSION       a temporary venv with only typer==VERSION installed (pip, --no-deps) that sees this
+  --typer VERSION       a temporary venv with typer==VERSION and its dependencies installed (pip) that sees this
                         environment's other packages and this checkout: the same attnkit code on another typer
   --with NAME=PY        any other interpreter with its own attnkit, e.g. another checkout's venv
 
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -89,7 +90,8 @@ def environ(pycache: Path | None, pythonpath: Path | None) -> dict:
 
 
 def typer_env(version: str, folder: Path) -> str:
-    """A venv holding typer==version alone; a .pth file adds this checkout and this environment's packages."""
+    """A venv holding typer==version and its dependencies (typer 0.29 needs pydantic); a .pth file adds this checkout
+    and this environment's packages."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
     python = folder / "bin" / "python"
     purelib = subprocess.run(
@@ -99,7 +101,7 @@ def typer_env(version: str, folder: Path) -> str:
         text=True,
     ).stdout.strip()
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", purelib, f"typer=={version}"],
+        [sys.executable, "-m", "pip", "install", "-q", "--target", purelib, f"typer=={version}"],
         check=True,
     )
     (Path(purelib) / "zz_attnkit_bench.pth").write_text(f"{ROOT}\n{sysconfig.get_paths()['purelib']}\n")
@@ -122,10 +124,12 @@ def measure(envs: dict[str, Env], rows: dict[str, list[str]], repeat: int) -> di
     for env in envs.values():  # warm the page cache and write the bytecode caches
         for args in rows.values():
             timed(env, args)
-    for _ in range(repeat):
-        for name, env in envs.items():
-            for row, args in rows.items():
-                samples[(name, row)].append(timed(env, args))
+    order = list(samples)
+    shuffle = random.Random(0).shuffle
+    for _ in range(repeat):  # every round in a new order: no row always runs after the same one
+        shuffle(order)
+        for name, row in order:
+            samples[(name, row)].append(timed(envs[name], rows[row]))
     return samples
 
 
@@ -175,7 +179,7 @@ def main() -> None:
             for name, path in checkouts.items():
                 envs[f"{name}, no bytecode cache"] = Env(sys.executable, path, environ(None, path))
         for version in args.typer:
-            envs[f"this checkout, typer {version}"] = Env(
+            envs[f"this checkout in a typer {version} venv"] = Env(
                 typer_env(version, tmp / f"typer-{version}"), ROOT, environ(pycache, ROOT)
             )
         for spec in args.others:
@@ -186,7 +190,7 @@ def main() -> None:
         result = table(envs, rows, measure(envs, rows, args.repeat))
     command = " ".join(["python benchmarks/bench_cold_start.py", *(a for a in sys.argv[1:] if a != "--write")])
     section = (
-        f"## cold start (kvmem, inspect)\n\n`{command}`: each command in a fresh interpreter, every environment and command interleaved, {args.repeat} runs, "
+        f"## cold start (kvmem, inspect)\n\n`{command}`: each command in a fresh interpreter, every environment and command interleaved (each round shuffled), {args.repeat} runs, "
         f"medians; ratios to the first row's `{BASE}` (this checkout's editable install; a typer venv made for the "
         f"comparison has no editable-install hook, so its own start is shorter), of the wall time and of the CPU "
         f"time (user + sys, steadier where the machine is shared). Every environment but those marked 'no bytecode "
@@ -200,20 +204,21 @@ def main() -> None:
     publish(section, args.write)
 
 
-NOTES = """Where the time goes (`python -X importtime`, and the same commands timed phase by phase): `import typer`
-alone is the second row, the floor of any typer 0.26 command line; typer then builds the command from its
-signature and parses (`attnkit --version` builds the root only). attnkit's share is its own modules and the work:
-the model's architecture file and preset file (a preset name and a family's own model_type read one file each,
-other references all of them), about ten dataclasses created at import (dataclasses in Python 3.11 compile each
-generated method), and json. `attnkit.cli.main` registers only the command it runs, so the other commands' modules
-are not imported and their typer commands not built (the last row builds them all, as `attnkit.cli.app` does).
-Neither command imports torch, transformers, pandas, numpy, huggingface_hub, safetensors, pydantic,
-importlib.resources or csv, nor rich unless it prints a table (tests/test_cli_startup.py checks the whole import
-set). typer 0.29 builds a pydantic TypeAdapter for every parameter it parses, and importing pydantic (with its
-plugin scan through `importlib.metadata`) is most of the difference between typer 0.29 and 0.26; attnkit
-requires typer 0.26, which parses without it. Without a bytecode cache (PYTHONDONTWRITEBYTECODE=1 on a
-checkout) every start compiles the attnkit modules it imports, which costs more than all the rest of attnkit's
-share."""
+NOTES = """Where the time goes (`python -X importtime`, and the commands timed phase by phase in one interpreter):
+`import typer` (the second row) and `attnkit --version` (typer's root command built and run, no attnkit command
+imported) are the floor of a command line on typer 0.26; the interpreter's teardown of typer's modules counts in
+every row. kvmem and inspect add typer building the one command from its signature and parsing, and attnkit's own
+modules and work: the command's modules (tests/test_cli_startup.py lists every module the two commands import),
+of which the dataclasses cost most (Python 3.11 compiles each generated method: about half a millisecond a
+class, some ten of them), json, and the model's architecture file and preset file (a preset name and a family's
+own model_type read one file each, other references every file of the folder). Neither command imports torch,
+transformers, pandas, numpy, huggingface_hub, safetensors, pydantic, importlib.resources or csv, nor rich unless
+it prints a table. `attnkit.cli.main` registers only the command it runs, so the other commands' modules are not
+imported and their typer commands not built (the last row builds them all, as `attnkit.cli.app` does). Rows
+marked 'no bytecode cache' run with PYTHONDONTWRITEBYTECODE=1, as a checkout run that way does: every start
+compiles the attnkit modules it imports. typer 0.29 builds a pydantic TypeAdapter for every parameter it parses,
+and importing pydantic (with its plugin scan through `importlib.metadata`) is most of the difference between the
+typer 0.29 and 0.26 rows; attnkit requires typer 0.26, which parses without it."""
 
 
 if __name__ == "__main__":
