@@ -9,6 +9,7 @@ from importlib import resources
 
 import pytest
 
+from attnkit import archs
 from attnkit.archs import all_archs, get_arch, supported_model_types
 from attnkit.archs.schema import validate_arch
 from attnkit.archs.spec import attention_spec
@@ -82,6 +83,20 @@ def test_every_shipped_file_validates_and_claims_distinct_model_types():
         "deepseek_v3",
         "gpt_oss",
     } <= set(supported_model_types())
+
+
+def test_a_familys_own_model_type_reads_its_file_alone():
+    """get_arch("llama") reads llama.json and no other file (a cold `attnkit kvmem`); a model_type named by no
+    file (gemma3_text) reads them all; both give what the registry holds."""
+    archs._load.cache_clear()
+    archs._registry.cache_clear()
+    llama = get_arch("llama")
+    assert archs._load.cache_info().currsize == 1
+    assert get_arch("gemma3_text").family == "gemma3"
+    assert archs._load.cache_info().currsize == len(all_archs())
+    assert llama is archs._registry()["llama"]
+    for model_type in supported_model_types():
+        assert get_arch(model_type) is archs._registry()[model_type]
 
 
 def test_unknown_model_type_lists_supported_ones():

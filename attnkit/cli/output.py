@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 import math
@@ -69,6 +68,8 @@ def render(
     if fmt == OutputFormat.json:
         write_json(json_obj if json_obj is not None else list(rows))
     elif fmt == OutputFormat.csv:
+        import csv
+
         keys = list(dict.fromkeys(k for row in rows for k in row)) or [c.key for c in columns]
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
