@@ -9,7 +9,7 @@ tokenizer and generation files, attnkit.json, checks, rename into place).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from attnkit.archs import get_arch
 from attnkit.archs.spec import attention_spec
@@ -32,8 +32,8 @@ class ExportRequest(WriteRequest):
 
 
 def check_request(req: ExportRequest):
-    """The GGUF checkpoint, after the dtype, the header and OUT were checked (nothing dequantized yet)."""
-    req.dtype = dtype_name(req.dtype)
+    """The GGUF checkpoint, after the dtype (as torch names it), the header and OUT were checked (nothing
+    dequantized yet)."""
     if req.dtype == "auto":
         raise UsageError("--dtype auto has no meaning for a GGUF file: choose float32, bfloat16 or float16")
     ckpt = resolve(req.model, need_weights=False)
@@ -66,6 +66,7 @@ def _write(src, req: ExportRequest, writer) -> dict:
 def export(req: ExportRequest) -> dict:
     """Run (or with dry_run, plan) the export; returns the report (see docs/checkpoints.md)."""
     started = time.perf_counter()
+    req = replace(req, dtype=dtype_name(req.dtype))  # bf16 -> bfloat16, ...
     ckpt = check_request(req)
     report = {
         "source": req.model,
