@@ -117,3 +117,32 @@ def test_a_bracketed_path_is_printed_whole_in_a_table(runner, tiny, tmp_path):
     result = runner.invoke(app, ["convert", "mqa", str(src), str(out), "--method", "mean"])
     assert result.exit_code == 0, result.output
     assert f"{out}" in "".join(result.stdout.split())  # the caption: wrote .../mqa[a]
+
+
+# ------------------------------------------------------------------ one report head (attnkit.commands.report_head)
+
+
+@pytest.mark.parametrize(
+    "args, lead",
+    [
+        (["convert", "mqa"], []),
+        (["convert", "mla", "--kv-budget", "0.5"], []),
+        (["retrofit", "softcap", "--attn-cap", "20"], ["retrofit"]),
+        (["retrofit", "qknorm", "--method", "pad"], ["retrofit"]),
+        (["retrofit", "qkclip"], ["retrofit"]),
+    ],
+)
+def test_writing_reports_start_with_one_head_and_end_with_seconds(runner, tiny, tmp_path, args, lead):
+    from tests.helpers import CALIB
+
+    src, out = tiny("llama_gqa"), tmp_path / "out"
+    command, options = args[:2], args[2:]
+    result = runner.invoke(
+        app, [*command, str(src), str(out), *options, "--calib", CALIB, "--dry-run", "--format", "json"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    keys = list(report)
+    assert keys[: len(lead) + 4] == [*lead, "source", "output", "dry_run", "model_type"] and keys[-1] == "seconds"
+    assert (report["source"], report["output"], report["dry_run"]) == (str(src), str(out), True)
+    assert report["model_type"] == "llama" and report["seconds"] >= 0

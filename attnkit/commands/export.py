@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from attnkit.archs import get_arch
 from attnkit.archs.spec import attention_spec
+from attnkit.commands.report_head import report_head, timed
 from attnkit.commands.rewrite import WriteRequest, check_write
 from attnkit.commands.source import open_source
 from attnkit.commands.write import write_checkpoint
@@ -69,18 +70,14 @@ def export(req: ExportRequest) -> dict:
     req = replace(req, dtype=dtype_name(req.dtype))  # bf16 -> bfloat16, ...
     ckpt = check_request(req)
     report = {
-        "source": req.model,
-        "output": str(req.out),
-        "dry_run": req.dry_run,
-        "model_type": ckpt.model_type,
+        **report_head(req, ckpt.model_type),
         "dtype": req.dtype,
         "cache": str(gguf_cache_folder(ckpt.gguf_file)),
         "tensors": None,
         "bytes": None,
     }
     if req.dry_run:
-        report["seconds"] = time.perf_counter() - started
-        return report
+        return timed(report, started)
     src = open_source(req.model, "export")
     config = src.raw_config()
     config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = req.dtype
@@ -94,5 +91,4 @@ def export(req: ExportRequest) -> dict:
         req, src, "export", config=config, weights=weights, body=lambda: {"parameters": {"dtype": req.dtype}}
     )
     report["bytes"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    report["seconds"] = time.perf_counter() - started
-    return report
+    return timed(report, started)

@@ -22,6 +22,7 @@ from attnkit.commands.convert.layer_spill import LayerSpill
 from attnkit.commands.convert.mla_layer import convert_one, refit_o_proj, without_o_bias
 from attnkit.commands.convert.mla_target import expected_shapes, target_config
 from attnkit.commands.quality import score_rewrite
+from attnkit.commands.report_head import report_head, timed
 from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows, check_rewrite
 from attnkit.commands.source import Source, open_source
 from attnkit.commands.write import write_checkpoint
@@ -498,10 +499,7 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
     src = check_request(req)
     rank = src.shape.latent_rank + 1
     report = {
-        "source": req.model,
-        "output": str(req.out),
-        "dry_run": req.dry_run,
-        "model_type": src.spec.model_type,
+        **report_head(req, src.spec.model_type),
         "num_layers": src.spec.num_layers,
         "num_heads": src.spec.num_heads,
         "kv_heads": src.spec.num_kv_heads,
@@ -518,8 +516,7 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
         "warnings": list(src.warnings),
     }
     if req.dry_run:
-        report["seconds"] = time.perf_counter() - started
-        return report
+        return timed(report, started)
     log("calibrating and converting layer by layer ...")
     config = target_config(src, bias_route=req.latent_norm == "bias")
     expected = expected_shapes(config)
@@ -553,8 +550,7 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
         },
         score=score if req.scored else None,
     )
-    report["seconds"] = time.perf_counter() - started
-    return report
+    return timed(report, started)
 
 
 def _notes(req: MLARequest, src: MLASource) -> list[str]:

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from attnkit.commands.analyse.probe import probe
+from attnkit.commands.report_head import report_head, timed
 from attnkit.commands.retrofit.common import check_source, load, scorer, stream_weights
 from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows
 from attnkit.commands.write import write_checkpoint
@@ -195,11 +196,7 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
     started = time.perf_counter()
     src = check_request(req)
     report = {
-        "retrofit": "qkclip",
-        "source": req.model,
-        "output": str(req.out),
-        "dry_run": req.dry_run,
-        "model_type": src.spec.model_type,
+        **report_head(req, src.spec.model_type, lead={"retrofit": "qkclip"}),
         "tau": req.tau,
         "scope": "layer" if src.spec.qk_norm == "per_head" else "head",
         "scaled": _scaled_tensor(src.spec),
@@ -213,8 +210,7 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
         "probe": None,
     }
     if req.dry_run:
-        report["seconds"] = time.perf_counter() - started
-        return report
+        return timed(report, started)
     before = {(r["layer"], r["head"]): r for r in _max_logits(src.root, req, "source")}
     factors, report["calibration"] = _clip(req, src)
     rows = []
@@ -242,8 +238,7 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
             f"{top['max_logit_seen']:.4g}, layer {top['layer']} head {top['head']}): nothing "
             f"to clip, {req.out} not written"
         )
-        report["seconds"] = time.perf_counter() - started
-        return report
+        return timed(report, started)
 
     def check(folder):
         after = {(r["layer"], r["head"]): r["max_logit_precap"] for r in _max_logits(folder, req, "result")}
@@ -271,5 +266,4 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
         check=check,
         score=scorer(req, src, report),
     )
-    report["seconds"] = time.perf_counter() - started
-    return report
+    return timed(report, started)

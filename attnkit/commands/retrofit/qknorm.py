@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from attnkit.commands.report_head import report_head, timed
 from attnkit.commands.retrofit.common import check_source, load, scorer, stream_weights
 from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows
 from attnkit.commands.write import write_checkpoint
@@ -463,11 +464,7 @@ def retrofit_qknorm(req: QKNormRequest) -> dict:
     if dim != spec.head_dim:
         check_rope(src, config)
     report = {
-        "retrofit": "qknorm",
-        "source": req.model,
-        "output": str(req.out),
-        "dry_run": req.dry_run,
-        "model_type": spec.model_type,
+        **report_head(req, spec.model_type, lead={"retrofit": "qknorm"}),
         "method": req.method,
         "head_dim_before": spec.head_dim,
         "head_dim_after": dim,
@@ -490,8 +487,7 @@ def retrofit_qknorm(req: QKNormRequest) -> dict:
             "no such head size; --method anchor runs in both"
         )
     if req.dry_run:
-        report["seconds"] = time.perf_counter() - started
-        return report
+        return timed(report, started)
     fits = pads = None
     if req.method in ("pad", "anchor"):
         with LazyReader(src.ckpt.weight_files) as reader:
@@ -553,5 +549,4 @@ def retrofit_qknorm(req: QKNormRequest) -> dict:
         check=_check_loads,
         score=scorer(req, src, report),
     )
-    report["seconds"] = time.perf_counter() - started
-    return report
+    return timed(report, started)
