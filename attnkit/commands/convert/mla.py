@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from attnkit.commands.convert.layer_spill import LayerSpill
 from attnkit.commands.convert.mla_layer import convert_one, refit_o_proj, without_o_bias
-from attnkit.commands.convert.mla_target import expected_shapes, target_config
+from attnkit.commands.convert.mla_target import TARGET, expected_shapes, target_attention_names, target_config
 from attnkit.commands.quality import score_rewrite
 from attnkit.commands.report_head import report_head, timed
 from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows, check_rewrite
@@ -321,10 +321,6 @@ def _layer_weights(reader, roles: dict) -> dict:
     return {role: reader.get(name) for role, name in roles.items()}
 
 
-def input_norm_name(src: MLASource, layer: int) -> str:
-    return f"{src.prefix}layers.{layer}.input_layernorm.weight"
-
-
 def input_gamma(src: MLASource, weight):
     """The scale input_layernorm applies (Gemma stores w and applies 1 + w), float64 [n]."""
     import torch
@@ -346,6 +342,7 @@ def _calibrate_and_convert(req: MLARequest, src: MLASource, config, spill, expec
     loaded = load_for_calibration(str(src.root), req.device)  # decoder layers streamed when possible
     windows = calib_windows(loaded.tokenizer, req)
     modules = [attention_module_name(src.arch.tensors["k"], src.prefix, i) for i in range(src.spec.num_layers)]
+    written = target_attention_names(expected, src.spec.num_layers)  # model.layers.{i}.self_attn of the target
     rows: list = [None] * src.spec.num_layers
     with LazyReader(src.ckpt.weight_files) as reader:
         dtype = reader.get(src.layer_names[0]["o"]).dtype
@@ -356,7 +353,7 @@ def _calibrate_and_convert(req: MLARequest, src: MLASource, config, spill, expec
             gamma = scale = None
             if req.latent_norm != "bias":
                 weights = without_o_bias(src, weights)
-                gamma = input_gamma(src, reader.get(input_norm_name(src, layer)))
+                gamma = input_gamma(src, reader.get(src.tensor("input_norm", layer)))
                 scale = (1.0 / gamma).to(torch.float32)
             plain, fold = weights, None
             if "q_norm" in weights:  # per-head QK-norm: the fold's constants, fitted on this layer's inputs
@@ -389,7 +386,7 @@ def _calibrate_and_convert(req: MLARequest, src: MLASource, config, spill, expec
                     norm_eps=config.rms_norm_eps,
                 )
             rows[layer]["layer"] = layer
-            named = {f"model.layers.{layer}.self_attn.{name}": t for name, t in tensors.items()}
+            named = {f"{written[layer]}.{name}": t for name, t in tensors.items()}
             unknown = [full for full in named if full not in expected]
             if unknown:
                 raise AttnkitError(f"internal: {unknown[0]} is not a DeepseekV3 tensor")
@@ -424,15 +421,17 @@ def _fold_row(fold) -> dict:
 
 
 def _copy_rest(reader, src: MLASource, writer, expected: dict, fold_input_norm: bool) -> None:
-    """Every non-attention tensor under its DeepseekV3 name (Gemma: norms 1 + w, embeddings x sqrt(n)), lm_head
-    written out whenever the target has one; fold_input_norm: input_layernorm weights are ones (the engine route
-    folds them into the attention projections)."""
+    """Every non-attention tensor under its DeepseekV3 name (norms of a family that stores w and applies
+    offset + w, Gemma: offset + w; Gemma's embeddings x sqrt(n)), the output head written out whenever the target
+    has one; fold_input_norm: input norm weights are ones (the engine route folds them into the attention
+    projections). Names by role from the architecture registry (attnkit/archs/data)."""
     import torch
 
     attention = {n for roles in src.layer_names for n in roles.values()}
-    input_norms = {input_norm_name(src, i) for i in range(src.spec.num_layers)}
+    input_norms = {src.tensor("input_norm", i) for i in range(src.spec.num_layers)}
+    norms = src.arch.norm_names(src.spec.num_layers, src.prefix)
     gemma = src.arch.family == "gemma"
-    embed_name = f"{src.prefix}embed_tokens.weight"
+    embed_name, head = src.tensor("embed", None), TARGET.head_name
     for name in reader.names():
         if name in attention:
             continue
@@ -441,10 +440,10 @@ def _copy_rest(reader, src: MLASource, writer, expected: dict, fold_input_norm: 
         t = reader.get(name)
         if fold_input_norm and name in input_norms:
             t = torch.ones_like(t)
-        elif gemma and name.endswith("norm.weight"):
-            t = (t.to(torch.float32) + 1).to(t.dtype)
-        if name == embed_name and "lm_head.weight" in expected and "lm_head.weight" not in reader.names():
-            writer.add("lm_head.weight", t)  # a tied source head, written out for engines that never tie
+        elif src.arch.norm_offset and name in norms:
+            t = (t.to(torch.float32) + src.arch.norm_offset).to(t.dtype)
+        if name == embed_name and head in expected and src.arch.head_name not in reader.names():
+            writer.add(head, t)  # a tied source head, written out for engines that never tie
         if gemma and name == embed_name:
             t = t * torch.tensor(src.spec.hidden_size**0.5, dtype=t.dtype)  # Gemma's normalizer, in its dtype
         writer.add(name, t)

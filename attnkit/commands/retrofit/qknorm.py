@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from attnkit.archs import get_arch
 from attnkit.commands.report_head import report_head, timed
 from attnkit.commands.retrofit.common import check_source, load, scorer, stream_weights
 from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows
@@ -49,6 +50,8 @@ from attnkit.runtime.streaming import load_for_calibration
 from attnkit.units import check_bounds
 
 SOURCES = ("llama", "mistral", "qwen2")
+#: What the result is: its new tensors' names come from the registry (attnkit/archs/data/qwen3.json).
+QWEN3 = get_arch("qwen3")
 #: Most --steps of the kl fit per layer (its default is 150).
 MAX_STEPS = 100_000
 #: Bias of the pad dims, in units of the largest possible |q| (or |k|) of a head.
@@ -236,7 +239,7 @@ def _pad_biases(src, reader_get) -> list[tuple[float, float, float]]:
     dtype_name = str(src.config.get("torch_dtype") or src.config.get("dtype") or "float32")
     out = []
     for i in range(spec.num_layers):
-        gamma = reader_get(f"{src.prefix}layers.{i}.input_layernorm.weight").double()
+        gamma = reader_get(src.tensor("input_norm", i)).double()
         x_max = float(gamma.abs().max()) * spec.hidden_size**0.5
         bounds = []
         for role, heads in (("q", spec.num_heads), ("k", spec.num_kv_heads)):
@@ -315,9 +318,9 @@ def _unbiased_rows(src, layer: int, role: str, t, biases: dict, anchor):
     return substitute_constant(torch.cat([w, bias.to(torch.float64)[:, None]], dim=1), anchor)
 
 
-def _attn_name(src, layer: int, leaf: str) -> str:
-    """The name of a new tensor of layer `layer`'s attention (e.g. q_norm.weight, o_proj.bias)."""
-    return f"{src.prefix}layers.{layer}.self_attn.{leaf}"
+def _qwen3_name(src, role: str, layer: int) -> str:
+    """The name of a tensor the source lacks and Qwen3 has (q_norm, o_bias, ...), by role from the registry."""
+    return QWEN3.tensor_name(role, layer, src.prefix)
 
 
 def _attention_roles(src) -> dict:
@@ -353,7 +356,7 @@ def _anchor_rewriter(src, fits: list[AnchorFit], pads: list, biases: dict, new_d
             out = {name: (widen_columns(w, h, dim, new_dim) if new_dim > dim else w).to(t.dtype)}
             for which, pad, scale in (("q", pads[i][0], (new_dim / dim) ** 0.5), ("k", pads[i][1], 1.0)):
                 g = anchor_norm_weight(new_dim, zero, pad, fit.gain, scale)
-                out[_attn_name(src, i, f"{which}_norm.weight")] = g.to(t.dtype)
+                out[_qwen3_name(src, f"{which}_norm", i)] = g.to(t.dtype)
             return out
         heads = h if role == "q" else hkv
         w = _unbiased_rows(src, i, role, t, biases, fit.anchor)  # [heads * D, n]
@@ -414,9 +417,9 @@ def _rewriter(src, method: str, fits: list | None, pads: list | None, bias: bool
                     if not src.tensor(f"{r}_bias", i):
                         z = torch.zeros(n_heads * dim, dtype=t.dtype)
                         zero_bias = pad_rows(z, n_heads, dim, fill) if method == "pad" else z
-                        out[_attn_name(src, i, f"{r}_proj.bias")] = zero_bias
+                        out[_qwen3_name(src, f"{r}_bias", i)] = zero_bias
                 if not src.tensor("o_bias", i):
-                    out[_attn_name(src, i, "o_proj.bias")] = torch.zeros(hidden, dtype=t.dtype)
+                    out[_qwen3_name(src, "o_bias", i)] = torch.zeros(hidden, dtype=t.dtype)
             for which in ("q", "k"):
                 if method == "pad":
                     b = pads[i][0] if which == "q" else pads[i][1]
@@ -424,7 +427,7 @@ def _rewriter(src, method: str, fits: list | None, pads: list | None, bias: bool
                 else:
                     g = fits[i].g_q if which == "q" else fits[i].g_k
                 assert g.shape == (new_dim,)
-                out[_attn_name(src, i, f"{which}_norm.weight")] = g.to(t.dtype)
+                out[_qwen3_name(src, f"{which}_norm", i)] = g.to(t.dtype)
         return out
 
     return rewrite
@@ -444,8 +447,8 @@ def _check_loads(folder) -> None:
     with LazyReader(safetensors_files(folder)) as reader:
         got = {n: tuple(reader.info(n).shape) for n in reader.names()}
     if config.tie_word_embeddings:
-        want.pop("lm_head.weight", None)
-        got.pop("lm_head.weight", None)
+        want.pop(QWEN3.head_name, None)
+        got.pop(QWEN3.head_name, None)
     if want != got:
         diff = sorted(set(want.items()) ^ set(got.items()))
         raise AttnkitError(f"{folder}: tensors do not match Qwen3ForCausalLM, e.g. {diff[0]}")
