@@ -9,7 +9,7 @@ from attnkit.archs.tensors import find_prefix
 from attnkit.runtime.calibrate import attention_module_name
 
 if TYPE_CHECKING:
-    from attnkit.commands.convert.mla import MLASource
+    from attnkit.commands.convert.mla_request import MLASource
 
 #: The architecture the result has: its tensor names come from the registry (attnkit/archs/data/deepseek_v3.json).
 TARGET = get_arch("deepseek_v3")

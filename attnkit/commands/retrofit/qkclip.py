@@ -185,10 +185,11 @@ def _scope_notes(spec) -> list[str]:
     ]
 
 
-def _max_logits(ref, req, name: str) -> list:
-    """Per-head rows of attnkit's probe of a model on the calibration text (max_logit_precap among them)."""
+def _max_logits(ref, req, name: str) -> dict:
+    """(layer, head) -> the head's row of attnkit's probe of a model on the calibration text (max_logit_precap
+    among them)."""
     loaded = load(ref, req.device)
-    return probe(loaded, calib_windows(loaded.tokenizer, req), name=name).heads
+    return {(r["layer"], r["head"]): r for r in probe(loaded, calib_windows(loaded.tokenizer, req), name=name).heads}
 
 
 def retrofit_qkclip(req: QKClipRequest) -> dict:
@@ -211,8 +212,30 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
     }
     if req.dry_run:
         return timed(report, started)
-    before = {(r["layer"], r["head"]): r for r in _max_logits(src.root, req, "source")}
+    before = _max_logits(src.root, req, "source")
     factors, report["calibration"] = _clip(req, src)
+    rows = report["heads"] = _head_rows(factors, before)
+    report["clipped_heads"] = sum(r["clipped"] for r in rows)
+    report["clipped_layers"] = len({r["layer"] for r in rows if r["clipped"]})
+    if not report["clipped_heads"]:  # an unchanged copy would be all the output holds
+        report["output"] = None
+        report["warnings"].append(_nothing_to_clip(req, rows))
+        return timed(report, started)
+    write_checkpoint(
+        req,
+        src,
+        "retrofit qkclip",
+        config=src.raw_config(),
+        weights=lambda writer: stream_weights(src, writer, _rewriter(src, factors)),
+        body=lambda: _manifest_body(req, report),
+        check=lambda folder: _measure_after(folder, req, rows),
+        score=scorer(req, src, report),
+    )
+    return timed(report, started)
+
+
+def _head_rows(factors: list, before: dict) -> list[dict]:
+    """The report's row of every head: its max logit in the source (probe) and as the clip saw it, its factor."""
     rows = []
     for layer, (f, smax) in enumerate(factors):
         for h in range(f.shape[0]):
@@ -227,25 +250,28 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
                     "max_logit_after": None,
                 }
             )
-    report["heads"] = rows
-    report["clipped_heads"] = sum(r["clipped"] for r in rows)
-    report["clipped_layers"] = len({r["layer"] for r in rows if r["clipped"]})
-    if not report["clipped_heads"]:  # an unchanged copy would be all the output holds
-        top = max(rows, key=lambda r: r["max_logit_seen"])
-        report["output"] = None
-        report["warnings"].append(
-            f"no head's max logit on the calibration text exceeds --tau {req.tau:g} (highest: "
-            f"{top['max_logit_seen']:.4g}, layer {top['layer']} head {top['head']}): nothing "
-            f"to clip, {req.out} not written"
-        )
-        return timed(report, started)
+    return rows
 
-    def check(folder):
-        after = {(r["layer"], r["head"]): r["max_logit_precap"] for r in _max_logits(folder, req, "result")}
-        for r in rows:
-            r["max_logit_after"] = after[(r["layer"], r["head"])]
 
-    body = {
+def _nothing_to_clip(req: QKClipRequest, rows: list[dict]) -> str:
+    top = max(rows, key=lambda r: r["max_logit_seen"])
+    return (
+        f"no head's max logit on the calibration text exceeds --tau {req.tau:g} (highest: "
+        f"{top['max_logit_seen']:.4g}, layer {top['layer']} head {top['head']}): nothing "
+        f"to clip, {req.out} not written"
+    )
+
+
+def _measure_after(folder, req: QKClipRequest, rows: list[dict]) -> None:
+    """The written model's max logit per head on the calibration text, into the rows (write_checkpoint's check)."""
+    after = _max_logits(folder, req, "result")
+    for r in rows:
+        r["max_logit_after"] = after[(r["layer"], r["head"])]["max_logit_precap"]
+
+
+def _manifest_body(req: QKClipRequest, report: dict) -> dict:
+    """attnkit.json's entries of the clip: what changed and why, the parameters, calibration and head rows."""
+    return {
         "changes": {
             "weights": f"{report['scaled']} of the {report['clipped_heads']} clipped head(s) "
             f"({report['clipped_layers']} layer(s)) scaled by tau / max logit; every other tensor copied unchanged"
@@ -254,16 +280,5 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
         "parameters": {"tau": req.tau, "scope": report["scope"]},
         "notes": report["notes"],
         "calibration": report["calibration"],
-        "heads": rows,
+        "heads": report["heads"],
     }
-    write_checkpoint(
-        req,
-        src,
-        "retrofit qkclip",
-        config=src.raw_config(),
-        weights=lambda writer: stream_weights(src, writer, _rewriter(src, factors)),
-        body=lambda: body,
-        check=check,
-        score=scorer(req, src, report),
-    )
-    return timed(report, started)
