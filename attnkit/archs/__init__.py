@@ -29,6 +29,17 @@ class Arch:
         return self.data["tensors"]
 
     @property
+    def other_tensors(self) -> dict[str, str]:
+        """Roles outside attention (embed, final_norm, input_norm, ...: attnkit.archs.schema.OTHER_ROLES) -> name
+        template, relative to the prefix."""
+        return self.data.get("other_tensors", {})
+
+    @property
+    def head_name(self) -> str | None:
+        """The output head's full name (required.head; absent where the config ties it to the embeddings)."""
+        return self.data["required"].get("head")
+
+    @property
     def norm_offset(self) -> float:
         """What an RMSNorm adds to its stored weight before scaling (Gemma stores w and applies 1 + w)."""
         return self.data.get("norm_weight_offset", 0.0)
@@ -51,9 +62,24 @@ class Arch:
                 return key, value
         return "default", self.data.get("defaults", {}).get(role, default)
 
-    def tensor_name(self, role: str, layer: int, prefix: str = "") -> str | None:
-        template = self.tensors.get(role)
-        return None if template is None else prefix + template.format(i=layer)
+    def norm_names(self, num_layers: int, prefix: str = "") -> set[str]:
+        """The full names of every norm weight outside attention: the other_tensors roles ending in _norm."""
+        names = set()
+        for role, template in self.other_tensors.items():
+            if role.endswith("_norm"):
+                layers = range(num_layers) if "{i}" in template else [None]
+                names |= {self.tensor_name(role, layer, prefix) for layer in layers}
+        return names
+
+    def tensor_name(self, role: str, layer: int | None = None, prefix: str = "") -> str | None:
+        """The name of `role` (an attention role or one of other_tensors) in `layer` (None for a model role), or
+        None where the family has no such role."""
+        template = self.tensors.get(role) or self.other_tensors.get(role)
+        if template is None:
+            return None
+        if layer is None and "{i}" in template:
+            raise ValueError(f"{role} is a per-layer role: give the layer")
+        return prefix + template.format(i=layer)
 
 
 def _lookup(config: dict, dotted: str) -> Any:

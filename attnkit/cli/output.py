@@ -97,8 +97,10 @@ def render(
             table.add_column(c.header, justify=c.justify)
         for row in rows:
             table.add_row(*(_cell(c, row) for c in columns))
-        # Piped output gets the table's natural width instead of being squeezed into 80 columns.
-        Console(soft_wrap=False, width=None if sys.stdout.isatty() else 400).print(table)
+        # Piped output gets the table's natural width instead of being squeezed into 80 columns; titles, captions
+        # and cells echo paths and model names, so they are never read as markup or emoji codes.
+        console = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 400, markup=False, emoji=False)
+        console.print(table)
 
 
 def _csv_value(value: Any) -> Any:
