@@ -45,14 +45,14 @@ class _Display:
             )
 
             self.progress = Progress(
-                TextColumn("{task.description}"),
+                TextColumn("{task.description}", markup=False),  # descriptions echo paths
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[unit]}"),
                 TimeElapsedColumn(),
                 TextColumn("ETA"),
                 TimeRemainingColumn(),
-                TextColumn("{task.fields[note]}"),
+                TextColumn("{task.fields[note]}", markup=False),
                 console=self.console(),
                 transient=False,
                 redirect_stdout=False,

@@ -9,6 +9,7 @@ from importlib import resources
 
 import pytest
 
+from attnkit import archs
 from attnkit.archs import all_archs, get_arch, supported_model_types
 from attnkit.archs.schema import validate_arch
 from attnkit.archs.spec import attention_spec
@@ -43,6 +44,11 @@ def _llama_doc() -> dict:
         (lambda d: d["required"].update(layer=["layers.{i}.experts.{e}.w1.weight"]), "no num_experts role is mapped"),
         (lambda d: d["required"].update(head=["lm_head.weight"]), "'required.head' must be a string"),
         (lambda d: d["required"].update(extra=[]), "'required' takes keys"),
+        (lambda d: d["other_tensors"].update(mlp="layers.{i}.mlp.weight"), "unknown other_tensors roles ['mlp']"),
+        (lambda d: d["other_tensors"].update(embed="layers.{i}.embed.weight"), "'embed' must not contain '{i}'"),
+        (lambda d: d["other_tensors"].update(input_norm="input_norm.weight"), "'input_norm' must contain '{i}'"),
+        (lambda d: d["other_tensors"].update(final_norm=["norm.weight"]), "'final_norm' must be a string"),
+        (lambda d: d["required"]["model"].append("norm.weight"), "has a role in other_tensors: list it once"),
     ],
 )
 def test_schema_rejects_bad_documents_naming_the_file(mutate, needle):
@@ -82,6 +88,20 @@ def test_every_shipped_file_validates_and_claims_distinct_model_types():
         "deepseek_v3",
         "gpt_oss",
     } <= set(supported_model_types())
+
+
+def test_a_familys_own_model_type_reads_its_file_alone():
+    """get_arch("llama") reads llama.json and no other file (a cold `attnkit kvmem`); a model_type named by no
+    file (gemma3_text) reads them all; both give what the registry holds."""
+    archs._load.cache_clear()
+    archs._registry.cache_clear()
+    llama = get_arch("llama")
+    assert archs._load.cache_info().currsize == 1
+    assert get_arch("gemma3_text").family == "gemma3"
+    assert archs._load.cache_info().currsize == len(all_archs())
+    assert llama is archs._registry()["llama"]
+    for model_type in supported_model_types():
+        assert get_arch(model_type) is archs._registry()[model_type]
 
 
 def test_unknown_model_type_lists_supported_ones():
@@ -208,6 +228,77 @@ def test_shapes_written_out_for_gqa_fused_and_mla():
     assert shapes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == (20, 64)
     assert shapes["model.layers.0.self_attn.kv_b_proj.weight"] == (128, 16)
     assert shapes["model.layers.0.self_attn.q_b_proj.weight"] == (8 * 12, 24)
+
+
+# ---------------------------------------------------------------- roles outside attention do what their names say
+
+
+def _layer_parts(model, arch, prefix: str, layer: int):
+    """(attention module, MLP module) of `layer`: the module of the o template and the layer's MLP child."""
+    from attnkit.runtime.calibrate import attention_module_name
+
+    attention = model.get_submodule(attention_module_name(arch.tensors["o"], prefix, layer))
+    block = model.get_submodule(attention_module_name(arch.tensors["o"], prefix, layer).rsplit(".", 1)[0])
+    mlp = next(getattr(block, n) for n in ("mlp", "block_sparse_moe") if hasattr(block, n))
+    return attention, mlp
+
+
+@pytest.mark.parametrize("name", sorted(set(CASES) - {"bert"}))
+def test_other_roles_are_the_tensors_their_names_say(name):
+    """embed is the input embedding; each norm role's module feeds (or is fed by) what its name says, seen by
+    running the tiny model: input_norm -> attention, attention -> post_attention_norm, pre_mlp_norm -> MLP,
+    MLP -> post_mlp_norm, final_norm -> output head."""
+    import torch
+
+    import tests.tiny
+
+    model = (build_model(name) if name in tests.tiny.FAMILIES else extra_model(name)).eval()
+    config = json.loads(model.config.to_json_string())
+    arch, spec = get_arch(config["model_type"]), attention_spec(config)
+    prefix = find_prefix(arch, dict(model.state_dict()))
+    assert {"embed", "final_norm"} <= set(arch.other_tensors)
+    assert model.get_parameter(arch.tensor_name("embed", prefix=prefix)) is model.get_input_embeddings().weight
+    seen: dict = {}
+
+    def keep(key, where):
+        def hook(_module, args, kwargs, output):
+            inputs = args[0] if args else kwargs["hidden_states"]
+            value = output[0] if isinstance(output, tuple) else output
+            seen[key] = inputs if where == "in" else value
+
+        return hook
+
+    def module_of(role, layer=None):
+        return model.get_submodule(arch.tensor_name(role, layer, prefix).removesuffix(".weight"))
+
+    hooks = [module_of("final_norm").register_forward_hook(keep("final_norm", "out"), with_kwargs=True)]
+    hooks.append(model.get_output_embeddings().register_forward_hook(keep("head", "in"), with_kwargs=True))
+    for layer in range(spec.num_layers):
+        attention, mlp = _layer_parts(model, arch, prefix, layer)
+        for key, module, where in (
+            ("attention in", attention, "in"),
+            ("attention out", attention, "out"),
+            ("mlp in", mlp, "in"),
+            ("mlp out", mlp, "out"),
+        ):
+            hooks.append(module.register_forward_hook(keep((layer, key), where), with_kwargs=True))
+        for role in ("input_norm", "pre_mlp_norm"):
+            if role in arch.other_tensors:
+                hooks.append(module_of(role, layer).register_forward_hook(keep((layer, role), "out"), with_kwargs=True))
+        for role in ("post_attention_norm", "post_mlp_norm"):
+            if role in arch.other_tensors:
+                hooks.append(module_of(role, layer).register_forward_hook(keep((layer, role), "in"), with_kwargs=True))
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 100, (1, 12)))
+    for hook in hooks:
+        hook.remove()
+    assert torch.equal(seen["final_norm"], seen["head"])
+    pairs = {"input_norm": "attention in", "post_attention_norm": "attention out"}
+    pairs |= {"pre_mlp_norm": "mlp in", "post_mlp_norm": "mlp out"}
+    for layer in range(spec.num_layers):
+        for role, other in pairs.items():
+            if role in arch.other_tensors:
+                assert torch.equal(seen[(layer, role)], seen[(layer, other)]), (role, layer)
 
 
 # ---------------------------------------------------------------- find_prefix

@@ -89,3 +89,60 @@ def test_kvmem_formats(runner, fmt):
         assert result.stdout.startswith("**KV cache") and "| 131,072 |" in result.stdout
     else:
         assert "131,072" in result.stdout
+
+
+# ------------------------------------------------------------------ paths are printed as they are
+
+
+def test_a_bracketed_output_path_is_printed_whole_in_the_log(runner, tiny, tmp_path):
+    """rich reads "[test]" as a style tag: every command's log (attnkit.cli.common.log_sink) and table print with
+    markup off, so runs[test] does not come out as runs."""
+    from tests.helpers import HELDOUT, char_tokenizer
+
+    teacher = char_tokenizer(tiny("llama_gqa"))
+    student = tmp_path / "student"
+    made = runner.invoke(app, ["convert", "mqa", str(teacher), str(student), "--method", "mean"])
+    assert made.exit_code == 0, made.output
+    out = tmp_path / "runs[test]"
+    fast = ["--tokens", "256", "--seq-len", "32", "--batch-size", "2", "--micro-batch-size", "2"]
+    fast += ["--val-tokens", "64", "--eval-every", "2", "--device", "cpu"]
+    result = runner.invoke(app, ["heal", str(student), str(out), "--teacher", str(teacher), "--data", HELDOUT, *fast])
+    assert result.exit_code == 0, result.output
+    assert f"writing {out}" in result.stderr  # heal's log
+    assert f"{out}" in "".join(result.stdout.split())  # the table's caption: wrote .../runs[test]
+
+
+def test_a_bracketed_path_is_printed_whole_in_a_table(runner, tiny, tmp_path):
+    src, out = tiny("llama_gqa"), tmp_path / "mqa[a]"
+    result = runner.invoke(app, ["convert", "mqa", str(src), str(out), "--method", "mean"])
+    assert result.exit_code == 0, result.output
+    assert f"{out}" in "".join(result.stdout.split())  # the caption: wrote .../mqa[a]
+
+
+# ------------------------------------------------------------------ one report head (attnkit.commands.report_head)
+
+
+@pytest.mark.parametrize(
+    "args, lead",
+    [
+        (["convert", "mqa"], []),
+        (["convert", "mla", "--kv-budget", "0.5"], []),
+        (["retrofit", "softcap", "--attn-cap", "20"], ["retrofit"]),
+        (["retrofit", "qknorm", "--method", "pad"], ["retrofit"]),
+        (["retrofit", "qkclip"], ["retrofit"]),
+    ],
+)
+def test_writing_reports_start_with_one_head_and_end_with_seconds(runner, tiny, tmp_path, args, lead):
+    from tests.helpers import CALIB
+
+    src, out = tiny("llama_gqa"), tmp_path / "out"
+    command, options = args[:2], args[2:]
+    result = runner.invoke(
+        app, [*command, str(src), str(out), *options, "--calib", CALIB, "--dry-run", "--format", "json"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    keys = list(report)
+    assert keys[: len(lead) + 4] == [*lead, "source", "output", "dry_run", "model_type"] and keys[-1] == "seconds"
+    assert (report["source"], report["output"], report["dry_run"]) == (str(src), str(out), True)
+    assert report["model_type"] == "llama" and report["seconds"] >= 0

@@ -93,3 +93,13 @@ def test_diff_table_output(runner, pair):
     result = runner.invoke(app, ["diff", str(src), str(out)], terminal_width=200)
     assert result.exit_code == 0, result.output
     assert "num_key_value_heads" in result.stdout and "k_proj" in result.stdout and "reshaped" in result.stdout
+
+
+def test_diff_leaves_the_request_as_given(pair, tmp_path):
+    from attnkit.commands.analyse.diff import DiffRequest, diff_models
+
+    src, out = pair
+    text = tmp_path / "t.txt"
+    text.write_text(PROSE)
+    req = DiffRequest(a=str(src), b=str(out), texts=[str(text)], seq_len=32, max_tokens=64, device="cpu", dtype="fp32")
+    assert diff_models(req)["probe"]["tokens"] == 64 and req.dtype == "fp32"

@@ -86,3 +86,12 @@ def test_export_smollm2_loads_in_transformers(runner, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(out))
     assert model.config.num_key_value_heads == 3 and model.config.num_hidden_layers == 30
     assert json.loads((out / "attnkit.json").read_text())["source"]["kind"] == "gguf"
+
+
+def test_export_leaves_the_request_as_given(gguf_and_cache, tmp_path):
+    """The dtype is read as torch names it (bf16 -> bfloat16) into a derived request; the caller's is unchanged."""
+    from attnkit.commands.export import ExportRequest, export
+
+    gguf, _ = gguf_and_cache
+    req = ExportRequest(model=str(gguf), out=tmp_path / "out", dtype="bf16")
+    assert export(req)["dtype"] == "bfloat16" and req.dtype == "bf16"

@@ -75,14 +75,14 @@ def test_an_index_that_leaves_out_a_shard_is_refused_layer_by_layer_as_when_load
 
 def test_a_missing_tensor_in_the_reference_is_refused_before_the_model_runs(runner, tmp_path, monkeypatch):
     """eval's reference is opened with the model, before either is loaded or streamed."""
-    from attnkit.commands.analyse import eval_models
+    from attnkit.commands.analyse import eval as eval_command
 
     src = tiny_source(tmp_path, "llama_gqa")
     ref = tiny_source(tmp_path / "ref", "llama_gqa")
     state = load_file(ref / "model.safetensors")
     del state[BAD]
     save_file(state, ref / "model.safetensors", metadata={"format": "pt"})
-    monkeypatch.setattr(eval_models, "evaluate", lambda *a, **k: pytest.fail("scored before the checks"))
+    monkeypatch.setattr(eval_command, "evaluate", lambda *a, **k: pytest.fail("scored before the checks"))
     for mode in ("never", "always"):
         result = runner.invoke(app, ["eval", str(src), *TEXT, "--reference", str(ref), "--layer-stream", mode])
         one_line_error(result, 1, f"tensor(s) that its config implies are missing, e.g. {BAD!r}")

@@ -147,6 +147,47 @@ def test_a_failed_write_leaves_the_old_file_whole(tmp_path):
     assert path.read_text() == "new,complete\n" and leftovers(tmp_path) == []
 
 
+def _half_then_interrupted(tensors, filename, *args, **kwargs):
+    """A safetensors write cut short: half a file on disk, then Ctrl-C."""
+    Path(filename).write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{")
+    raise KeyboardInterrupt
+
+
+def test_an_interrupted_topk_cache_write_leaves_no_file_and_the_next_run_writes_it(tmp_path, monkeypatch):
+    import safetensors.torch
+    import torch
+
+    from attnkit.commands.heal.topk import Targets, load_or_compute
+
+    path = tmp_path / "teacher-topk" / "key.safetensors"
+    targets = Targets(torch.zeros(1, 2, 3, dtype=torch.int32), torch.zeros(1, 2, 3).half(), torch.zeros(1, 2))
+    with monkeypatch.context() as patch:
+        patch.setattr(safetensors.torch, "save_file", _half_then_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            load_or_compute(path, lambda: targets)
+    assert list(path.parent.iterdir()) == []  # no half file under the cache's name, no temp file left
+    again = load_or_compute(path, lambda: targets)
+    assert path.is_file() and torch.equal(load_or_compute(path, pytest.fail).ids, again.ids)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["key.safetensors"]
+
+
+def test_an_interrupted_teacher_sample_batch_leaves_no_file(tmp_path, monkeypatch):
+    import safetensors.torch
+    import torch
+
+    from attnkit.commands.heal import samples
+
+    path = tmp_path / "batch-00000.safetensors"
+    with monkeypatch.context() as patch:
+        patch.setattr(safetensors.torch, "save_file", _half_then_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            samples._save(path, torch.ones(2, 4, dtype=torch.long))
+    assert list(tmp_path.iterdir()) == []
+    samples._save(path, torch.ones(2, 4, dtype=torch.long))
+    assert torch.equal(samples._load(path), torch.ones(2, 4, dtype=torch.long))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["batch-00000.safetensors"]
+
+
 def test_probe_table_on_a_full_disk_keeps_the_previous_table(tmp_path, monkeypatch):
     import pandas as pd
 

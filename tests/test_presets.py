@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from attnkit import kvcache
+from attnkit import kvcache, presets
 from attnkit.archs.spec import attention_spec
 from attnkit.commands.analyse.modelinfo import WEIGHT_DTYPE_BYTES
 from attnkit.presets import all_presets, find_preset
@@ -51,6 +52,15 @@ def test_required_presets_exist_with_attribution():
         assert p.url == f"https://huggingface.co/{p.source}/blob/main/config.json"
         assert p.parameters > 0 and p.weight_dtype in WEIGHT_DTYPE_BYTES
         assert p.notes, name
+
+
+def test_a_preset_name_reads_its_file_alone():
+    """Each preset is `<name>.json`, so find_preset reads one file for a name (a cold `attnkit kvmem`)."""
+    presets._read.cache_clear()
+    all_presets.cache_clear()
+    assert find_preset(" Llama-3.1-8B ").name == "llama-3.1-8b"
+    assert presets._read.cache_info().currsize == 1 and all_presets.cache_info().currsize == 0
+    assert {f for f in os.listdir(presets.DATA) if f.endswith(".json")} == {f"{name}.json" for name in all_presets()}
 
 
 def test_names_aliases_and_sources_are_unique_and_resolve():

@@ -84,3 +84,11 @@ def test_data_on_stdout_is_not_redirected_and_the_display_stops_between_phases(c
     out = capsys.readouterr().out
     assert "printed during a phase" in out and '{"data": 1}' in out
     assert "data" not in buffer.getvalue() and "scoring" in buffer.getvalue() and "writing" in buffer.getvalue()
+
+
+def test_a_phase_shows_a_bracketed_path_as_it_is():
+    buffer = io.StringIO()
+    with progress.display(_console(buffer), force=True):
+        with progress.phase("writing runs/[test]", 1, "tensors") as advance:
+            advance(1, note="[bold]x")
+    assert "writing runs/[test]" in buffer.getvalue() and "[bold]x" in buffer.getvalue()

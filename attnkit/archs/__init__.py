@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import reprlib
 from dataclasses import dataclass
 from functools import cache
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from attnkit.archs.schema import validate_arch
@@ -26,6 +27,17 @@ class Arch:
     @property
     def tensors(self) -> dict[str, str]:
         return self.data["tensors"]
+
+    @property
+    def other_tensors(self) -> dict[str, str]:
+        """Roles outside attention (embed, final_norm, input_norm, ...: attnkit.archs.schema.OTHER_ROLES) -> name
+        template, relative to the prefix."""
+        return self.data.get("other_tensors", {})
+
+    @property
+    def head_name(self) -> str | None:
+        """The output head's full name (required.head; absent where the config ties it to the embeddings)."""
+        return self.data["required"].get("head")
 
     @property
     def norm_offset(self) -> float:
@@ -50,9 +62,24 @@ class Arch:
                 return key, value
         return "default", self.data.get("defaults", {}).get(role, default)
 
-    def tensor_name(self, role: str, layer: int, prefix: str = "") -> str | None:
-        template = self.tensors.get(role)
-        return None if template is None else prefix + template.format(i=layer)
+    def norm_names(self, num_layers: int, prefix: str = "") -> set[str]:
+        """The full names of every norm weight outside attention: the other_tensors roles ending in _norm."""
+        names = set()
+        for role, template in self.other_tensors.items():
+            if role.endswith("_norm"):
+                layers = range(num_layers) if "{i}" in template else [None]
+                names |= {self.tensor_name(role, layer, prefix) for layer in layers}
+        return names
+
+    def tensor_name(self, role: str, layer: int | None = None, prefix: str = "") -> str | None:
+        """The name of `role` (an attention role or one of other_tensors) in `layer` (None for a model role), or
+        None where the family has no such role."""
+        template = self.tensors.get(role) or self.other_tensors.get(role)
+        if template is None:
+            return None
+        if layer is None and "{i}" in template:
+            raise ValueError(f"{role} is a per-layer role: give the layer")
+        return prefix + template.format(i=layer)
 
 
 def _lookup(config: dict, dotted: str) -> Any:
@@ -64,18 +91,27 @@ def _lookup(config: dict, dotted: str) -> Any:
     return node
 
 
+#: The architecture files, `<family>.json` each (a family is named like its usual model_type). A plain folder:
+#: importlib.resources costs a cold start more than the registry does.
+DATA = Path(__file__).parent / "data"
+
+
+@cache
+def _load(file: str) -> Arch:
+    """One architecture file, parsed and checked against the schema."""
+    try:
+        doc = json.loads((DATA / file).read_text())
+    except json.JSONDecodeError as exc:
+        raise AttnkitError(f"invalid architecture file {file}: {exc}") from None
+    return Arch(validate_arch(doc, file))
+
+
 @cache
 def _registry() -> dict[str, Arch]:
     by_type: dict[str, Arch] = {}
-    for entry in sorted(resources.files("attnkit.archs").joinpath("data").iterdir(), key=lambda p: p.name):
-        if not entry.name.endswith(".json"):
-            continue
-        try:
-            doc = json.loads(entry.read_text())
-        except json.JSONDecodeError as exc:
-            raise AttnkitError(f"invalid architecture file {entry.name}: {exc}") from None
-        arch = Arch(validate_arch(doc, entry.name))
-        for model_type in doc["model_types"]:
+    for file in sorted(f for f in os.listdir(DATA) if f.endswith(".json")):
+        arch = _load(file)
+        for model_type in arch.model_types:
             if model_type in by_type:
                 raise AttnkitError(f"model_type '{model_type}' is claimed by two architecture files")
             by_type[model_type] = arch
@@ -94,7 +130,12 @@ def all_archs() -> list[Arch]:
 
 
 def get_arch(model_type: str | None) -> Arch:
-    """The architecture for a config's `model_type`; unknown types list the supported ones."""
+    """The architecture for a config's `model_type`; unknown types list the supported ones. A family's own
+    model_type reads its file alone (every model_type is claimed once, which tests/test_archs.py checks)."""
+    if isinstance(model_type, str) and f"{model_type}.json" in os.listdir(DATA):
+        arch = _load(f"{model_type}.json")
+        if model_type in arch.model_types:
+            return arch
     reg = _registry()
     if isinstance(model_type, str) and model_type in reg:
         return reg[model_type]

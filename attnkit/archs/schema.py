@@ -69,6 +69,17 @@ TENSOR_ROLES = {
     "sinks",
 }
 
+#: Roles of tensors outside attention that every checkpoint of a family holds: "model" roles once (a name relative
+#: to the prefix), "layer" roles in every layer (a template with "{i}"). Norm roles name the norm's weight.
+OTHER_ROLES = {
+    "embed": "model",  # the token embeddings [vocab_size, hidden_size]
+    "final_norm": "model",  # the norm before the output head
+    "input_norm": "layer",  # the norm of the attention's input (pre-norm layers)
+    "post_attention_norm": "layer",  # the norm of the attention's output, before the residual add (Gemma 2/3, OLMo 2)
+    "pre_mlp_norm": "layer",  # the norm of the MLP's input (Llama's post_attention_layernorm, GPT-2's ln_2)
+    "post_mlp_norm": "layer",  # the norm of the MLP's output, before the residual add (Gemma 2/3, OLMo 2)
+}
+
 ENUMS = {
     "position": {"rope", "absolute", "alibi", "none"},
     "sliding_rule": {"none", "all", "layer_types", "alternate", "pattern", "max_window_layers"},
@@ -91,6 +102,7 @@ TOP_LEVEL = {
     "config": dict,
     "defaults": dict,
     "tensors": dict,
+    "other_tensors": dict,
     "required": dict,
     "transformers_class": str,
     "norm_weight_offset": float,  # RMSNorm scales by offset + weight (Gemma: 1.0); absent: 0
@@ -120,9 +132,9 @@ LAYOUT_ROLES = {
     "conv1d_concat": {"qkv", "o"},
     "mla": {"kv_a", "kv_b", "o"},
 }
-#: Tensors besides attention that a checkpoint must hold (relative to the prefix, like the templates):
-#: "model" once, "layer" in every layer ("{e}" repeats a template per expert), "head" (a full name) unless
-#: the config ties it to the embeddings.
+#: Tensors besides attention and the other roles that a checkpoint must hold (relative to the prefix, like the
+#: templates): "model" once, "layer" in every layer ("{e}" repeats a template per expert), "head" (the output head,
+#: a full name) unless the config ties it to the embeddings.
 REQUIRED_KEYS = {"model": list, "layer": list, "head": str}
 
 
@@ -172,8 +184,20 @@ def validate_arch(data: Any, source: str) -> dict:
         raise bad(f"qkv_layout '{layout}' needs tensor roles {sorted(needs - set(tensors))}")
     if data["qk_norm"] != "none" and not {"q_norm", "k_norm"} <= set(tensors):
         raise bad("qk_norm set but q_norm/k_norm tensor roles missing")
+    _validate_other(data.get("other_tensors", {}), bad)
     _validate_required(data, bad)
     return data
+
+
+def _validate_other(other: dict, bad) -> None:
+    if set(other) - set(OTHER_ROLES):
+        raise bad(f"unknown other_tensors roles {sorted(set(other) - set(OTHER_ROLES))}")
+    for role, template in other.items():
+        if not isinstance(template, str):
+            raise bad(f"other_tensors role '{role}' must be a string")
+        per_layer = OTHER_ROLES[role] == "layer"
+        if ("{i}" in template) != per_layer:
+            raise bad(f"other_tensors role '{role}' {'must' if per_layer else 'must not'} contain '{{i}}'")
 
 
 def _validate_required(data: dict, bad) -> None:
@@ -184,6 +208,10 @@ def _validate_required(data: dict, bad) -> None:
         value = required.get(key, typ())
         if not isinstance(value, typ) or (typ is list and not all(isinstance(t, str) for t in value)):
             raise bad(f"'required.{key}' must be {'a list of strings' if typ is list else 'a string'}")
+    named = set(data.get("other_tensors", {}).values())
+    for template in [*required["model"], *required["layer"]]:
+        if template in named:
+            raise bad(f"required tensor {template!r} has a role in other_tensors: list it once, there")
     for template in required["layer"]:
         if "{i}" not in template:
             raise bad(f"required layer tensor {template!r} must contain '{{i}}'")

@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from attnkit.archs import Arch
-from attnkit.archs.schema import LAYOUT_ROLES
+from attnkit.archs.schema import LAYOUT_ROLES, OTHER_ROLES
 from attnkit.archs.spec import AttentionSpec
 from attnkit.errors import AttnkitError
 
@@ -82,9 +82,9 @@ def role_shape(arch: Arch, spec: AttentionSpec, role: str) -> tuple[int, ...]:
 
 
 def expected_names(arch: Arch, spec: AttentionSpec, config: dict, prefix: str) -> list[str]:
-    """Every tensor the config implies the checkpoint holds: attention per layer (the layout's roles, QK-norm,
-    MLA's norms, biases when attention_bias is set), the architecture's required norms/MLP per layer,
-    embeddings, final norm and (untied) head."""
+    """Every tensor the config implies the checkpoint holds: embeddings and final norm (other_tensors), attention
+    per layer (the layout's roles, QK-norm, MLA's norms, biases when attention_bias is set), the layer's norms
+    (other_tensors), the architecture's other required tensors (MLP, ...) and the (untied) head."""
     roles = set(LAYOUT_ROLES[arch.qkv_layout])
     if spec.qk_norm != "none":
         roles |= {"q_norm", "k_norm"}
@@ -96,16 +96,20 @@ def expected_names(arch: Arch, spec: AttentionSpec, config: dict, prefix: str) -
         roles |= {r for r in arch.tensors if r.endswith("_bias") and r.removesuffix("_bias") in roles}
     required = arch.data["required"]
     experts = range(arch.config_value(config, "num_experts") or 0)
-    names = [prefix + t for t in required["model"]]
+    model_roles = [r for r, where in OTHER_ROLES.items() if where == "model" and r in arch.other_tensors]
+    layer_roles = [r for r, where in OTHER_ROLES.items() if where == "layer" and r in arch.other_tensors]
+    names = [arch.tensor_name(role, prefix=prefix) for role in model_roles]
+    names += [prefix + t for t in required["model"]]
     for layer in range(spec.num_layers):
         names += [arch.tensor_name(role, layer, prefix) for role in sorted(roles)]
+        names += [arch.tensor_name(role, layer, prefix) for role in layer_roles]
         for template in required["layer"]:
             if "{e}" in template:
                 names += [prefix + template.format(i=layer, e=e) for e in experts]
             else:
                 names.append(prefix + template.format(i=layer))
-    if "head" in required and not arch.config_value(config, "tie_word_embeddings", False):
-        names.append(required["head"])
+    if arch.head_name is not None and not arch.config_value(config, "tie_word_embeddings", False):
+        names.append(arch.head_name)
     return names
 
 
@@ -156,13 +160,12 @@ def check_tensors(
 def _check_vocabulary(
     arch: Arch, spec: AttentionSpec, config: dict, shapes: Mapping[str, tuple], prefix: str, where
 ) -> None:
-    """The token embedding (the first of the architecture's required model tensors) and the output head have
-    one row of hidden_size values per vocabulary entry."""
+    """The token embedding (the embed role) and the output head have one row of hidden_size values per vocabulary
+    entry."""
     vocab = arch.config_value(config, "vocab_size")
-    required = arch.data["required"]
-    names = [prefix + required["model"][0]] if required["model"] else []
-    if "head" in required and required["head"] in shapes:
-        names.append(required["head"])
+    names = [arch.tensor_name("embed", prefix=prefix)] if "embed" in arch.other_tensors else []
+    if arch.head_name is not None and arch.head_name in shapes:
+        names.append(arch.head_name)
     for name in names:
         shape = tuple(shapes.get(name, ()))
         if len(shape) != 2 or (vocab is not None and shape[0] != vocab) or shape[1] != spec.hidden_size:

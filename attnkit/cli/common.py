@@ -55,6 +55,14 @@ DEVICE_MAP_OPTION = typer.Option(
 )
 
 
+def log_sink(message: str) -> None:
+    """Where every command's `log(message)` goes: one dim line on stderr, never wrapped, printed as it is (never
+    read as markup or emoji codes: a path like runs/[test] stays whole)."""
+    from rich.text import Text
+
+    stderr.print(Text(message, style="dim"), soft_wrap=True)
+
+
 def print_notes(notes: list[str] = (), warnings: list[str] = ()) -> None:
     """A report's notes and warnings on stderr, one line each, printed as they are (never read as markup)."""
     from rich.text import Text
@@ -75,10 +83,10 @@ def debug_enabled() -> bool:
 
 def fail(message: str, code: int = EXIT_RUNTIME) -> None:
     """Print one line to stderr and exit with `code` (the message is shown as is, never read as markup)."""
-    from rich.markup import escape
+    from rich.text import Text
 
     try:
-        stderr.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, markup=True)
+        stderr.print(Text.assemble(("error:", "bold red"), f" {message}"), soft_wrap=True)
     except Exception:  # noqa: BLE001 - a console that cannot print must not hide the exit code
         with contextlib.suppress(Exception):
             sys.stderr.write(f"error: {message.encode('ascii', 'backslashreplace').decode()}\n")

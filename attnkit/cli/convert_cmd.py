@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, print_notes, stderr
+from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, log_sink, print_notes
 from attnkit.cli.output import Column, eval_caption, render, render_rewrite_scores
 from attnkit.cli.shared import CALIB, CAPABILITY, DEVICE, EVAL, SAMPLES, request_fields, writes
 from attnkit.units import human_bytes
@@ -60,7 +60,7 @@ def _gqa(
         sequential=sequential,
         options=MergeOptions(value_weight=value_weight, key_weight=key_weight, o_refit=o_refit or None),
     )
-    report = convert_gqa(req, log=lambda msg: stderr.print(msg, style="dim", soft_wrap=True, markup=False))
+    report = convert_gqa(req, log=log_sink)
     kv = report["kv_bytes_per_token"]
     caption = (
         f"{report['model_type']}: {report['kv_heads_before']} -> {report['kv_heads_after']} KV heads; "
@@ -214,7 +214,7 @@ def mla(
         latent_norm=latent_norm,
         engine=engine,
     )
-    report = convert_mla(req, log=lambda message: stderr.print(message, style="dim", markup=False))
+    report = convert_mla(req, log=log_sink)
     kv = report["kv_bytes_per_token"]
     caption = (
         f"{report['model_type']} -> deepseek_v3: R={report['kv_lora_rank']} + P={report['rope_dim']} = "

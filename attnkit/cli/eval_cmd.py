@@ -16,7 +16,7 @@ from attnkit.cli.common import (
     OutputFormat,
     examples,
     handle_errors,
-    stderr,
+    log_sink,
 )
 from attnkit.cli.output import Column, render, render_capability, render_distance
 from attnkit.cli.shared import capability_spec
@@ -113,7 +113,7 @@ def register(app: typer.Typer) -> None:
                 capability=spec,
                 plot=plot,
             ),
-            log=lambda message: stderr.print(message, style="dim", markup=False),
+            log=log_sink,
         )
         if doc["windows"] is not None or fmt in (OutputFormat.json, OutputFormat.csv):
             columns = [Column("tokens", "tokens"), Column("nll_mean", "NLL"), Column("perplexity", "perplexity")]

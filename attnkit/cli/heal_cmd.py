@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, print_notes, stderr
+from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, log_sink, print_notes
 from attnkit.cli.output import Column, render, render_capability, render_rewrite_scores
 from attnkit.cli.shared import CAPABILITY, DEVICE, EVAL, SAMPLES, request_fields, writes
 from attnkit.units import human_bytes
@@ -167,7 +167,7 @@ def register(app: typer.Typer) -> None:
             gradient_checkpointing=gradient_checkpointing,
             seed=seed,
         )
-        report = heal(req, log=lambda message: stderr.print(message, style="dim", soft_wrap=True))
+        report = heal(req, log=log_sink)
         if report is None:
             return  # not the main process of a multi-process run: the main one prints and writes
         print_notes(warnings=report.get("warnings", []))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 import math
@@ -69,6 +68,8 @@ def render(
     if fmt == OutputFormat.json:
         write_json(json_obj if json_obj is not None else list(rows))
     elif fmt == OutputFormat.csv:
+        import csv
+
         keys = list(dict.fromkeys(k for row in rows for k in row)) or [c.key for c in columns]
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
@@ -96,8 +97,10 @@ def render(
             table.add_column(c.header, justify=c.justify)
         for row in rows:
             table.add_row(*(_cell(c, row) for c in columns))
-        # Piped output gets the table's natural width instead of being squeezed into 80 columns.
-        Console(soft_wrap=False, width=None if sys.stdout.isatty() else 400).print(table)
+        # Piped output gets the table's natural width instead of being squeezed into 80 columns; titles, captions
+        # and cells echo paths and model names, so they are never read as markup or emoji codes.
+        console = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 400, markup=False, emoji=False)
+        console.print(table)
 
 
 def _csv_value(value: Any) -> Any:

@@ -15,7 +15,7 @@ from attnkit.cli.common import (
     OutputFormat,
     examples,
     handle_errors,
-    stderr,
+    log_sink,
 )
 from attnkit.cli.output import Column, render
 
@@ -89,7 +89,7 @@ def register(app: typer.Typer) -> None:
             layer_stream=layer_stream,
             device_map=device_map,
         )
-        results, rules = run_probe(req, log=lambda message: stderr.print(message, style="dim", markup=False))
+        results, rules = run_probe(req, log=log_sink)
         _render(results, fmt, top, threshold)
         check_rules(results, rules)
 

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, stderr
+from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, log_sink
 from attnkit.cli.output import Column, render
 
 
@@ -74,7 +74,7 @@ def register(app: typer.Typer) -> None:
             ppl_tolerance=ppl_tolerance,
             tie_margin=tie_margin,
         )
-        report = verify(req, log=lambda message: stderr.print(message, style="dim"))
+        report = verify(req, log=log_sink)
         columns = [
             Column("engine", "engine", justify="left"),
             Column("status", "status", justify="left"),
@@ -98,6 +98,6 @@ def register(app: typer.Typer) -> None:
         )
         for row in report["engines"]:
             for note in row["notes"]:
-                stderr.print(f"{row['engine']}: {note}", style="dim", markup=False)
+                log_sink(f"{row['engine']}: {note}")
         if report["mismatch"]:
             raise typer.Exit(EXIT_THRESHOLD)

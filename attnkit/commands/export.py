@@ -9,10 +9,11 @@ tokenizer and generation files, attnkit.json, checks, rename into place).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from attnkit.archs import get_arch
 from attnkit.archs.spec import attention_spec
+from attnkit.commands.report_head import report_head, timed
 from attnkit.commands.rewrite import WriteRequest, check_write
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
@@ -32,8 +33,8 @@ class ExportRequest(WriteRequest):
 
 
 def check_request(req: ExportRequest):
-    """The GGUF checkpoint, after the dtype, the header and OUT were checked (nothing dequantized yet)."""
-    req.dtype = dtype_name(req.dtype)
+    """The GGUF checkpoint, after the dtype (as torch names it), the header and OUT were checked (nothing
+    dequantized yet)."""
     if req.dtype == "auto":
         raise UsageError("--dtype auto has no meaning for a GGUF file: choose float32, bfloat16 or float16")
     ckpt = resolve(req.model, need_weights=False)
@@ -66,20 +67,17 @@ def _write(src, req: ExportRequest, writer) -> dict:
 def export(req: ExportRequest) -> dict:
     """Run (or with dry_run, plan) the export; returns the report (see docs/checkpoints.md)."""
     started = time.perf_counter()
+    req = replace(req, dtype=dtype_name(req.dtype))  # bf16 -> bfloat16, ...
     ckpt = check_request(req)
     report = {
-        "source": req.model,
-        "output": str(req.out),
-        "dry_run": req.dry_run,
-        "model_type": ckpt.model_type,
+        **report_head(req, ckpt.model_type),
         "dtype": req.dtype,
         "cache": str(gguf_cache_folder(ckpt.gguf_file)),
         "tensors": None,
         "bytes": None,
     }
     if req.dry_run:
-        report["seconds"] = time.perf_counter() - started
-        return report
+        return timed(report, started)
     src = open_source(req.model, "export")
     config = src.raw_config()
     config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = req.dtype
@@ -93,5 +91,4 @@ def export(req: ExportRequest) -> dict:
         req, src, "export", config=config, weights=weights, body=lambda: {"parameters": {"dtype": req.dtype}}
     )
     report["bytes"] = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    report["seconds"] = time.perf_counter() - started
-    return report
+    return timed(report, started)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from functools import cache
-from importlib import resources
+from pathlib import Path
 
 from attnkit.errors import AttnkitError
 
+#: The preset files, `<name>.json` each (tests/test_presets.py checks the names).
+DATA = Path(__file__).parent / "data"
 PRESET_KEYS = {"name", "aliases", "source", "url", "parameters", "weight_dtype", "config", "notes"}
 
 
@@ -42,19 +45,27 @@ def _validate(doc: dict, file: str) -> Preset:
 
 
 @cache
+def _read(file: str) -> Preset:
+    return _validate(json.loads((DATA / file).read_text()), file)
+
+
+@cache
 def all_presets() -> dict[str, Preset]:
     """Presets keyed by lower-case name."""
     presets: dict[str, Preset] = {}
-    for entry in sorted(resources.files("attnkit.presets").joinpath("data").iterdir(), key=lambda p: p.name):
-        if entry.name.endswith(".json"):
-            preset = _validate(json.loads(entry.read_text()), entry.name)
-            presets[preset.name.lower()] = preset
+    for file in sorted(f for f in os.listdir(DATA) if f.endswith(".json")):
+        preset = _read(file)
+        presets[preset.name.lower()] = preset
     return presets
 
 
 def find_preset(ref: str) -> Preset | None:
-    """A preset matching `ref` by name, alias or source repo id (case-insensitive)."""
+    """A preset matching `ref` by name, alias or source repo id (case-insensitive). A name is one file read:
+    names, aliases and sources are unique across presets (tests/test_presets.py), so the file named `ref` is the
+    only match."""
     key = ref.strip().lower()
+    if f"{key}.json" in os.listdir(DATA):
+        return _read(f"{key}.json")
     for preset in all_presets().values():
         names = {preset.name.lower(), preset.source.lower(), *(a.lower() for a in preset.aliases)}
         if key in names:

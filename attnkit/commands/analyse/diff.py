@@ -186,7 +186,7 @@ def check_request(req: DiffRequest):
     if req.texts:
         check_text_files(req.texts)
         resolve_device(req.device)
-        req.dtype = dtype_name(req.dtype)
+        dtype_name(req.dtype)  # refuses an unknown --dtype; load_model reads the short names too
     return open_source(req.a, "compare", causal=False), open_source(req.b, "compare", causal=False)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from attnkit.archs.tensors import role_shape
 from attnkit.commands.convert.gqa_layer import attention_key_covariance, reference_attention_ok, refit_output
 from attnkit.commands.convert.layer_spill import LayerSpill
+from attnkit.commands.report_head import report_head, timed
 from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows, check_rewrite
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
@@ -305,10 +306,7 @@ def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -
     started = time.perf_counter()
     src = check_request(req)
     report = {
-        "source": req.model,
-        "output": str(req.out),
-        "dry_run": req.dry_run,
-        "model_type": src.spec.model_type,
+        **report_head(req, src.spec.model_type),
         "method": req.method,
         "num_heads": src.spec.num_heads,
         "kv_heads_before": src.spec.num_kv_heads,
@@ -322,13 +320,11 @@ def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -
         "eval": None,
     }
     if req.dry_run:
-        report["seconds"] = time.perf_counter() - started
-        return report
+        return timed(report, started)
     log = log or (lambda _msg: None)
     with LayerSpill(req.out) if req.calib else contextlib.nullcontext() as spill:
         _calibrate_and_write(req, src, report, spill, log)
-    report["seconds"] = time.perf_counter() - started
-    return report
+    return timed(report, started)
 
 
 def _calibrate_and_write(req: ConvertRequest, src: GQASource, report: dict, spill, log) -> None:

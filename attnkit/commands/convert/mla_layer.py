@@ -1,6 +1,7 @@
 """One layer of `convert mla`: its DeepseekV3 attention tensors from its source tensors and calibration inputs
-(the bias route or the engine route's anchor/span latent, attnkit.ops.latent_norm), and the o_proj refit that
-runs the converted layer against the source's attention output."""
+(the bias route or the engine route's anchor/span latent, attnkit.ops.latent_norm), what the engine route folds
+first (the input norm's scale, o_proj's bias, a per-head QK-norm's constants), and the o_proj refit that runs the
+converted layer against the source's attention output."""
 
 from __future__ import annotations
 
@@ -14,11 +15,69 @@ from attnkit.ops.latent_norm import anchor_plan, fold_gamma, span_plan
 from attnkit.ops.mla import MLAOptions, MLAShape, convert_layer
 from attnkit.ops.mla_deepseek import attention_tensors, engine_tensors, q_lora_readout
 from attnkit.ops.orefit import refit_o
+from attnkit.ops.qknorm_fold import fit_fold, folded_weights
 from attnkit.runtime.attention import deepseek_attention, run_attention, source_attention_inputs
 from attnkit.runtime.calibrate import input_covariance
 
 if TYPE_CHECKING:
-    from attnkit.commands.convert.mla import MLASource
+    from attnkit.commands.convert.mla_request import MLASource
+
+
+def source_freqs(src: MLASource):
+    """The source's rotary frequencies [D/2] (radians per token), as its transformers class computes them."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    d = src.shape.head_dim
+    if src.rope["rope_type"] == "default":
+        return float(src.rope["rope_theta"]) ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cfg = AutoConfig.from_pretrained(str(src.root))
+    cfg.head_dim = d
+    inv_freq, _ = ROPE_INIT_FUNCTIONS[src.rope["rope_type"]](cfg, "cpu")
+    return inv_freq.to(torch.float64)
+
+
+def input_gamma(src: MLASource, weight):
+    """The scale input_layernorm applies (Gemma stores w and applies 1 + w), float64 [n]."""
+    import torch
+
+    gamma = weight.to(torch.float64) + src.arch.norm_offset
+    if bool((gamma.abs() < 1e-12).any()):
+        raise AttnkitError(
+            f"{src.ref}: input_layernorm has zero weights, which cannot be folded into the "
+            "projections; use --latent-norm bias (transformers only)"
+        )
+    return gamma
+
+
+def fold_qk_norm(src: MLASource, weights: dict, hidden, rope, scaling, norm_eps: float) -> tuple[dict, dict, object]:
+    """(weights, plain weights, fold): without per-head QK-norm the weights as they are twice and no fold; with
+    it, q_norm and k_norm as the scales they apply (offset + stored weight, float64 [D]), the weights with the
+    norm replaced by constants fitted on this layer's inputs hidden [B, T, n] (attnkit.ops.qknorm_fold), and the
+    fold."""
+    import torch
+
+    if "q_norm" not in weights:
+        return weights, weights, None
+    if rope is None or scaling is None:
+        raise AttnkitError("folding QK-norm needs the source's rotary embedding and softmax scale")
+    gains = {role: weights[role].to(torch.float64) + src.arch.norm_offset for role in ("q_norm", "k_norm")}
+    weights = {**weights, **gains}
+    pair = (weights["q_norm"], weights["k_norm"])
+    fold = fit_fold(hidden, weights, pair, norm_eps, rope, scaling, src.shape.head_dim)
+    return weights, folded_weights(weights, fold, pair, src.shape.head_dim), fold
+
+
+def fold_row(fold) -> dict:
+    """A layer's QK-norm fold in its report row (attnkit.ops.qknorm_fold)."""
+    return {
+        "qk_norm_fold_kl": float(fold.kl.mean()),
+        "qk_norm_c_q": fold.c_q.tolist(),
+        "qk_norm_c_k": fold.c_k.tolist(),
+        "qk_norm_dropped_pairs": int(fold.dropped.sum()) // 2,
+        "qk_norm_rms_spread": [fold.spread_q, fold.spread_k],
+    }
 
 
 def convert_one(
@@ -167,7 +226,8 @@ def refit_o_proj(
     """o_proj refit (attnkit.ops.orefit) so the converted layer's output matches the source's on these tokens
     (the converted layer runs on hidden * input_scale when given; a source with QK-norm carries its gains as
     q_norm and k_norm in weights)."""
-
+    if rope is None or scaling is None:
+        raise AttnkitError("o_proj refit needs the source's rotary embedding and softmax scale")
     attn, rotary = deepseek_attention(config, layer, tensors, device)
     x = hidden.detach().to(device).float()
     _, z_new = run_attention(attn, rotary, x if input_scale is None else x * input_scale.to(x))

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from attnkit.archs import get_arch
+from attnkit.archs.tensors import find_prefix
+from attnkit.runtime.calibrate import attention_module_name
+
 if TYPE_CHECKING:
-    from attnkit.commands.convert.mla import MLASource
+    from attnkit.commands.convert.mla_request import MLASource
+
+#: The architecture the result has: its tensor names come from the registry (attnkit/archs/data/deepseek_v3.json).
+TARGET = get_arch("deepseek_v3")
 
 
 def target_config(src: MLASource, bias_route: bool):
@@ -72,5 +79,12 @@ def expected_shapes(config) -> dict[str, tuple[int, ...]]:
         model = DeepseekV3ForCausalLM(config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
+        shapes.pop(TARGET.head_name, None)
     return shapes
+
+
+def target_attention_names(expected: dict, num_layers: int) -> list[str]:
+    """Each layer's attention module in the result (e.g. model.layers.3.self_attn), from its tensor names
+    (expected_shapes) and the registry's templates."""
+    prefix = find_prefix(TARGET, expected)
+    return [attention_module_name(TARGET.tensors["o"], prefix, layer) for layer in range(num_layers)]

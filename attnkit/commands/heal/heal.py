@@ -22,6 +22,7 @@ from attnkit.commands.heal.request import HealRequest, check_options, check_posi
 from attnkit.commands.heal.resume import check_fingerprint
 from attnkit.commands.heal.run import HealRun
 from attnkit.commands.heal.trainable import default_lr
+from attnkit.commands.report_head import report_head, timed
 from attnkit.commands.rewrite import check_write
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.scoring.capability import check_capability
@@ -50,10 +51,7 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
     fingerprint = _fingerprint(req, pair.student.digest, pair.teacher.digest, plan.digest)
     resumed = check_fingerprint(req.checkpoint_folder, fingerprint) if req.resume else None
     report = {
-        "student": req.model,
-        "teacher": req.teacher,
-        "output": str(req.out),
-        "dry_run": req.dry_run,
+        **report_head(req, inputs={"student": req.model, "teacher": req.teacher}),
         "rewrite": rewrite_summary(pair.manifest),
         "data": plan.info,
         "budget": _budget(req),
@@ -64,8 +62,7 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
         "memory": memory,
     }
     if req.dry_run:
-        report["seconds"] = time.perf_counter() - started
-        return report
+        return timed(report, started)
     acc = models.accelerator_for(device)
     run = HealRun(
         req=req,
@@ -109,8 +106,7 @@ def _train_and_write(run: HealRun) -> dict | None:
         teacher, _ = models.load_models(run, student=False)
     healed = training.trained_model(run, trainer, trained, chosen.names)
     finish.write_healed(run, healed, teacher, comparison, before)
-    report["seconds"] = time.perf_counter() - run.started
-    return report
+    return timed(report, run.started)
 
 
 def _check_device(device, flag: str) -> None:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from attnkit.io.tempdirs import atomic_file
 from attnkit.runtime.texts import text_prefix
 
 #: Samples per generate() call; part of the cache key, so one cache serves every device.
@@ -80,13 +80,12 @@ def _documents(ids, eos: int | None, prefix: list[int]) -> list[list[int]]:
 
 
 def _save(path: Path, ids) -> None:
-    """Write one batch atomically (temp file, then rename)."""
+    """Write one batch whole or not at all (attnkit.io.tempdirs.atomic_file)."""
     import torch
     from safetensors.torch import save_file
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({"ids": ids.to(torch.int32).contiguous()}, str(tmp))
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        save_file({"ids": ids.to(torch.int32).contiguous()}, str(tmp))
 
 
 def _load(path: Path):

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnkit.io.tempdirs import atomic_file
 from attnkit.progress import phase
 
 #: Top-k kept when --top-k is not given.
@@ -94,15 +95,14 @@ def cache_file(root: Path, teacher_digest: str, windows, k: int) -> Path:
 
 
 def load_or_compute(path: Path, compute) -> Targets:
-    """The targets at `path`, or compute() them and write them there (a temp file renamed into place)."""
+    """The targets at `path`, or compute() them and write them there, whole or not at all
+    (attnkit.io.tempdirs.atomic_file)."""
     from safetensors.torch import load_file, save_file
 
     if path.is_file():
         found = load_file(str(path))
         return Targets(found["ids"], found["logp"], found["tail"])
     targets = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    save_file({"ids": targets.ids, "logp": targets.logp, "tail": targets.tail}, str(partial))
-    partial.replace(path)
+    with atomic_file(path) as tmp:
+        save_file({"ids": targets.ids, "logp": targets.logp, "tail": targets.tail}, str(tmp))
     return targets

@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from attnkit.commands.report_head import report_head, timed
 from attnkit.commands.retrofit.common import check_source, load, scorer, stream_weights
 from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows
 from attnkit.commands.write import write_checkpoint
@@ -184,10 +185,11 @@ def _scope_notes(spec) -> list[str]:
     ]
 
 
-def _max_logits(ref, req, name: str) -> list:
-    """Per-head rows of attnkit's probe of a model on the calibration text (max_logit_precap among them)."""
+def _max_logits(ref, req, name: str) -> dict:
+    """(layer, head) -> the head's row of attnkit's probe of a model on the calibration text (max_logit_precap
+    among them)."""
     loaded = load(ref, req.device)
-    return probe(loaded, calib_windows(loaded.tokenizer, req), name=name).heads
+    return {(r["layer"], r["head"]): r for r in probe(loaded, calib_windows(loaded.tokenizer, req), name=name).heads}
 
 
 def retrofit_qkclip(req: QKClipRequest) -> dict:
@@ -195,11 +197,7 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
     started = time.perf_counter()
     src = check_request(req)
     report = {
-        "retrofit": "qkclip",
-        "source": req.model,
-        "output": str(req.out),
-        "dry_run": req.dry_run,
-        "model_type": src.spec.model_type,
+        **report_head(req, src.spec.model_type, lead={"retrofit": "qkclip"}),
         "tau": req.tau,
         "scope": "layer" if src.spec.qk_norm == "per_head" else "head",
         "scaled": _scaled_tensor(src.spec),
@@ -213,10 +211,31 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
         "probe": None,
     }
     if req.dry_run:
-        report["seconds"] = time.perf_counter() - started
-        return report
-    before = {(r["layer"], r["head"]): r for r in _max_logits(src.root, req, "source")}
+        return timed(report, started)
+    before = _max_logits(src.root, req, "source")
     factors, report["calibration"] = _clip(req, src)
+    rows = report["heads"] = _head_rows(factors, before)
+    report["clipped_heads"] = sum(r["clipped"] for r in rows)
+    report["clipped_layers"] = len({r["layer"] for r in rows if r["clipped"]})
+    if not report["clipped_heads"]:  # an unchanged copy would be all the output holds
+        report["output"] = None
+        report["warnings"].append(_nothing_to_clip(req, rows))
+        return timed(report, started)
+    write_checkpoint(
+        req,
+        src,
+        "retrofit qkclip",
+        config=src.raw_config(),
+        weights=lambda writer: stream_weights(src, writer, _rewriter(src, factors)),
+        body=lambda: _manifest_body(req, report),
+        check=lambda folder: _measure_after(folder, req, rows),
+        score=scorer(req, src, report),
+    )
+    return timed(report, started)
+
+
+def _head_rows(factors: list, before: dict) -> list[dict]:
+    """The report's row of every head: its max logit in the source (probe) and as the clip saw it, its factor."""
     rows = []
     for layer, (f, smax) in enumerate(factors):
         for h in range(f.shape[0]):
@@ -231,26 +250,28 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
                     "max_logit_after": None,
                 }
             )
-    report["heads"] = rows
-    report["clipped_heads"] = sum(r["clipped"] for r in rows)
-    report["clipped_layers"] = len({r["layer"] for r in rows if r["clipped"]})
-    if not report["clipped_heads"]:  # an unchanged copy would be all the output holds
-        top = max(rows, key=lambda r: r["max_logit_seen"])
-        report["output"] = None
-        report["warnings"].append(
-            f"no head's max logit on the calibration text exceeds --tau {req.tau:g} (highest: "
-            f"{top['max_logit_seen']:.4g}, layer {top['layer']} head {top['head']}): nothing "
-            f"to clip, {req.out} not written"
-        )
-        report["seconds"] = time.perf_counter() - started
-        return report
+    return rows
 
-    def check(folder):
-        after = {(r["layer"], r["head"]): r["max_logit_precap"] for r in _max_logits(folder, req, "result")}
-        for r in rows:
-            r["max_logit_after"] = after[(r["layer"], r["head"])]
 
-    body = {
+def _nothing_to_clip(req: QKClipRequest, rows: list[dict]) -> str:
+    top = max(rows, key=lambda r: r["max_logit_seen"])
+    return (
+        f"no head's max logit on the calibration text exceeds --tau {req.tau:g} (highest: "
+        f"{top['max_logit_seen']:.4g}, layer {top['layer']} head {top['head']}): nothing "
+        f"to clip, {req.out} not written"
+    )
+
+
+def _measure_after(folder, req: QKClipRequest, rows: list[dict]) -> None:
+    """The written model's max logit per head on the calibration text, into the rows (write_checkpoint's check)."""
+    after = _max_logits(folder, req, "result")
+    for r in rows:
+        r["max_logit_after"] = after[(r["layer"], r["head"])]["max_logit_precap"]
+
+
+def _manifest_body(req: QKClipRequest, report: dict) -> dict:
+    """attnkit.json's entries of the clip: what changed and why, the parameters, calibration and head rows."""
+    return {
         "changes": {
             "weights": f"{report['scaled']} of the {report['clipped_heads']} clipped head(s) "
             f"({report['clipped_layers']} layer(s)) scaled by tau / max logit; every other tensor copied unchanged"
@@ -259,17 +280,5 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
         "parameters": {"tau": req.tau, "scope": report["scope"]},
         "notes": report["notes"],
         "calibration": report["calibration"],
-        "heads": rows,
+        "heads": report["heads"],
     }
-    write_checkpoint(
-        req,
-        src,
-        "retrofit qkclip",
-        config=src.raw_config(),
-        weights=lambda writer: stream_weights(src, writer, _rewriter(src, factors)),
-        body=lambda: body,
-        check=check,
-        score=scorer(req, src, report),
-    )
-    report["seconds"] = time.perf_counter() - started
-    return report

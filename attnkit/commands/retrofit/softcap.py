@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnkit.commands.report_head import report_head, timed
 from attnkit.commands.retrofit.common import check_source, load, scorer
 from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows
 from attnkit.commands.write import write_checkpoint
@@ -224,11 +225,7 @@ def retrofit_softcap(req: SoftcapRequest) -> dict:
     started = time.perf_counter()
     src = check_request(req)
     report = {
-        "retrofit": "softcap",
-        "source": req.model,
-        "output": str(req.out),
-        "dry_run": req.dry_run,
-        "model_type": src.spec.model_type,
+        **report_head(req, src.spec.model_type, lead={"retrofit": "softcap"}),
         "before": {"attn_cap": src.spec.attn_softcap, "final_cap": src.spec.final_softcap},
         "attn_cap": req.attn_cap,
         "final_cap": req.final_cap,
@@ -239,8 +236,7 @@ def retrofit_softcap(req: SoftcapRequest) -> dict:
     }
     if req.dry_run:
         report["warnings"] = warnings_for(src.spec.model_type, req.attn_cap, req.final_cap)
-        report["seconds"] = time.perf_counter() - started
-        return report
+        return timed(report, started)
     if AUTO in (req.attn_cap, req.final_cap):
         auto = _auto_caps(req, src)
         report["auto"] = auto
@@ -272,5 +268,4 @@ def retrofit_softcap(req: SoftcapRequest) -> dict:
         body=lambda: body,
         score=scorer(req, src, report),
     )
-    report["seconds"] = time.perf_counter() - started
-    return report
+    return timed(report, started)

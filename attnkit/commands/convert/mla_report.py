@@ -1,0 +1,87 @@
+"""What `convert mla`'s report says besides the layers: the KV cache per token before and after, the parameters
+(also the manifest's) and the notes on what the result does differently from its source."""
+
+from __future__ import annotations
+
+from attnkit.commands.convert.mla_request import MLARequest, MLASource
+from attnkit.kvcache import apply_variant, bytes_per_token, cache_dtype
+
+
+def kv_bytes(src: MLASource, rank: int) -> dict:
+    """The report's kv_bytes_per_token: the source's and the result's KV cache per token in the source dtype."""
+    dtype = cache_dtype(str(src.config.get("torch_dtype") or src.config.get("dtype") or "bfloat16"))
+    after = apply_variant(src.spec, f"mla:{rank}+{src.shape.rope_dim}")
+    return {
+        "dtype": dtype.name,
+        "before": bytes_per_token(src.spec, dtype),
+        "after": bytes_per_token(after, dtype),
+        "elements_before": 2 * src.spec.num_kv_heads * src.spec.head_dim,
+        "elements_after": rank + src.shape.rope_dim,
+    }
+
+
+def parameters(req: MLARequest, src: MLASource) -> dict:
+    """The report's and the manifest's parameters: the shape chosen and every option."""
+    o = req.options
+    return {
+        "kv_lora_rank": src.shape.latent_rank + 1,
+        "latent_rank": src.shape.latent_rank,
+        "rope_dim": src.shape.rope_dim,
+        "rope_pairs": src.shape.pairs,
+        "kv_budget": req.kv_budget,
+        "calib": list(req.calib),
+        "calib_tokens": req.calib_tokens,
+        "calib_seq_len": req.calib_seq_len,
+        "sequential": req.sequential,
+        "key_weight": o.key_weight,
+        "value_weight": o.value_weight,
+        "residual": o.residual,
+        "fade_window": o.window,
+        "key_balance": o.key_balance,
+        "ridge": o.ridge,
+        "o_refit": o.o_refit,
+        "whiten": o.whiten,
+        "shrink": o.shrink,
+        "latent_norm": req.latent_norm,
+        "engine": req.engine,
+        "q_lora_rank": (src.spec.hidden_size + int(req.latent_norm == "bias")) if src.q_lora else None,
+        "max_shard_bytes": req.max_shard_bytes,
+    }
+
+
+def notes(req: MLARequest, src: MLASource) -> list[str]:
+    """What the result does differently from the source, one sentence each."""
+    notes = []
+    if req.latent_norm == "bias":
+        if src.q_lora:
+            notes.append(
+                "q bias carried through the q_lora path (q_lora_rank = hidden + 1, RMSNorm made linear "
+                "by a constant channel); all-zero q biases use a plain q_proj"
+            )
+    else:
+        if src.q_lora:
+            notes.append(
+                f"query through q_a_proj = identity (q_lora_rank = hidden = {src.spec.hidden_size}): "
+                f"llama.cpp's deepseek2 reads q_lora unless a model has 26 or 27 layers"
+            )
+        if src.augmented:
+            notes.append(
+                "q and RoPE-key biases ride on the anchor a.x ~ 1 (engines have no bias slot); the "
+                "latent's own constants come out exact"
+            )
+    if any(w is not None for w in src.spec.layer_windows):
+        notes.append(
+            "the source's sliding window is dropped: DeepseekV3 attends to the full context "
+            "(identical up to the window length)"
+        )
+    if src.spec.qk_norm == "per_head":
+        notes.append(
+            "per-head QK-norm approximated: each head's 1/rms(q) and 1/rms(k) per token replaced by constants "
+            "fitted on the calibration text (least attention KL; qk_norm_fold_kl per layer), the norm gains "
+            "folded into the projections (docs/convert-mla.md)"
+        )
+    if src.arch.family == "gemma":
+        notes.append(
+            "Gemma: norm weights stored as 1 + w, embeddings pre-multiplied by sqrt(hidden) and untied from lm_head"
+        )
+    return notes

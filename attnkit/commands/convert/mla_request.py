@@ -1,0 +1,278 @@
+"""`convert mla`'s request and what is checked before any tensor is read: the family (SUPPORTED, or REFUSED with the
+reason), the RoPE type, the ranks (R and P from --kv-budget snapped to a shape the --engine kernels take, or
+--kv-lora-rank/--rope-dim), the route (--latent-norm, --engine) and what the engine target needs of the source.
+`check_request` returns the MLASource the conversion runs on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from attnkit.commands.rewrite import RewriteRequest, check_rewrite
+from attnkit.engines.targets import TARGETS, engine_safe, mla_shapes, needs_q_lora
+from attnkit.errors import AttnkitError, UsageError
+from attnkit.io.source import Source, open_source
+from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, VALUE_WEIGHTS, MLAOptions, MLAShape
+from attnkit.units import check_bounds
+
+#: Families whose attention maps onto DeepseekV3 (the rest are refused with the reason in REFUSED).
+SUPPORTED = ("llama", "mistral", "qwen2", "gemma", "qwen3")
+#: What a refused family can do instead: convert gqa|mqa keeps the family's own stock architecture.
+INSTEAD = "`attnkit convert gqa|mqa` shrinks its cache in its own stock architecture"
+REFUSED = {
+    "olmo2": "QK-norm over the full projection width is not linear in the input and DeepseekV3 has no such norm",
+    "gemma2": "attention logit soft-capping and post-attention/post-MLP norms have no DeepseekV3 counterpart",
+    "gemma3": "per-head QK-norm and post-attention/post-MLP norms have no DeepseekV3 counterpart",
+    "phi3": "partial rotary and a fused qkv/gate_up layout are not converted",
+}
+ROPE_TYPES = ("default", "linear", "llama3")  # frequency rules that depend only on the frequency value
+ATTN_ROLES = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm")
+
+
+@dataclass(kw_only=True)
+class MLARequest(RewriteRequest):
+    """convert mla: the cache budget (R and P, or a fraction) and the factorization options."""
+
+    kv_lora_rank: int | None = None  # R: cached latent values per token per layer (incl. the norm channel)
+    rope_dim: int | None = None  # P
+    kv_budget: float | None = None  # fraction of the source's KV elements per token
+    sequential: bool = True
+    options: MLAOptions = field(default_factory=MLAOptions)
+    latent_norm: str = "auto"  # auto | anchor | span (engine-safe, attnkit.ops.latent_norm) | bias (transformers)
+    engine: str = "any"  # serving engines the output must run in (attnkit.engines.targets)
+
+
+LATENT_NORMS = ("auto", "anchor", "span", "bias")
+
+
+@dataclass
+class MLASource(Source):
+    """The checked source, its layer shape and RoPE parameters, and the route the conversion takes."""
+
+    shape: MLAShape  # latent_rank = R - 1 (R cached latent values per token and layer), rope_dim = P
+    layer_names: list[dict]  # per layer: role -> tensor name
+    rope: dict  # the source's rope_parameters (rope_type, rope_theta, ...)
+    q_lora: bool  # the query goes through q_a_proj / q_b_proj
+    warnings: list[str]
+
+    @property
+    def rank(self) -> int:
+        return self.shape.latent_rank + 1
+
+    @property
+    def augmented(self) -> bool:
+        """Whether q, k or v carry a bias (rows then act on [x; 1])."""
+        return any(r in self.layer_names[0] for r in ("q_bias", "k_bias", "v_bias"))
+
+
+def budget_split(total: int, head_dim: int) -> tuple[int, int]:
+    """(R, P) for `total` cached values per token per layer: P = the largest power of two <= total / 3 and
+    <= D (at least 2), R = total - P (measured on SmolLM2, docs/benchmarks.md: RoPE dims help while the
+    latent keeps about two thirds of the budget)."""
+    rope = 2
+    while rope * 2 <= min(head_dim, total // 3):
+        rope *= 2
+    return total - rope, rope
+
+
+def max_rank(spec, augmented: bool) -> int:
+    """Largest useful R: the rank of the stacked keys and values (2*Hkv*D, at most the input width) + 1."""
+    return min(2 * spec.num_kv_heads * spec.head_dim, spec.hidden_size + int(augmented)) + 1
+
+
+def _ranks(req: MLARequest, spec, augmented: bool) -> tuple[int, int]:
+    """(R, P) from --kv-budget (snapped to a shape the --engine kernels take) or --kv-lora-rank/--rope-dim."""
+
+    d = spec.head_dim
+    source = 2 * spec.num_kv_heads * d
+    shapes = mla_shapes(req.engine)
+    if req.kv_budget is not None:
+        if req.kv_lora_rank is not None or req.rope_dim is not None:
+            raise UsageError("give either --kv-budget or --kv-lora-rank with --rope-dim, not both")
+        if not 0 < req.kv_budget < 1:
+            raise UsageError(f"--kv-budget must be a fraction between 0 and 1, got {req.kv_budget}")
+        total = int(round(req.kv_budget * source))
+        if total < 4:
+            raise UsageError(f"--kv-budget {req.kv_budget} leaves {total} cached values per token; need at least 4")
+        if shapes is None:
+            rank, rope = budget_split(total, d)
+        else:
+            fitting = [s for s in shapes if sum(s) <= total]
+            if not fitting:
+                smallest = min(shapes, key=sum)
+                raise UsageError(
+                    f"--engine {req.engine}: its MLA kernels take only "
+                    f"{', '.join(f'{r}+{p}' for r, p in shapes)} cached values per token, and "
+                    f"--kv-budget {req.kv_budget} allows {total} of the source's {source}; the "
+                    f"smallest needs --kv-budget {sum(smallest) / source:.3g}"
+                )
+            rank, rope = max(fitting, key=sum)
+    else:
+        if req.kv_lora_rank is None or req.rope_dim is None:
+            raise UsageError("give --kv-lora-rank and --rope-dim, or --kv-budget")
+        rank, rope = req.kv_lora_rank, req.rope_dim
+        if shapes is not None and (rank, rope) not in shapes:
+            raise UsageError(
+                f"--engine {req.engine}: its MLA kernels take "
+                f"{', '.join(f'--kv-lora-rank {r} --rope-dim {p}' for r, p in shapes)}, "
+                f"not {rank}+{rope}"
+            )
+    bias_route = req.latent_norm == "bias"
+    top_rope = d if bias_route else max(d, 64)
+    if rope < 2 or rope % 2 or rope > top_rope:
+        raise UsageError(
+            f"--rope-dim must be even and between 2 and {top_rope} (head dim {d}"
+            f"{'' if bias_route else '; more pads the RoPE key up to 64'}), got {rope}"
+        )
+    top = max_rank(spec, augmented) if bias_route else 8192
+    if rank < 2 or rank > top:
+        raise UsageError(
+            f"--kv-lora-rank must be between 2 and {top}"
+            f"{' (rank of the stacked keys and values + 1)' if bias_route else ''}, got {rank}"
+        )
+    return rank, rope
+
+
+def _rope_parameters(ckpt) -> dict:
+    """The source's rope parameters as transformers reads them (rope_theta, rope_type, scaling keys)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(ckpt.root))
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    params.setdefault("rope_type", "default")
+    if "rope_theta" not in params:
+        raise AttnkitError(f"{ckpt.ref}: no rope_theta in the config")
+    return params
+
+
+def check_request(req: MLARequest) -> MLASource:
+    """Validate family, ranks, files and target without reading tensors; one-line errors."""
+    if not req.calib and not req.dry_run:
+        raise UsageError("convert mla needs calibration text: pass --calib FILE")
+    _check_options(req.options)
+    _check_route(req)
+    check_rewrite(req)
+
+    def check(arch, spec, _config) -> None:  # on a GGUF file's header config: before dequantizing
+        if arch.family in REFUSED or arch.family not in SUPPORTED:
+            why = REFUSED.get(arch.family) or _unsupported_reason(arch)
+            raise AttnkitError(
+                f"{arch.family} cannot be converted to MLA: {why}; supported: {', '.join(SUPPORTED)}; {INSTEAD}"
+            )
+        if spec.partial_rotary_factor != 1.0:
+            raise AttnkitError(f"{req.model}: partial rotary embeddings are not converted")
+        _ranks(req, spec, augmented=True)  # the loosest bounds; checked again below once the biases are known
+
+    src = open_source(req.model, "convert", check)
+    spec, arch, prefix = src.spec, src.arch, src.prefix
+    rope = _rope_parameters(src.ckpt)
+    if rope["rope_type"] not in ROPE_TYPES:
+        raise AttnkitError(
+            f"{req.model}: rope_type {rope['rope_type']!r} depends on the rotary width; "
+            f"convertible: {', '.join(ROPE_TYPES)}"
+        )
+    layer_names = []
+    for layer in range(spec.num_layers):
+        roles = {r: arch.tensor_name(r, layer, prefix) for r in ATTN_ROLES}
+        roles = {r: n for r, n in roles.items() if n in src.names}
+        missing = [r for r in ("q", "k", "v", "o") if r not in roles]
+        if missing:
+            raise AttnkitError(f"{req.model}: tensor {arch.tensor_name(missing[0], layer, prefix)!r} not found")
+        layer_names.append(roles)
+    augmented = any(r in layer_names[0] for r in ("q_bias", "k_bias", "v_bias"))
+    rank, rope_dim = _ranks(req, spec, augmented)
+    shape = MLAShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, rank - 1, rope_dim)
+    mla_src = MLASource(**src.fields(), shape=shape, layer_names=layer_names, rope=rope, q_lora=False, warnings=[])
+    _check_engine(req, mla_src)
+    return mla_src
+
+
+def _unsupported_reason(arch) -> str:
+    """Why a family outside SUPPORTED and REFUSED is not converted, from its architecture data."""
+    if arch.qkv_layout == "mla":
+        return "its attention is MLA already"
+    if arch.mlp == "moe":
+        return "its mixture-of-experts MLPs are not mapped onto DeepseekV3's experts (dense MLPs only)"
+    if "sinks" in arch.tensors:
+        return "attention sinks have no DeepseekV3 counterpart"
+    return (
+        f"{arch.qkv_layout} attention with {arch.position} positions is not an MHA/GQA RoPE decoder this "
+        "converter maps onto DeepseekV3"
+    )
+
+
+def _check_route(req: MLARequest) -> None:
+
+    if req.engine not in TARGETS:
+        raise UsageError(f"--engine must be one of {', '.join(TARGETS)}, got {req.engine!r}")
+    if req.latent_norm not in LATENT_NORMS:
+        raise UsageError(f"--latent-norm must be one of {', '.join(LATENT_NORMS)}, got {req.latent_norm!r}")
+    if req.latent_norm == "bias" and req.engine not in ("any", "transformers"):
+        raise UsageError(
+            f"--latent-norm bias writes bias tensors that {req.engine} has no slot for; use --latent-norm auto"
+        )
+
+
+def _check_engine(req: MLARequest, src: MLASource) -> None:
+    """What the --engine target needs of the source (one-line refusals), its q_lora choice and its warnings."""
+
+    spec = src.spec
+    if req.latent_norm == "bias":
+        src.q_lora = "q_bias" in src.layer_names[0]
+        src.warnings.append(
+            "--latent-norm bias: kv_a_proj_with_mqa and o_proj get bias tensors that llama.cpp, "
+            "vLLM and SGLang drop (vLLM without a word): this output is right in transformers only"
+        )
+        return
+    src.q_lora = needs_q_lora(req.engine, spec.num_layers)
+    if engine_safe(req.engine):
+        act = _activation(src.config)
+        if act != "silu":
+            raise AttnkitError(
+                f"{req.model}: MLP activation {act!r}; the engines' DeepSeek MLPs are silu only "
+                "(pass --engine transformers for an output that only transformers runs)"
+            )
+        if src.rope["rope_type"] != "default":
+            raise AttnkitError(
+                f"{req.model}: rope_type {src.rope['rope_type']!r}; vLLM and SGLang read any "
+                "non-default DeepSeek RoPE as YaRN (pass --engine transformers for an output that "
+                "only transformers runs)"
+            )
+    values = src.rank + src.shape.rope_dim
+    source = 2 * spec.num_kv_heads * spec.head_dim
+    if values > source:
+        src.warnings.append(f"the cache grows: {values} values per token and layer against the source's {source}")
+    if src.shape.rope_dim > spec.head_dim:
+        src.warnings.append(
+            f"RoPE key padded from the head dim {spec.head_dim} to {src.shape.rope_dim} dims (zero rows)"
+        )
+    if src.rank > max_rank(spec, src.augmented):
+        src.warnings.append(
+            f"latent padded: the source's keys and values have rank "
+            f"{max_rank(spec, src.augmented) - 1}; the extra channels steady the latent norm"
+        )
+
+
+def _activation(config: dict) -> str | None:
+    """The MLP activation transformers runs: the config's, else its config class's default (a config may leave
+    it out, as it may any field with a default)."""
+    act = config.get("hidden_activation") or config.get("hidden_act")
+    if act is None and config.get("model_type"):
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.for_model(**config)
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+    return act
+
+
+def _check_options(o: MLAOptions) -> None:
+    for value, allowed, flag in (
+        (o.key_weight, KEY_WEIGHTS, "--key-weight"),
+        (o.value_weight, VALUE_WEIGHTS, "--value-weight"),
+        (o.residual, RESIDUALS, "--residual"),
+    ):
+        if value not in allowed:
+            raise UsageError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+    if not o.key_balance > 0:
+        raise UsageError(f"--key-balance must be positive, got {o.key_balance}")
+    check_bounds("--o-refit", o.o_refit, 0)
+    check_bounds("--shrink", o.shrink, 0, 1)
