@@ -222,10 +222,16 @@ def test_eval_report_carries_greedy_samples_of_source_and_result(runner, tmp_pat
     samples = report["eval"]["samples"]
     assert [s["prompt"] for s in samples] == ["the cat", "a dog"]
     assert all(s["source"] and s["source"] == s["result"] for s in samples)  # a lossless conversion says the same
+    long = report["eval"]["long_context"]  # the text in one window of the model's 512 positions, by distance
+    assert long["seq_len"] == 512 and long["windows"] == 1 and long["longest"] == long["by_distance"][-1]
+    assert [(r["start"], r["end"]) for r in long["by_distance"]] == [(0, 128), (128, 256), (256, 512)]
+    assert all(r["ratio"] == pytest.approx(1.0, abs=1e-4) and r["kl_mean"] < 1e-6 for r in long["by_distance"])
     manifest = json.loads((tmp_path / "out" / "attnkit.json").read_text())
-    assert manifest["eval"]["samples"] == samples
+    assert manifest["eval"]["samples"] == samples and manifest["eval"]["long_context"] == long
     table = runner.invoke(app, ["convert", *args[:2], str(tmp_path / "out2"), *args[3:]])
     assert table.exit_code == 0 and "greedy sample: 'the cat'" in table.stdout
+    flat = " ".join(table.stdout.split())  # the caption wraps to the table's width
+    assert "by distance" in flat and "at 256-512 tokens of context perplexity x1.000" in flat
 
 
 def test_manifest_names_a_gguf_source_as_gguf(tmp_path):

@@ -25,6 +25,7 @@ def src(tiny):
         (["gqa", "--kv-heads", "0"], 2, "--kv-heads must be at least 1"),
         (["mqa", "--method", "merge"], 2, "--method merge needs calibration text"),
         (["mqa", "--method", "median"], 2, "unknown --method 'median'"),
+        (["mqa", "--eval-long-seq-len", "100"], 2, "--eval-long-seq-len 100: long windows are scored by distance"),
         (
             ["mqa", "--method", "merge", "--calib", "/nonexistent/calib.txt"],
             1,
