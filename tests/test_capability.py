@@ -187,7 +187,10 @@ def test_the_lm_eval_command_line_runs_attnkit_models(src, tasks_dir, tmp_path):
             ["--passkey", "1k", "--passkey-variant", "echo"],
             "--passkey-variant must be one of repeat, named, distractors",
         ),
-        (["--text", PROSE, "--plot", "p.png"], "--plot draws the pass-key accuracy: give --passkey"),
+        (
+            ["--text", PROSE, "--seq-len", "64", "--plot", "p.png"],
+            "--plot draws pass-key accuracy or scores by distance",
+        ),
         ([], "nothing to score"),
     ],
 )

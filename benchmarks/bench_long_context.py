@@ -1,0 +1,242 @@
+"""What rewrites of SmolLM2-135M keep of long context: scores by distance of the predicted token on 4096- and
+8192-token windows of two held-out texts, and pass-key retrieval at 1k-8k tokens, every result against the source.
+
+Usage: python benchmarks/bench_long_context.py run --work DIR [--only NAME ...]
+       python benchmarks/bench_long_context.py render [--write]
+  run: writes the texts (prose: the last HELD_OUT Wikipedia articles of benchmarks/wiki_corpus.py's excerpt, which
+       nothing calibrates or heals on; technical: Python's language reference, benchmarks/eval_texts.py) and the
+       healing data (the excerpt's other articles), writes every rewrite with attnkit's own command (MODELS; kept
+       when DIR holds it), then scores each with `attnkit eval` (the command lines are in the rows): by distance
+       (--reference SRC) on WINDOWS windows of each length of each text, and pass keys (both variants, PASSKEY
+       lengths, DEPTHS depths x TRIALS keys). Rows go to DIR/long_context.jsonl and
+       benchmarks/results/long_context.jsonl (one per model, text and length, or model and variant).
+  render: "## long context" of docs/benchmarks.md from benchmarks/results/long_context.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from benchmarks.docsection import publish  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "long_context.jsonl"
+CALIB = "--calib " + str(ROOT / "tests/data/prose/calib.txt")
+LENGTHS = (4096, 8192)
+#: Windows scored per text and length.
+WINDOWS = {4096: 4, 8192: 2}
+PASSKEY = "1k,2k,4k,8k"
+VARIANTS = ("repeat", "distractors")
+DEPTHS, TRIALS = 3, 2
+HEAL = "--max-time 30m --seq-len 2048 --batch-size 4 --micro-batch-size 1 --val-tokens 4096 --retrieval-mix 0.25"
+#: name -> attnkit command line after "attnkit" ({src} {out} {work}), in the order they are written; the source
+#: itself is scored as "source".
+MODELS = {
+    "mqa-mean": "convert mqa {src} {out} --method mean",
+    "mqa-merge": "convert mqa {src} {out} --method merge " + CALIB,
+    "mla-50": "convert mla {src} {out} --kv-budget 0.5 " + CALIB,
+    "mla-25": "convert mla {src} {out} --kv-budget 0.25 " + CALIB,
+    "qknorm": "retrofit qknorm {src} {out} " + CALIB,
+    "mla-50-healed": "heal {work}/mla-50 {out} --teacher {src} --data {work}/heal.jsonl " + HEAL,
+    "mqa-merge-healed": "heal {work}/mqa-merge {out} --teacher {src} --data {work}/heal.jsonl " + HEAL,
+}
+
+
+def prepare(work: Path) -> dict:
+    """The two held-out texts and the healing data; returns {text name: path}."""
+    import eval_texts
+    import local_tasks
+    from wiki_corpus import wiki_corpus
+
+    lines = wiki_corpus(work).read_text(encoding="utf-8").splitlines()
+    texts = {"prose": work / "prose_heldout.jsonl", "technical": work / "technical_pyref.txt"}
+    if not texts["prose"].is_file():
+        texts["prose"].write_text("\n".join(lines[-local_tasks.HELD_OUT :]) + "\n")
+    if not (work / "heal.jsonl").is_file():
+        (work / "heal.jsonl").write_text("\n".join(lines[: -local_tasks.HELD_OUT]) + "\n")
+    if not texts["technical"].is_file():
+        eval_texts.main(work)
+    return texts
+
+
+def attnkit(*args: str) -> dict:
+    """Run `attnkit ARGS --format json` in a fresh process; its JSON report."""
+    out = subprocess.run([sys.executable, "-m", "attnkit", *args, "--format", "json"], check=True, capture_output=True)
+    return json.loads(out.stdout)
+
+
+def portable(command: str, work: Path, source: Path) -> str:
+    """A command line with this machine's folders replaced by SRC and DIR."""
+    return command.replace(str(source), "SRC").replace(str(work), "DIR").replace(str(ROOT) + "/", "")
+
+
+def write_models(work: Path, source: Path, names: list[str]) -> None:
+    for name in names:
+        out = work / name
+        if (out / "attnkit.json").is_file():
+            continue
+        started = time.perf_counter()
+        args = MODELS[name].format(src=source, out=out, work=work).split()
+        subprocess.run([sys.executable, "-m", "attnkit", *args], check=True, stdout=subprocess.DEVNULL)
+        print(f"{name}: written in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+
+
+def score(name: str, path: Path, source: Path, texts: dict, work: Path) -> list[dict]:
+    """By-distance rows of every text and length, and pass keys of both variants, of one model."""
+    rows = []
+    for text, file in texts.items():
+        for length in LENGTHS:
+            args = [str(path), str(file), "--reference", str(source), "--seq-len", str(length)]
+            args += ["--max-tokens", str(length * WINDOWS[length]), "--device", "cpu"]
+            started = time.perf_counter()
+            doc = attnkit("eval", *args)
+            rows.append(
+                {
+                    "model": name,
+                    "kind": "distance",
+                    "text": text,
+                    "seq_len": length,
+                    "windows": doc["windows"],
+                    "perplexity": doc["perplexity"],
+                    "source_perplexity": doc["reference_perplexity"],
+                    "kl_mean": doc["kl_mean"],
+                    "by_distance": doc["by_distance"],
+                    "seconds": time.perf_counter() - started,
+                    "command": portable("attnkit eval " + " ".join(args), work, source),
+                }
+            )
+    for variant in VARIANTS:
+        args = [str(path), "--passkey", PASSKEY, "--passkey-variant", variant, "--depths", str(DEPTHS)]
+        args += ["--trials", str(TRIALS), "--device", "cpu"]
+        started = time.perf_counter()
+        doc = attnkit("eval", *args)
+        rows.append(
+            {
+                "model": name,
+                "kind": "passkey",
+                "variant": variant,
+                "by_length": {r["length"]: r["accuracy"] for r in doc["passkey"]["model"]["by_length"]},
+                "chance": doc["passkey"]["model"]["chance"],
+                "seconds": time.perf_counter() - started,
+                "command": portable("attnkit eval " + " ".join(args), work, source),
+            }
+        )
+    return rows
+
+
+def run(work: Path, only: list[str]) -> None:
+    from tests.realmodel import smollm2_folder
+
+    work.mkdir(parents=True, exist_ok=True)
+    source = smollm2_folder()
+    texts = prepare(work)
+    names = only or ["source", *MODELS]
+    write_models(work, source, [n for n in names if n != "source"])
+    for name in names:
+        rows = score(name, source if name == "source" else work / name, source, texts, work)
+        for target in (work / "long_context.jsonl", RESULTS):
+            with target.open("a") as fh:
+                fh.writelines(json.dumps(row) + "\n" for row in rows)
+        print(f"{name}: scored", file=sys.stderr)
+
+
+def latest(rows: list[dict]) -> dict:
+    """The last row of each (model, kind, text or variant, length)."""
+    out = {}
+    for row in rows:
+        out[(row["model"], row["kind"], row.get("text") or row.get("variant"), row.get("seq_len"))] = row
+    return out
+
+
+def render(write: bool) -> None:
+    rows = latest([json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()])
+    models = list(dict.fromkeys(key[0] for key in rows))
+    lines = [
+        "## long context",
+        "",
+        "`python benchmarks/bench_long_context.py run --work DIR`, then `render --write`: SmolLM2-135M-Instruct "
+        "(fp32, CPU; 30 layers, 9 heads, 3 KV heads, 8,192 positions) and its rewrites, each written by attnkit's "
+        "own command (calibration: tests/data/prose/calib.txt; the healed students: `heal` on the Wikipedia articles "
+        "the prose text does not hold, with --seq-len 2048 and --retrieval-mix 0.25), scored by `attnkit eval "
+        "--reference SRC` by distance of the predicted token in its window. Prose: the last 30 articles of the "
+        "Wikipedia excerpt (benchmarks/wiki_corpus.py), which no rewrite was calibrated or healed on; technical: "
+        "Python's language reference (benchmarks/eval_texts.py). Each cell: perplexity of the result over the "
+        "source's on the same tokens (the source's own perplexity in the first row); the source gets better with "
+        "context, and a rewrite that uses far context as the source does keeps its ratio flat.",
+        "",
+    ]
+    for text in ("prose", "technical"):
+        for length in LENGTHS:
+            found = [rows[k] for k in rows if k[1] == "distance" and k[2] == text and k[3] == length]
+            if not found:
+                continue
+            buckets = [(r["start"], r["end"]) for r in found[0]["by_distance"]]
+            lines += [
+                f"**{text}, windows of {length:,} tokens** ({found[0]['windows']} windows; KL: mean over the window)",
+                "",
+                "| model | " + " | ".join(f"{a:,}-{b:,}" for a, b in buckets) + " | all | KL |",
+                "|---|" + "---:|" * (len(buckets) + 2),
+            ]
+            source = found[0]
+            lines.append(
+                "| source (perplexity) | "
+                + " | ".join(f"{r['reference_perplexity']:.2f}" for r in source["by_distance"])
+                + f" | {source['source_perplexity']:.2f} | |"
+            )
+            for model in models:
+                row = rows.get((model, "distance", text, length))
+                if row is None or model == "source":
+                    continue
+                cells = [f"{r['ratio']:.2f}x" for r in row["by_distance"]]
+                ratio = row["perplexity"] / row["source_perplexity"]
+                lines.append(f"| {model} | " + " | ".join(cells) + f" | {ratio:.2f}x | {row['kl_mean']:.3f} |")
+            lines.append("")
+    lines += [
+        f"**pass keys**: accuracy by context length, repeat / distractors ({DEPTHS} depths x {TRIALS} keys per "
+        "length; distractors: chance 25%)",
+        "",
+        "| model | " + " | ".join(PASSKEY.split(",")) + " |",
+        "|---|" + "---:|" * len(PASSKEY.split(",")),
+    ]
+    for model in models:
+        pairs = [rows.get((model, "passkey", v, None)) for v in VARIANTS]
+        if None in pairs:
+            continue
+        lengths = list(pairs[0]["by_length"])
+        cells = [" / ".join(f"{p['by_length'][n]:.0%}" for p in pairs) for n in lengths]
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    lines += ["", "Commands (SRC: the source folder, DIR: --work):", ""]
+    for model in models:
+        if model in MODELS:
+            lines.append(f"- {model}: `attnkit {portable(MODELS[model], Path('DIR'), Path('SRC'))}`")
+    example = next(r["command"] for r in rows.values() if r["kind"] == "distance")
+    lines += ["", f"Scored with e.g. `{re.sub(r'DIR/[^ ]+ ', 'MODEL ', example, count=1)}`."]
+    publish("\n".join(lines), write)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--work", type=Path, required=True)
+    r.add_argument("--only", nargs="*", default=[])
+    w = sub.add_parser("render")
+    w.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    if args.cmd == "run":
+        run(args.work, args.only)
+    else:
+        render(args.write)
+
+
+if __name__ == "__main__":
+    main()
