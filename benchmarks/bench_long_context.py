@@ -1,14 +1,15 @@
 """What rewrites of SmolLM2-135M keep of long context: scores by distance of the predicted token on 4096- and
 8192-token windows of two held-out texts, and pass-key retrieval at 1k-8k tokens, every result against the source.
 
-Usage: python benchmarks/bench_long_context.py run --work DIR [--only NAME ...]
+Usage: python benchmarks/bench_long_context.py run --work DIR [--only NAME ...] [--windows 4096:4,8192:2]
+           [--passkey 1k,2k,4k,8k] [--trials 2]
        python benchmarks/bench_long_context.py render [--write]
   run: writes the texts (prose: the last HELD_OUT Wikipedia articles of benchmarks/wiki_corpus.py's excerpt, which
        nothing calibrates or heals on; technical: Python's language reference, benchmarks/eval_texts.py) and the
        healing data (the excerpt's other articles), writes every rewrite with attnkit's own command (MODELS; kept
        when DIR holds it), then scores each with `attnkit eval` (the command lines are in the rows): by distance
-       (--reference SRC) on WINDOWS windows of each length of each text, and pass keys (both variants, PASSKEY
-       lengths, DEPTHS depths x TRIALS keys). Rows go to DIR/long_context.jsonl and
+       (--reference SRC) on --windows windows of each length of each text, and pass keys (both variants,
+       --passkey lengths, none when empty; DEPTHS depths x --trials keys). Rows go to DIR/long_context.jsonl and
        benchmarks/results/long_context.jsonl (one per model, text and length, or model and variant).
   render: "## long context" of docs/benchmarks.md from benchmarks/results/long_context.jsonl.
 """
@@ -31,8 +32,7 @@ from benchmarks.docsection import publish  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "long_context.jsonl"
 CALIB = "--calib " + str(ROOT / "tests/data/prose/calib.txt")
-LENGTHS = (4096, 8192)
-#: Windows scored per text and length.
+#: Window length -> windows scored per text (run --windows overrides).
 WINDOWS = {4096: 4, 8192: 2}
 PASSKEY = "1k,2k,4k,8k"
 VARIANTS = ("repeat", "distractors")
@@ -90,13 +90,14 @@ def write_models(work: Path, source: Path, names: list[str]) -> None:
         print(f"{name}: written in {time.perf_counter() - started:.0f}s", file=sys.stderr)
 
 
-def score(name: str, path: Path, source: Path, texts: dict, work: Path) -> list[dict]:
-    """By-distance rows of every text and length, and pass keys of both variants, of one model."""
+def score(name: str, path: Path, source: Path, texts: dict, work: Path, windows: dict, passkey: str, trials: int):
+    """By-distance rows of every text and length ({length: windows}), and pass keys of both variants at the
+    lengths `passkey` names, of one model."""
     rows = []
     for text, file in texts.items():
-        for length in LENGTHS:
+        for length, count in windows.items():
             args = [str(path), str(file), "--reference", str(source), "--seq-len", str(length)]
-            args += ["--max-tokens", str(length * WINDOWS[length]), "--device", "cpu"]
+            args += ["--max-tokens", str(length * count), "--device", "cpu"]
             started = time.perf_counter()
             doc = attnkit("eval", *args)
             rows.append(
@@ -114,9 +115,9 @@ def score(name: str, path: Path, source: Path, texts: dict, work: Path) -> list[
                     "command": portable("attnkit eval " + " ".join(args), work, source),
                 }
             )
-    for variant in VARIANTS:
-        args = [str(path), "--passkey", PASSKEY, "--passkey-variant", variant, "--depths", str(DEPTHS)]
-        args += ["--trials", str(TRIALS), "--device", "cpu"]
+    for variant in VARIANTS if passkey else ():
+        args = [str(path), "--passkey", passkey, "--passkey-variant", variant, "--depths", str(DEPTHS)]
+        args += ["--trials", str(trials), "--device", "cpu"]
         started = time.perf_counter()
         doc = attnkit("eval", *args)
         rows.append(
@@ -126,6 +127,8 @@ def score(name: str, path: Path, source: Path, texts: dict, work: Path) -> list[
                 "variant": variant,
                 "by_length": {r["length"]: r["accuracy"] for r in doc["passkey"]["model"]["by_length"]},
                 "chance": doc["passkey"]["model"]["chance"],
+                "depths": DEPTHS,
+                "trials": trials,
                 "seconds": time.perf_counter() - started,
                 "command": portable("attnkit eval " + " ".join(args), work, source),
             }
@@ -133,7 +136,7 @@ def score(name: str, path: Path, source: Path, texts: dict, work: Path) -> list[
     return rows
 
 
-def run(work: Path, only: list[str]) -> None:
+def run(work: Path, only: list[str], windows: dict, passkey: str, trials: int) -> None:
     from tests.realmodel import smollm2_folder
 
     work.mkdir(parents=True, exist_ok=True)
@@ -142,7 +145,7 @@ def run(work: Path, only: list[str]) -> None:
     names = only or ["source", *MODELS]
     write_models(work, source, [n for n in names if n != "source"])
     for name in names:
-        rows = score(name, source if name == "source" else work / name, source, texts, work)
+        rows = score(name, source if name == "source" else work / name, source, texts, work, windows, passkey, trials)
         for target in (work / "long_context.jsonl", RESULTS):
             with target.open("a") as fh:
                 fh.writelines(json.dumps(row) + "\n" for row in rows)
@@ -175,7 +178,7 @@ def render(write: bool) -> None:
         "",
     ]
     for text in ("prose", "technical"):
-        for length in LENGTHS:
+        for length in sorted({key[3] for key in rows if key[1] == "distance"}):
             found = [rows[k] for k in rows if k[1] == "distance" and k[2] == text and k[3] == length]
             if not found:
                 continue
@@ -200,18 +203,19 @@ def render(write: bool) -> None:
                 ratio = row["perplexity"] / row["source_perplexity"]
                 lines.append(f"| {model} | " + " | ".join(cells) + f" | {ratio:.2f}x | {row['kl_mean']:.3f} |")
             lines.append("")
+    keys = [r for r in rows.values() if r["kind"] == "passkey"]
+    lengths = list(keys[0]["by_length"]) if keys else []
     lines += [
-        f"**pass keys**: accuracy by context length, repeat / distractors ({DEPTHS} depths x {TRIALS} keys per "
-        "length; distractors: chance 25%)",
+        f"**pass keys**: accuracy by context length, repeat / distractors ({DEPTHS} depths x "
+        f"{keys[0]['trials'] if keys else TRIALS} keys per length; distractors: chance 25%)",
         "",
-        "| model | " + " | ".join(PASSKEY.split(",")) + " |",
-        "|---|" + "---:|" * len(PASSKEY.split(",")),
+        "| model | " + " | ".join(lengths) + " |",
+        "|---|" + "---:|" * len(lengths),
     ]
     for model in models:
         pairs = [rows.get((model, "passkey", v, None)) for v in VARIANTS]
         if None in pairs:
             continue
-        lengths = list(pairs[0]["by_length"])
         cells = [" / ".join(f"{p['by_length'][n]:.0%}" for p in pairs) for n in lengths]
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
     lines += ["", "Commands (SRC: the source folder, DIR: --work):", ""]
@@ -229,11 +233,15 @@ def main() -> None:
     r = sub.add_parser("run")
     r.add_argument("--work", type=Path, required=True)
     r.add_argument("--only", nargs="*", default=[])
+    r.add_argument("--windows", default=",".join(f"{k}:{v}" for k, v in WINDOWS.items()), help="LENGTH:COUNT,...")
+    r.add_argument("--passkey", default=PASSKEY)
+    r.add_argument("--trials", type=int, default=TRIALS)
     w = sub.add_parser("render")
     w.add_argument("--write", action="store_true")
     args = parser.parse_args()
     if args.cmd == "run":
-        run(args.work, args.only)
+        windows = dict(tuple(int(x) for x in item.split(":")) for item in args.windows.split(","))
+        run(args.work, args.only, windows, args.passkey, args.trials)
     else:
         render(args.write)
 

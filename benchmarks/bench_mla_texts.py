@@ -36,18 +36,20 @@ BUDGETS = {
 }
 #: name -> (cached values per token and layer, convert mla options beyond SOURCE OUT and the calibration)
 VARIANTS = {
-    "default 50%": (192, ["--kv-budget", "0.5"]),
-    "default 33%": (128, ["--kv-budget", "0.3333"]),
-    "default 25%": (96, ["--kv-budget", "0.25"]),
-    "default 512+64": (576, ["--kv-lora-rank", "512", "--rope-dim", "64"]),
+    **{f"default {pct}": (values, budget) for pct, (values, budget) in BUDGETS.items()},
     **{
-        f"--shrink {s}, {pct}": (values, [*budget, "--shrink", s])
+        f"--key-weight query (before), {pct}": (values, [*budget, "--key-weight", "query"])
+        for pct, (values, budget) in BUDGETS.items()
+    },
+    **{
+        f"--shrink {s}, {pct} (key weight query)": (values, [*budget, "--shrink", s, "--key-weight", "query"])
         for s, pcts in (("0.3", ("50%", "33%", "25%")), ("0.7", ("33%",)), ("0.1", ("33%",)))
         for pct in pcts
         for values, budget in [BUDGETS[pct]]
     },
     **{
-        f"--shrink 0 (before), {pct}": (values, [*budget, "--shrink", "0"]) for pct, (values, budget) in BUDGETS.items()
+        f"--shrink 0 (before), {pct} (key weight query)": (values, [*budget, "--shrink", "0", "--key-weight", "query"])
+        for pct, (values, budget) in BUDGETS.items()
     },
 }
 
@@ -136,7 +138,9 @@ def render(args) -> str:
         "language reference (pydoc_data.topics). Perplexity (x source); TransMLA: the best of its three "
         "best settings of the prose grid (rope dim 64 with freqfold 2 or 4, rope dim 32 with freqfold 4) "
         "per text and budget. attnkit's defaults otherwise (sequential calibration, o_proj refit 0.1, "
-        "engine latent norm); `--shrink 0 (before)` rows are the default before the shrinkage. "
+        "engine latent norm, `--key-weight output`); `--key-weight query (before)` rows are the default before "
+        "the output key weight (issue 29), `--shrink 0 (before)` rows the default before the shrinkage; the "
+        "shrinkage rows were measured with `--key-weight query`. "
         "Source perplexity: " + ", ".join(f"{k} {v:.2f}" for k, v in src_ppl.items()) + ".",
         "",
         "| variant | R + P | command | prose | legal | technical |",

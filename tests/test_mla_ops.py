@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from attnkit.ops.mla import MLAShape, convert_layer, factor_latent, position_free_scale, rope_split
+from attnkit.ops.headmerge import head_gram
+from attnkit.ops.mla import MLAShape, convert_layer, factor_latent, position_free_scale, rope_split, value_spread
 from attnkit.ops.mla_deepseek import NORM_EPS, kv_tensors, q_lora_tensors
 
 
@@ -72,7 +73,8 @@ def test_rope_split_mqa_keeps_every_kept_pair_and_the_logits_at_every_position()
     q = torch.randn(heads * d, n, generator=g, dtype=torch.float64)
     cov = _cov(n, 5)
     freqs = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    layer = convert_layer(q, k, k.clone(), torch.randn(n, heads * d, generator=g, dtype=torch.float64), cov, s, freqs)
+    o = torch.randn(n, heads * d, generator=g, dtype=torch.float64)
+    layer = convert_layer(q, k, k.clone(), o, cov, s, freqs, mean=torch.zeros(n, dtype=torch.float64))
     rope, _, fitted = rope_split(k, cov, s, torch.eye(d, dtype=torch.float64)[None], 0.0)
     assert torch.allclose(fitted, k, atol=1e-10)
     x, y = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
@@ -126,6 +128,7 @@ def test_kv_latent_norm_channel_makes_kv_a_layernorm_a_known_scale(augmented):
         cov,
         s,
         10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d),
+        mean=torch.zeros(n1, dtype=torch.float64),
     )
     t = kv_tensors(layer, s, augmented)
     x = torch.randn(30, n, generator=g, dtype=torch.float64) @ torch.linalg.cholesky(cov[:n, :n]).T
@@ -240,3 +243,32 @@ def test_span_basis_is_orthonormal_and_spans_the_info_rows_first(width):
         vals, vecs = torch.linalg.eigh(ur.T @ ur / u.shape[0])
         top = vecs[:, -2:]
         assert torch.allclose(basis[4:].T @ basis[4:], top @ top.T, atol=1e-10)  # the same two directions
+
+
+def test_value_spread_is_the_centered_output_energy_of_each_heads_values():
+    """E|O_h (v - E v)|^2 per query head, against the per-token brute force; a key weight in output units."""
+    g = torch.Generator().manual_seed(11)
+    n, d, hkv, heads = 12, 4, 2, 6
+    s = MLAShape(num_heads=heads, num_kv=hkv, head_dim=d, latent_rank=3, rope_dim=2)
+    x = torch.randn(500, n, generator=g, dtype=torch.float64) + torch.randn(n, generator=g, dtype=torch.float64)
+    v = torch.randn(hkv * d, n, generator=g, dtype=torch.float64)
+    o = torch.randn(n, heads * d, generator=g, dtype=torch.float64)
+    spread = value_spread(v, o, x.T @ x / len(x), x.mean(0), s)
+    values = x @ v.T  # [T, Hkv*D]
+    centered = values - values.mean(0)
+    for h in range(heads):
+        g_ = h // (heads // hkv)
+        out = centered[:, g_ * d : (g_ + 1) * d] @ o[:, h * d : (h + 1) * d].T  # [T, n]
+        assert math.isclose(spread[h].item(), out.pow(2).sum(1).mean().item(), rel_tol=1e-9)
+    with pytest.raises(ValueError, match="needs the calibration inputs' mean"):
+        value_spread(v, o, x.T @ x / len(x), None, s)
+
+
+def test_head_gram_weights_each_reading_head():
+    g = torch.Generator().manual_seed(12)
+    q, cov = torch.randn(4 * 3, 5, generator=g, dtype=torch.float64), _cov(5, 13)
+    weights = torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64)
+    got = head_gram(q, 4, 2, cov, weights)
+    for j in range(2):
+        want = sum(weights[h] * q[h * 3 : (h + 1) * 3] @ cov @ q[h * 3 : (h + 1) * 3].T for h in (2 * j, 2 * j + 1))
+        assert torch.allclose(got[j], want, rtol=1e-12)

@@ -152,7 +152,10 @@ def mla(
         help="Fit each layer on the converted layers' outputs (as docs/benchmarks.md measured).",
     ),
     key_weight: str = typer.Option(
-        "query", "--key-weight", help="Key error as logit error (query) or plain (uniform)."
+        "output",
+        "--key-weight",
+        help="Key error as logit error in output units (output: times the head's value spread), as logit error "
+        "(query) or plain (uniform).",
     ),
     value_weight: str = typer.Option(
         "o_proj", "--value-weight", help="Value error measured after o_proj (o_proj) or not (none)."

@@ -32,10 +32,16 @@ def expand_heads(w: torch.Tensor, groups: int, r: int) -> torch.Tensor:
     return heads.expand(groups, r, *heads.shape[2:]).reshape(-1, *w.shape[1:])
 
 
-def head_gram(w: torch.Tensor, num_heads: int, num_kv: int, cov: torch.Tensor | None = None) -> torch.Tensor:
+def head_gram(
+    w: torch.Tensor,
+    num_heads: int,
+    num_kv: int,
+    cov: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per old KV head, the sum over the query heads reading it of W_h^T W_h (cov=None, for o_proj blocks
-    w: [hidden, H*D]) or of E[q_h q_h^T] = W_h C W_h^T (for q_proj rows w: [H*D, n]).  -> [Hkv, D, D].
-    w in any dtype; one head at a time is made float64."""
+    w: [hidden, H*D]) or of E[q_h q_h^T] = W_h C W_h^T (for q_proj rows w: [H*D, n]), each head's term times
+    weights[h] when given ([H]).  -> [Hkv, D, D]. w in any dtype; one head at a time is made float64."""
     per = num_heads // num_kv
     d = (w.shape[1] if cov is None else w.shape[0]) // num_heads
     gram = torch.zeros(num_kv, d, d, dtype=torch.float64)
@@ -43,10 +49,11 @@ def head_gram(w: torch.Tensor, num_heads: int, num_kv: int, cov: torch.Tensor | 
     for h in range(num_heads):
         if cov is None:
             block = w[:, h * d : (h + 1) * d].to(torch.float64)  # [hidden, D]
-            gram[h // per] += block.T @ block
+            term = block.T @ block
         else:
             block = w[h * d : (h + 1) * d].to(torch.float64)  # [D, n]
-            gram[h // per] += block @ cov @ block.T
+            term = block @ cov @ block.T
+        gram[h // per] += term if weights is None else term * float(weights[h])
     return gram
 
 

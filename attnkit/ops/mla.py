@@ -25,7 +25,7 @@ import torch
 from attnkit.ops.headmerge import head_gram, merge_keys
 from attnkit.ops.whiten import cholesky_in_place, psd_sqrt, regularize, relative_error
 
-KEY_WEIGHTS = ("query", "uniform")
+KEY_WEIGHTS = ("output", "query", "uniform")
 VALUE_WEIGHTS = ("o_proj", "none")
 RESIDUALS = ("keep", "drop", "fade")
 
@@ -49,7 +49,7 @@ class MLAShape:
 class MLAOptions:
     """Ablation knobs (defaults are the best measured; see docs/convert-mla.md)."""
 
-    key_weight: str = "query"  # query: key errors measured as logit errors (E[q q^T]); uniform
+    key_weight: str = "output"  # output: logit errors in output units (x value spread); query: logit errors; uniform
     value_weight: str = "o_proj"  # o_proj: value errors measured after each head's o_proj; none
     residual: str = "keep"  # what becomes position-free: keep it, drop it, or fade it (see position_free_scale)
     window: int = 512  # fade: distances are taken uniform over [0, window)
@@ -168,9 +168,11 @@ def convert_layer(
     s: MLAShape,
     freqs: torch.Tensor,
     options: MLAOptions | None = None,
+    mean: torch.Tensor | None = None,
 ) -> MLALayer:
     """Convert one layer.  q: [H*D, n'] (any dtype, kept by the result), k, v: [Hkv*D, n'], o: [n, H*D] (o_proj
-    weight), cov: [n', n'], freqs: [D/2] the source's rotary frequencies (radians per token)."""
+    weight), cov: [n', n'], freqs: [D/2] the source's rotary frequencies (radians per token), mean: [n'] E[x]
+    (key_weight "output" needs it)."""
     options = options or MLAOptions()
     k, v, cov = (t.to(torch.float64) for t in (k, v, cov))  # q is read a head at a time
     d, hkv = s.head_dim, s.num_kv
@@ -179,7 +181,8 @@ def convert_layer(
         fit.diagonal().add_(cov.diagonal() * options.shrink)
     else:
         fit = torch.eye(cov.shape[0], dtype=torch.float64)
-    q_gram = head_gram(q, s.num_heads, hkv, fit)  # [Hkv, D, D]: sum over readers of E[q q^T]
+    spread = value_spread(v, o, cov, mean, s) if options.key_weight == "output" else None  # [H]
+    q_gram = head_gram(q, s.num_heads, hkv, fit, spread)  # [Hkv, D, D]: sum over readers of (spread x) E[q q^T]
     if options.key_weight == "uniform":
         q_gram = torch.eye(d, dtype=torch.float64).expand(hkv, d, d).contiguous()
     rope, coef, fitted = rope_split(k, fit, s, q_gram, options.ridge)
@@ -210,6 +213,25 @@ def convert_layer(
         position_free=_weighted_fraction(lost, k, q_gram, cov),
         spectrum=spectrum,
     )
+
+
+def value_spread(v: torch.Tensor, o: torch.Tensor, cov: torch.Tensor, mean: torch.Tensor, s: MLAShape) -> torch.Tensor:
+    """[H]: E|O_h (v - E v)|^2 per query head h (o_proj's block of h times the values of its KV head, centered),
+    what one nat of logit error moves the head's output: a logit perturbation d_j of the keys a query attends to
+    (weights a_j) moves the output by sum_j a_j (d_j - mean d) O_h (v_j - mean v). Weighting each head's key error
+    (E[q q^T] / D, a logit error) by it puts keys and values in the same units, the output's.
+    v: [Hkv*D, n'], o: [n, H*D], cov: [n', n'] E[x x^T], mean: [n'] E[x]."""
+    if mean is None:
+        raise ValueError("key_weight 'output' needs the calibration inputs' mean")
+    d, per = s.head_dim, s.num_heads // s.num_kv
+    centered = cov - torch.outer(mean, mean)  # [n', n'] the covariance of x
+    moved = v @ centered @ v.T  # [Hkv*D, Hkv*D]
+    spread = torch.empty(s.num_heads, dtype=torch.float64)
+    for h in range(s.num_heads):
+        g = h // per
+        block = o[:, h * d : (h + 1) * d].to(torch.float64)  # [n, D]
+        spread[h] = torch.trace(block.T @ block @ moved[g * d : (g + 1) * d, g * d : (g + 1) * d])
+    return spread
 
 
 def _per_head_kv(up: torch.Tensor, hkv: int, d: int) -> torch.Tensor:

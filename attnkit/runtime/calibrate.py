@@ -65,8 +65,13 @@ def token_rows(hidden, augment: bool):
 
 def input_covariance(hidden, augment: bool):
     """E[x x^T] over all tokens of hidden [B, T, n]: float64 on CPU, [n(+1), n(+1)]."""
+    return input_moments(hidden, augment)[0]
+
+
+def input_moments(hidden, augment: bool):
+    """(E[x x^T] [n(+1), n(+1)], E[x] [n(+1)]) over all tokens of hidden [B, T, n], float64 on CPU."""
     x = token_rows(hidden, augment)
-    return (x.T @ x).div_(x.shape[0])
+    return (x.T @ x).div_(x.shape[0]), x.mean(0)
 
 
 def calibrate(model, windows, module_names: list[str], on_layer: Callable[..., dict | None]) -> None:

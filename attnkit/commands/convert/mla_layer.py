@@ -17,7 +17,7 @@ from attnkit.ops.mla_deepseek import attention_tensors, engine_tensors, q_lora_r
 from attnkit.ops.orefit import refit_o
 from attnkit.ops.qknorm_fold import fit_fold, folded_weights
 from attnkit.runtime.attention import deepseek_attention, run_attention, source_attention_inputs
-from attnkit.runtime.calibrate import input_covariance
+from attnkit.runtime.calibrate import input_moments
 
 if TYPE_CHECKING:
     from attnkit.commands.convert.mla_request import MLASource
@@ -87,11 +87,11 @@ def convert_one(
     calibration inputs hidden [B, T, n] of its attention (gamma: input_layernorm's scale, for the engine route)."""
 
     s, augmented = src.shape, is_biased(weights)
-    cov = input_covariance(hidden, augmented)  # [n(+1), n(+1)]
+    cov, mean = input_moments(hidden, augmented)  # [n(+1), n(+1)], [n(+1)]
     q_scale = math.sqrt((s.head_dim + s.rope_dim) / s.head_dim)  # softmax-scale fold: D^-1/2 -> (D + P)^-1/2
     if latent_norm == "bias":
         q, k, v = (augmented_rows(weights, r, augmented) for r in ("q", "k", "v"))
-        layer = convert_layer(q, k, v, weights["o"], cov, s, freqs, options)
+        layer = convert_layer(q, k, v, weights["o"], cov, s, freqs, options, mean)
         n = src.spec.hidden_size
         tensors = attention_tensors(
             layer,
@@ -112,7 +112,7 @@ def convert_one(
         }
     else:
         tensors, row = _engine_layer(
-            src, weights, hidden, cov, gamma, freqs, options, latent_norm, norm_eps, q_scale, dtype
+            src, weights, hidden, (cov, mean), gamma, freqs, options, latent_norm, norm_eps, q_scale, dtype
         )
     return {name: t.to(dtype) for name, t in tensors.items()}, row
 
@@ -121,7 +121,7 @@ def _engine_layer(
     src: MLASource,
     weights: dict,
     hidden,
-    cov,
+    moments: tuple,
     gamma,
     freqs,
     options: MLAOptions,
@@ -131,11 +131,13 @@ def _engine_layer(
     dtype,
 ) -> tuple[dict, dict]:
     """One layer by the engine route: factor at the ranks the anchor and span latents need, keep the latent
-    (attnkit.ops.latent_norm) that leaves the smaller error on the calibration tokens, write it without biases."""
+    (attnkit.ops.latent_norm) that leaves the smaller error on the calibration tokens, write it without biases.
+    `moments`: (E[x x^T], E[x]) of the calibration inputs."""
     import dataclasses
 
     import torch
 
+    cov, mean = moments
     s, augmented, rank = src.shape, is_biased(weights), src.rank
     shape = dataclasses.replace(s, rope_dim=min(s.rope_dim, s.head_dim))  # wider RoPE keys are padded below
     u = hidden.detach().reshape(-1, hidden.shape[-1]).to(device="cpu", dtype=torch.float64) / gamma  # [N, n]
@@ -147,7 +149,7 @@ def _engine_layer(
     for kind in ("anchor", "span") if latent_norm == "auto" else (latent_norm,):
         info_rank = min(rank - 1 if kind == "anchor" else rank, full)
         layer = convert_layer(
-            q, k, v, weights["o"], cov, dataclasses.replace(shape, latent_rank=info_rank), freqs, options
+            q, k, v, weights["o"], cov, dataclasses.replace(shape, latent_rank=info_rank), freqs, options, mean
         )
         info = substitute_constant(fold_gamma(layer.down, gamma), anchor)  # [r, n] on u
         plan = anchor_plan(info, anchor, u, rank, norm_eps) if kind == "anchor" else span_plan(info, u, rank, norm_eps)
