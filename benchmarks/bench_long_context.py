@@ -160,6 +160,10 @@ def latest(rows: list[dict]) -> dict:
     return out
 
 
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
 def render(write: bool) -> None:
     rows = latest([json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()])
     models = list(dict.fromkeys(key[0] for key in rows))
@@ -168,8 +172,7 @@ def render(write: bool) -> None:
         "",
         "`python benchmarks/bench_long_context.py run --work DIR`, then `render --write`: SmolLM2-135M-Instruct "
         "(fp32, CPU; 30 layers, 9 heads, 3 KV heads, 8,192 positions) and its rewrites, each written by attnkit's "
-        "own command (calibration: tests/data/prose/calib.txt; the healed students: `heal` on the Wikipedia articles "
-        "the prose text does not hold, with --seq-len 2048 and --retrieval-mix 0.25), scored by `attnkit eval "
+        "own command (calibration: tests/data/prose/calib.txt; the commands are below), scored by `attnkit eval "
         "--reference SRC` by distance of the predicted token in its window. Prose: the last 30 articles of the "
         "Wikipedia excerpt (benchmarks/wiki_corpus.py), which no rewrite was calibrated or healed on; technical: "
         "Python's language reference (benchmarks/eval_texts.py). Each cell: perplexity of the result over the "
@@ -216,14 +219,17 @@ def render(write: bool) -> None:
         pairs = [rows.get((model, "passkey", v, None)) for v in VARIANTS]
         if None in pairs:
             continue
-        cells = [" / ".join(f"{p['by_length'][n]:.0%}" for p in pairs) for n in lengths]
+        cells = [" / ".join(_share(p["by_length"].get(n)) for p in pairs) for n in lengths]
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
     lines += ["", "Commands (SRC: the source folder, DIR: --work):", ""]
     for model in models:
         if model in MODELS:
             lines.append(f"- {model}: `attnkit {portable(MODELS[model], Path('DIR'), Path('SRC'))}`")
-    example = next(r["command"] for r in rows.values() if r["kind"] == "distance")
-    lines += ["", f"Scored with e.g. `{re.sub(r'DIR/[^ ]+ ', 'MODEL ', example, count=1)}`."]
+    missing = [m for m in MODELS if m not in models]
+    if missing:
+        lines += ["", "Not measured yet (in MODELS, no rows): " + ", ".join(missing) + "."]
+    example = next(r["command"] for r in rows.values() if r["kind"] == "distance" and r["model"] != "source")
+    lines += ["", f"Scored with e.g. `{re.sub(r'^attnkit eval DIR/[^ ]+ ', 'attnkit eval MODEL ', example)}`."]
     publish("\n".join(lines), write)
 
 
