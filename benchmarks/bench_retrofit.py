@@ -41,9 +41,7 @@ def _variants(args) -> list[tuple[str, str, dict]]:
 
 def _run(kind: str, kwargs: dict, src: str, out: Path, args) -> dict:
     """The retrofit without --eval (its probe pass is measured elsewhere); scored by _score."""
-    from attnkit.commands.retrofit.common import RetrofitOptions
-
-    opts = RetrofitOptions(
+    opts = dict(
         model=src,
         out=out,
         calib=[str(PROSE / "calib.txt")],
@@ -54,14 +52,14 @@ def _run(kind: str, kwargs: dict, src: str, out: Path, args) -> dict:
     if kind == "softcap":
         from attnkit.commands.retrofit.softcap import SoftcapRequest, retrofit_softcap
 
-        return retrofit_softcap(SoftcapRequest(opts, **kwargs))
+        return retrofit_softcap(SoftcapRequest(**opts, **kwargs))
     if kind == "qknorm":
         from attnkit.commands.retrofit.qknorm import QKNormRequest, retrofit_qknorm
 
-        return retrofit_qknorm(QKNormRequest(opts, **kwargs))
+        return retrofit_qknorm(QKNormRequest(**opts, **kwargs))
     from attnkit.commands.retrofit.qkclip import QKClipRequest, retrofit_qkclip
 
-    return retrofit_qkclip(QKClipRequest(opts, **kwargs))
+    return retrofit_qkclip(QKClipRequest(**opts, **kwargs))
 
 
 def _score(source, folder: Path, wins) -> dict:
@@ -98,12 +96,13 @@ def main() -> None:
     parser.add_argument("--write", default=None, help="Markdown file whose '## retrofit' section is rewritten.")
     args = parser.parse_args()
     args.only = set(args.only.split(","))
-    from attnkit.commands.retrofit.common import load, windows
+    from attnkit.commands.retrofit.common import load
+    from attnkit.runtime.texts import make_windows, read_texts
     from tests.realmodel import smollm2_folder
 
     src = str(smollm2_folder())
     source = load(src, "cpu")
-    wins = windows(source, [str(PROSE / "heldout.txt")], args.seq_len, args.eval_tokens)
+    wins = make_windows(source.tokenizer, read_texts([str(PROSE / "heldout.txt")]), args.seq_len, args.eval_tokens)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n, (kind, label, kwargs) in enumerate(_variants(args)):
