@@ -37,6 +37,8 @@ WINDOWS = {4096: 4, 8192: 2}
 PASSKEY = "1k,2k,4k,8k"
 VARIANTS = ("repeat", "distractors")
 DEPTHS, TRIALS = 3, 2
+#: Calibration on 2048-token windows of the healing text (8,192 tokens): what a long calibration changes.
+LONG_CALIB = "--calib {work}/heal.jsonl --calib-seq-len 2048 --calib-tokens 8192"
 HEAL = "--max-time 30m --seq-len 2048 --batch-size 4 --micro-batch-size 1 --val-tokens 4096 --retrieval-mix 0.25"
 #: name -> attnkit command line after "attnkit" ({src} {out} {work}), in the order they are written; the source
 #: itself is scored as "source".
@@ -46,6 +48,9 @@ MODELS = {
     "mla-50": "convert mla {src} {out} --kv-budget 0.5 " + CALIB,
     "mla-25": "convert mla {src} {out} --kv-budget 0.25 " + CALIB,
     "qknorm": "retrofit qknorm {src} {out} " + CALIB,
+    "mla-50-calib-2048": "convert mla {src} {out} --kv-budget 0.5 " + LONG_CALIB,
+    "mqa-merge-calib-2048": "convert mqa {src} {out} --method merge " + LONG_CALIB,
+    "mqa-merge-calib-512x16": "convert mqa {src} {out} --method merge --calib {work}/heal.jsonl --calib-tokens 8192",
     "mla-50-healed": "heal {work}/mla-50 {out} --teacher {src} --data {work}/heal.jsonl " + HEAL,
     "mqa-merge-healed": "heal {work}/mqa-merge {out} --teacher {src} --data {work}/heal.jsonl " + HEAL,
 }

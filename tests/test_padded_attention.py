@@ -53,3 +53,24 @@ def test_other_layouts_keep_sdpa():
     use_padded_sdpa(model)
     assert not narrow_values(model.config)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_streamed_mla_model_runs_padded_and_matches_a_full_load(tmp_path):
+    """Layer streaming (eval/probe --layer-stream, calibration) builds its own model: it gets the kernel too."""
+    import transformers as tf
+
+    from attnkit.runtime import load_model
+    from attnkit.runtime.streaming import load_streaming
+    from tests.tiny import MLA, SMALL, save_model
+
+    config = tf.DeepseekV3Config(**SMALL, **MLA, q_lora_rank=24, n_group=1, topk_group=1, first_k_dense_replace=2)
+    torch.manual_seed(0)
+    folder = save_model(tf.DeepseekV3ForCausalLM(config).eval(), tmp_path / "mla")  # dense layers only: streamable
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    streamed = load_streaming(str(folder), "cpu")
+    full = load_model(str(folder), device="cpu", dtype="float32")
+    assert streamed.model.config._attn_implementation == NAME == full.model.config._attn_implementation
+    with torch.no_grad():
+        got = streamed.model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        want = full.model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

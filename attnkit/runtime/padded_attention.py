@@ -30,12 +30,13 @@ def narrow_values(config) -> bool:
     return bool(v and qk and v < qk)
 
 
-def use_padded_sdpa(model) -> None:
-    """Run `model`'s attention through padded_sdpa where it would take sdpa's math path: CPU, sdpa, narrow values."""
+def use_padded_sdpa(model, device=None) -> None:
+    """Run `model`'s attention through padded_sdpa where it would take sdpa's math path: CPU, sdpa, narrow values.
+    `device`: where it runs, when its parameters do not say (a model whose layers are on the meta device)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if model.config._attn_implementation != "sdpa" or not narrow_values(model.config) or model.device.type != "cpu":
+    if model.config._attn_implementation != "sdpa" or not narrow_values(model.config) or (device or model.device).type != "cpu":
         return
     AttentionInterface.register(NAME, padded_sdpa)
     AttentionMaskInterface.register(NAME, sdpa_mask)
