@@ -21,6 +21,7 @@ import json
 import re
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -37,7 +38,9 @@ WINDOWS = {4096: 4, 8192: 2}
 PASSKEY = "1k,2k,4k,8k"
 VARIANTS = ("repeat", "distractors")
 DEPTHS, TRIALS = 3, 2
-#: Calibration on 2048-token windows of the healing text (8,192 tokens): what a long calibration changes.
+#: Calibration on 2048-token windows of the healing text (8,192 tokens): what a long calibration changes;
+#: the "512x16" rows are the same tokens in 512-token windows, "code" the long windows of Python source,
+#: "1x2048" the default calibration text's first 2048 tokens as one window, "512x4" 2048 tokens of the healing text.
 LONG_CALIB = "--calib {work}/heal.jsonl --calib-seq-len 2048 --calib-tokens 8192"
 HEAL = "--max-time 30m --seq-len 2048 --batch-size 4 --micro-batch-size 1 --val-tokens 4096 --retrieval-mix 0.25"
 #: name -> attnkit command line after "attnkit" ({src} {out} {work}), in the order they are written; the source
@@ -49,6 +52,11 @@ MODELS = {
     "mla-25": "convert mla {src} {out} --kv-budget 0.25 " + CALIB,
     "qknorm": "retrofit qknorm {src} {out} " + CALIB,
     "mla-50-calib-2048": "convert mla {src} {out} --kv-budget 0.5 " + LONG_CALIB,
+    "mla-50-calib-1x2048": "convert mla {src} {out} --kv-budget 0.5 --calib-seq-len 2048 " + CALIB,
+    "mla-50-calib-512x4": "convert mla {src} {out} --kv-budget 0.5 --calib {work}/heal.jsonl --calib-tokens 2048",
+    "mla-50-calib-512x16": "convert mla {src} {out} --kv-budget 0.5 --calib {work}/heal.jsonl --calib-tokens 8192",
+    "mla-50-calib-2048-code": "convert mla {src} {out} --kv-budget 0.5 --calib {work}/code.txt --calib-seq-len 2048 "
+    "--calib-tokens 8192",
     "mqa-merge-calib-2048": "convert mqa {src} {out} --method merge " + LONG_CALIB,
     "mqa-merge-calib-512x16": "convert mqa {src} {out} --method merge --calib {work}/heal.jsonl --calib-tokens 8192",
     "mla-50-healed": "heal {work}/mla-50 {out} --teacher {src} --data {work}/heal.jsonl " + HEAL,
@@ -57,7 +65,8 @@ MODELS = {
 
 
 def prepare(work: Path) -> dict:
-    """The two held-out texts and the healing data; returns {text name: path}."""
+    """The two held-out texts, the healing data and a calibration text of another kind (Python source: the
+    standard library's argparse.py); returns {held-out text name: path}."""
     import eval_texts
     import local_tasks
     from wiki_corpus import wiki_corpus
@@ -70,6 +79,8 @@ def prepare(work: Path) -> dict:
         (work / "heal.jsonl").write_text("\n".join(lines[: -local_tasks.HELD_OUT]) + "\n")
     if not texts["technical"].is_file():
         eval_texts.main(work)
+    if not (work / "code.txt").is_file():
+        (work / "code.txt").write_text((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text())
     return texts
 
 

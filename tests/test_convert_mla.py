@@ -347,3 +347,22 @@ def test_converted_layers_wait_on_disk_and_leave_nothing_behind(runner, tmp_path
     names = {name for tensors in taken for name in tensors}
     assert {f"model.layers.{i}.self_attn.kv_b_proj.weight" for i in range(2)} <= names
     assert leftovers(tmp_path, "out", "src") == ([] if fail else ["out"])
+
+
+def test_calibration_shorter_than_the_mla_default_is_warned_about(runner, tmp_path):
+    """convert mla asks for MLA_CALIB_TOKENS calibration tokens by default (fewer lost pass-key retrieval);
+    a text that gives fewer says so in the report and the manifest."""
+    from attnkit.commands.convert.mla import few_calibration_tokens
+    from attnkit.commands.convert.mla_request import MLARequest
+    from attnkit.commands.rewrite import MLA_CALIB_TOKENS, RewriteRequest
+
+    assert MLARequest(model="m", out=tmp_path).calib_tokens == MLA_CALIB_TOKENS == 8192
+    assert RewriteRequest(model="m", out=tmp_path).calib_tokens == 2048  # the other rewrites keep theirs
+    assert few_calibration_tokens(MLA_CALIB_TOKENS) == [] and few_calibration_tokens(MLA_CALIB_TOKENS - 1)
+    src = tiny_source(tmp_path, "llama_gqa")
+    out = tmp_path / "out"
+    result = _convert(runner, src, out, "--kv-budget", "0.5", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    warnings = json.loads(result.stdout)["warnings"]
+    assert any("calibrated on 512 tokens" in w for w in warnings)
+    assert json.loads((out / "attnkit.json").read_text())["warnings"] == warnings

@@ -6,7 +6,8 @@ import typer
 
 from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, log_sink, print_notes
 from attnkit.cli.output import Column, eval_caption, render, render_rewrite_scores
-from attnkit.cli.shared import CALIB, CAPABILITY, DEVICE, EVAL, SAMPLES, request_fields, writes
+from attnkit.cli.shared import CALIB, CAPABILITY, DEVICE, EVAL, SAMPLES, calib_group, request_fields, writes
+from attnkit.commands.rewrite import MLA_CALIB_TOKENS
 from attnkit.units import human_bytes
 
 app = typer.Typer(name="convert", help="Rewrite a checkpoint into another attention variant.", no_args_is_help=True)
@@ -137,7 +138,7 @@ def mqa(
     ),
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY)
+@writes(DEVICE, calib_group(MLA_CALIB_TOKENS), EVAL, SAMPLES, CAPABILITY)
 def mla(
     kv_lora_rank: int = typer.Option(
         None, "--kv-lora-rank", "-R", help="R: latent values cached per token and layer (one is the norm constant)."

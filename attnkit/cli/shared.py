@@ -33,11 +33,21 @@ OUTPUT = {
     "dry_run": (bool, typer.Option(False, "--dry-run", help="Check everything and print the plan; write nothing.")),
 }
 DEVICE = {"device": (str, DEVICE_OPTION)}
-CALIB = {
-    "calib": (List[str], typer.Option([], "--calib", help="Calibration text file(s) (.txt, .jsonl).")),
-    "calib_tokens": (int, typer.Option(2048, "--calib-tokens", min=2, help="Calibration tokens (whole windows).")),
-    "calib_seq_len": (int, typer.Option(512, "--calib-seq-len", min=2, help="Tokens per calibration window.")),
-}
+
+
+def calib_group(tokens: int = 2048) -> dict:
+    """The calibration options, `tokens` the default of --calib-tokens (convert mla asks for more)."""
+    return {
+        "calib": (List[str], typer.Option([], "--calib", help="Calibration text file(s) (.txt, .jsonl).")),
+        "calib_tokens": (
+            int,
+            typer.Option(tokens, "--calib-tokens", min=2, help="Calibration tokens (whole windows, at most)."),
+        ),
+        "calib_seq_len": (int, typer.Option(512, "--calib-seq-len", min=2, help="Tokens per calibration window.")),
+    }
+
+
+CALIB = calib_group()
 EVAL = {
     "eval_files": (
         List[str],

@@ -15,6 +15,9 @@ from attnkit.scoring.capability import check_capability
 from attnkit.scoring.options import EvalOptions, check_eval_options
 from attnkit.units import MAX_TOKENS, check_bounds
 
+#: convert mla's default calibration tokens: at 2048 (every other rewrite's default) its results kept less pass-key
+#: retrieval (docs/convert-mla.md, "## Long context").
+MLA_CALIB_TOKENS = 8192
 #: The flags that set calib_seq_len and calib_tokens, for the messages.
 CALIB_FLAGS = ("--calib-seq-len", "--calib-tokens")
 

@@ -8,7 +8,6 @@ import sys
 from collections.abc import Callable, Iterator
 
 from attnkit.errors import AttnkitError
-from attnkit.runtime.padded_attention import NAME
 
 PROBE = "attnkit_probe"  # wraps sdpa, gets sdpa's boolean masks
 PROBE_EAGER = "attnkit_probe_eager"  # wraps the model's own eager function, gets additive float masks
@@ -61,7 +60,7 @@ def _register() -> None:
 def attention_hook(model, callback: Callable) -> Iterator[None]:
     """Within the block, every attention call of `model` also calls callback(module, query, key, mask, kwargs)."""
     base = model.config._attn_implementation
-    name = {"sdpa": PROBE, NAME: PROBE, "eager": PROBE_EAGER, "attnkit_softcap": PROBE_SOFTCAP}.get(base)
+    name = {"sdpa": PROBE, "eager": PROBE_EAGER, "attnkit_softcap": PROBE_SOFTCAP}.get(base)
     if name is None:
         raise AttnkitError(f"attention implementation {base!r} cannot be probed; load the model with sdpa or eager")
     _register()

@@ -162,7 +162,6 @@ def load_model(
 
     from attnkit.io.finite import is_finite
     from attnkit.runtime.capped_attention import apply_softcaps
-    from attnkit.runtime.padded_attention import use_padded_sdpa
 
     hf_logging.disable_progress_bar()
     dev = resolve_device(device)
@@ -195,7 +194,6 @@ def load_model(
     tokenizer = load_tokenizer(ckpt.root)
     model.eval()
     apply_softcaps(model)  # config soft-caps that stock transformers ignores for this family
-    use_padded_sdpa(model)  # MLA layouts: the flash kernel instead of [T, T] weights per layer
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

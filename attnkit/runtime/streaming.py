@@ -52,7 +52,6 @@ def build_streamed(ref, device: str = "auto", dtype=None, hidden_only: bool = Fa
     from attnkit.io.reader import LazyReader
     from attnkit.runtime.capped_attention import apply_softcaps
     from attnkit.runtime.loader import LoadedModel, load_tokenizer, resolve_device, run_source
-    from attnkit.runtime.padded_attention import use_padded_sdpa
     from attnkit.runtime.sliced_linear import SlicedLinear, slice_linears
 
     dtype = dtype or torch.float32
@@ -99,7 +98,6 @@ def build_streamed(ref, device: str = "auto", dtype=None, hidden_only: bool = Fa
     src.check_finite()
     model.eval()
     apply_softcaps(model)
-    use_padded_sdpa(model, dev)  # as load_model does
     loaded = LoadedModel(model=model, tokenizer=load_tokenizer(ckpt.root), checkpoint=ckpt, device=dev, dtype=dtype)
     return loaded, files, layers
 

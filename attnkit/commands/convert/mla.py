@@ -33,7 +33,7 @@ from attnkit.commands.convert.mla_report import kv_bytes, notes, parameters
 from attnkit.commands.convert.mla_request import MLARequest, MLASource, check_request
 from attnkit.commands.convert.mla_target import expected_shapes, target_attention_names, target_config
 from attnkit.commands.report_head import report_head, timed
-from attnkit.commands.rewrite import calib_info, calib_windows
+from attnkit.commands.rewrite import MLA_CALIB_TOKENS, calib_info, calib_windows
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError
 from attnkit.io.reader import LazyReader
@@ -77,6 +77,7 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
     def weights(writer) -> dict:
         with LayerSpill(req.out) as spill:  # converted layers wait on disk, not in the writer's shard buffer
             report["layers"], report["calibration"] = _calibrate_and_convert(req, src, config, spill, expected)
+            report["warnings"] += few_calibration_tokens(report["calibration"]["tokens"])
             for layer in range(src.spec.num_layers):
                 for name, t in spill.take(layer).items():
                     writer.add(name, t)
@@ -104,6 +105,16 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
         score=score if req.scoring else None,
     )
     return timed(report, started)
+
+
+def few_calibration_tokens(tokens: int) -> list[str]:
+    """The report's warning when the calibration text gave fewer tokens than MLA_CALIB_TOKENS."""
+    if tokens >= MLA_CALIB_TOKENS:
+        return []
+    return [
+        f"calibrated on {tokens} tokens, fewer than {MLA_CALIB_TOKENS}: results calibrated on less text kept less "
+        'pass-key retrieval at long contexts (docs/convert-mla.md, "## Long context"); give more --calib text'
+    ]
 
 
 def _calibrate_and_convert(req: MLARequest, src: MLASource, config, spill, expected: dict) -> tuple[list, dict]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from attnkit.commands.rewrite import RewriteRequest, check_rewrite
+from attnkit.commands.rewrite import MLA_CALIB_TOKENS, RewriteRequest, check_rewrite
 from attnkit.engines.targets import TARGETS, engine_safe, mla_shapes, needs_q_lora
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.source import Source, open_source
@@ -32,6 +32,7 @@ ATTN_ROLES = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias", "q_nor
 class MLARequest(RewriteRequest):
     """convert mla: the cache budget (R and P, or a fraction) and the factorization options."""
 
+    calib_tokens: int = MLA_CALIB_TOKENS
     kv_lora_rank: int | None = None  # R: cached latent values per token per layer (incl. the norm channel)
     rope_dim: int | None = None  # P
     kv_budget: float | None = None  # fraction of the source's KV elements per token
