@@ -40,8 +40,10 @@ VARIANTS = ("repeat", "distractors")
 DEPTHS, TRIALS = 3, 2
 #: Calibration on 2048-token windows of the healing text (8,192 tokens): what a long calibration changes;
 #: the "512x16" rows are the same tokens in 512-token windows, "code" the long windows of Python source,
-#: "1x2048" the default calibration text's first 2048 tokens as one window, "512x4" 2048 tokens of the healing text.
+#: "1x2048" the default calibration text's first 2048 tokens as one window, "512x4" 2048 tokens of the healing text,
+#: "mixed" two windows of prose (prose-2.jsonl) then two of Python source.
 LONG_CALIB = "--calib {work}/heal.jsonl --calib-seq-len 2048 --calib-tokens 8192"
+PROSE_CHARS = 10_000
 HEAL = "--max-time 30m --seq-len 2048 --batch-size 4 --micro-batch-size 1 --val-tokens 4096 --retrieval-mix 0.25"
 #: name -> attnkit command line after "attnkit" ({src} {out} {work}), in the order they are written; the source
 #: itself is scored as "source".
@@ -57,6 +59,9 @@ MODELS = {
     "mla-50-calib-512x16": "convert mla {src} {out} --kv-budget 0.5 --calib {work}/heal.jsonl --calib-tokens 8192",
     "mla-50-calib-2048-code": "convert mla {src} {out} --kv-budget 0.5 --calib {work}/code.txt --calib-seq-len 2048 "
     "--calib-tokens 8192",
+    "mla-25-calib-2048": "convert mla {src} {out} --kv-budget 0.25 " + LONG_CALIB,
+    "mla-50-calib-mixed": "convert mla {src} {out} --kv-budget 0.5 --calib {work}/prose-2.jsonl --calib {work}/code.txt "
+    "--calib-seq-len 2048 --calib-tokens 8192",
     "mqa-merge-calib-2048": "convert mqa {src} {out} --method merge " + LONG_CALIB,
     "mqa-merge-calib-512x16": "convert mqa {src} {out} --method merge --calib {work}/heal.jsonl --calib-tokens 8192",
     "mla-50-healed": "heal {work}/mla-50 {out} --teacher {src} --data {work}/heal.jsonl " + HEAL,
@@ -65,8 +70,9 @@ MODELS = {
 
 
 def prepare(work: Path) -> dict:
-    """The two held-out texts, the healing data and a calibration text of another kind (Python source: the
-    standard library's argparse.py); returns {held-out text name: path}."""
+    """The two held-out texts, the healing data, a calibration text of another kind (Python source: the
+    standard library's argparse.py) and prose-2.jsonl (the first two healing articles of over PROSE_CHARS
+    characters, cut there: about two 2048-token windows); returns {held-out text name: path}."""
     import eval_texts
     import local_tasks
     from wiki_corpus import wiki_corpus
@@ -81,6 +87,10 @@ def prepare(work: Path) -> dict:
         eval_texts.main(work)
     if not (work / "code.txt").is_file():
         (work / "code.txt").write_text((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text())
+    if not (work / "prose-2.jsonl").is_file():
+        long = [json.loads(line)["text"] for line in lines[: -local_tasks.HELD_OUT]]
+        cut = [json.dumps({"text": text[:PROSE_CHARS]}) for text in long if len(text) > PROSE_CHARS][:2]
+        (work / "prose-2.jsonl").write_text("\n".join(cut) + "\n")
     return texts
 
 

@@ -639,28 +639,23 @@ def test_latent_rows_behind_a_large_norm_train_at_a_scaled_rate():
     assert param_groups([(peft_name, trainable[0][1])], lr_scales(model))[0]["lr_scale"] == pytest.approx(1 / 256)
 
 
-def test_the_default_learning_rate_is_lower_for_mla_students(runner, pair, tmp_path):
+@pytest.fixture(scope="module")
+def mla_student(pair, tmp_path_factory):
+    """The pair's teacher through `convert mla --kv-budget 0.5` (queries and keys wider than the values)."""
+    from typer.testing import CliRunner
+
+    teacher, _, data = pair
+    mla = tmp_path_factory.mktemp("heal-mla") / "mla"
+    args = ["--kv-budget", "0.5", "--calib", str(data), "--calib-tokens", "256", "--calib-seq-len", "64"]
+    result = CliRunner().invoke(app, ["convert", "mla", str(teacher), str(mla), *args])
+    assert result.exit_code == 0, result.output
+    return mla
+
+
+def test_the_default_learning_rate_is_lower_for_mla_students(runner, pair, mla_student, tmp_path):
     """No --lr: 3e-4 for the MQA student, 1e-4 for an MLA student (kv_lora_rank in its config); --lr wins."""
     teacher, student, data = pair
-    mla = tmp_path / "mla"
-    result = runner.invoke(
-        app,
-        [
-            "convert",
-            "mla",
-            str(teacher),
-            str(mla),
-            "--kv-budget",
-            "0.5",
-            "--calib",
-            str(data),
-            "--calib-tokens",
-            "256",
-            "--calib-seq-len",
-            "64",
-        ],
-    )
-    assert result.exit_code == 0, result.output
+    mla = mla_student
 
     def planned_lr(folder: Path, *extra: str) -> float:
         done = runner.invoke(
@@ -692,12 +687,57 @@ def test_dry_run_prints_a_memory_plan(runner, pair, tmp_path):
     assert result.exit_code == 0, result.output
     memory = json.loads(result.stdout)["memory"]
     items = memory["items"]
-    assert set(items) == {"teacher", "student", "gradients", "optimizer", "activations", "logits", "runtime"}
+    assert set(items) == {
+        "teacher", "student", "gradients", "optimizer", "activations", "attention", "logits", "runtime"
+    }  # fmt: skip
     assert memory["total"] == sum(items.values()) and memory["fits"] and memory["device"] == "cpu"
     assert items["optimizer"] == 2 * items["gradients"] > 0  # AdamW's two moments of the trained values
     assert items["teacher"] == 4 * sum(p.numel() for p in build_model("llama_gqa").parameters())
     table = runner.invoke(app, ["heal", str(pair[1]), str(tmp_path / "o"), "--teacher", str(pair[0]), "--dry-run"])
     assert "memory: total on cpu" in table.stdout
+
+
+def test_the_plan_counts_attention_probabilities_where_torch_takes_the_math_path(runner, pair, mla_student, tmp_path):
+    from torch.nn.attention import SDPBackend
+
+    from attnkit.archs.spec import attention_spec
+
+    def memory(folder: Path, *extra: str) -> dict:
+        args = ["--teacher", str(pair[0]), "--data", str(pair[2]), "--seq-len", "64", "--val-tokens", "64"]
+        done = runner.invoke(app, ["heal", str(folder), str(tmp_path / "o"), *args, "--dry-run", "-f", "json", *extra])
+        assert done.exit_code == 0, done.output
+        return json.loads(done.stdout)["memory"]
+
+    mqa, mla = memory(pair[1]), memory(mla_student)
+    assert mqa["items"]["attention"] == 0 and mqa["attention_kernel"] == "fused"
+    assert mla["items"]["attention"] > 0 and mla["attention_kernel"].startswith("math: query/key width")
+    assert memory(mla_student, "--gradient-checkpointing")["items"]["attention"] < mla["items"]["attention"]
+    # the premise, asked of torch: its CPU kernel choice for the student's widths and for equal ones
+    spec = attention_spec(json.loads((mla_student / "config.json").read_text()))
+    q, v = torch.zeros(1, spec.num_heads, 8, spec.head_dim), torch.zeros(1, spec.num_heads, 8, spec.v_head_dim)
+    assert torch._fused_sdp_choice(q, q, v, is_causal=True) == SDPBackend.MATH.value
+    assert torch._fused_sdp_choice(q, q, q, is_causal=True) != SDPBackend.MATH.value
+
+
+def test_unfused_attention_keeps_heads_x_window_squared_per_layer_and_checkpointing_keeps_one_layer():
+    import dataclasses
+
+    from attnkit.commands.heal.memory import BYTES, SCORE_BUFFERS, Shapes, keeps_scores, plan
+
+    mla = Shapes(
+        10_000, 9_000, [(64, 32)], layers=3, hidden=32, intermediate=64, vocab=100, heads=4, unfused="96 != 64"
+    )
+    fused = dataclasses.replace(mla, unfused="")
+    assert keeps_scores(mla, "cpu") and not keeps_scores(mla, "cuda") and not keeps_scores(fused, "cpu")
+    assert keeps_scores(dataclasses.replace(fused, eager=True), "cuda")  # soft-capped: eager math everywhere
+
+    def attention(seq_len: int, checkpointing: bool = False, scores: bool = True) -> int:
+        return plan(mla, 2, seq_len, 0, checkpointing, scores=scores)["items"]["attention"]
+
+    assert attention(16) == (3 + SCORE_BUFFERS) * 2 * 4 * 16 * 16 * BYTES  # layers kept + buffers in flight
+    assert attention(16, checkpointing=True) == (1 + SCORE_BUFFERS) * 2 * 4 * 16 * 16 * BYTES
+    assert attention(32) == 4 * attention(16)  # quadratic in the window
+    assert attention(16, scores=False) == 0
 
 
 def test_a_plan_that_cannot_fit_is_refused_before_loading_naming_what_would_fit(runner, pair, tmp_path, monkeypatch):

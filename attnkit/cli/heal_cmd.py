@@ -176,6 +176,7 @@ def register(app: typer.Typer) -> None:
             memory = report["memory"]
             plan.update({f"memory: {k}": human_bytes(v) for k, v in memory["items"].items()})
             plan[f"memory: total on {memory['device']}"] = human_bytes(memory["total"])
+            plan["memory: attention kernel"] = memory["attention_kernel"]
             plan["memory: free"] = "-" if memory["available"] is None else human_bytes(memory["available"])
             render(
                 [{"setting": k, "value": v} for k, v in plan.items()],

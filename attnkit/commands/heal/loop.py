@@ -364,7 +364,7 @@ class Trainer:
         else:
             sums = evaluate_shard(self.inner_model(), self.teacher, self.val_windows[share], acc.device)
         if self.sharded:  # every process runs as many forward passes as the one with the most windows
-            per_pass = 1 if self.targets is not None else VAL_BATCH
+            per_pass = 1 if self.targets is not None else val_batch(self.val_windows.shape[1])
             most = -(-self.val_windows.shape[0] // acc.num_processes)
             mine = self.val_windows[share].shape[0]
             self._idle_forwards(-(-most // per_pass) - -(-mine // per_pass))
@@ -416,8 +416,14 @@ def evaluate_shard_topk(model, windows, targets, device):
     return sums
 
 
-#: Validation windows per forward pass with the teacher beside the student.
-VAL_BATCH = 4
+#: Validation tokens per forward pass with the teacher beside the student (4 windows of 256; one long window).
+VAL_PASS_TOKENS = 1024
+
+
+def val_batch(seq_len: int) -> int:
+    """Validation windows per forward pass: long windows go one at a time (an unfused attention holds
+    windows x heads x T^2 probabilities)."""
+    return max(1, VAL_PASS_TOKENS // seq_len)
 
 
 def evaluate_shard(model, teacher, windows, device):
@@ -429,7 +435,7 @@ def evaluate_shard(model, teacher, windows, device):
     was_training = model.training
     model.eval()
     try:
-        r = evaluate(model, windows, reference=teacher, batch_size=VAL_BATCH)
+        r = evaluate(model, windows, reference=teacher, batch_size=val_batch(windows.shape[1]))
     finally:
         model.train(was_training)
     return torch.tensor([r.nll_mean * r.tokens, r.kl_mean * r.tokens, r.tokens], dtype=torch.float64, device=device)

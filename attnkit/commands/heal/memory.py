@@ -6,7 +6,10 @@ AdamW's two moments; per micro-batch the student's activations kept for the back
 layer ~ 6 h + 4 i values with SDPA attention: the norms' inputs and outputs, the rotated query, the attention
 output, the MLP's four intermediates; with gradient checkpointing only each layer's input, plus one layer's
 activations while it is recomputed) and the logits (student, teacher and the log-softmax buffers: 3 x
-vocabulary values per token); and RUNTIME for the interpreter, torch and the data. With `--teacher-logits top-k`
+vocabulary values per token); and RUNTIME for the interpreter, torch and the data. Where the student's attention
+kernel is not fused (see `keeps_scores`) every layer also keeps its attention probabilities, heads x T^2 values
+per window, plus SCORE_BUFFERS more of them in flight in the layer being computed: the term that grows fastest
+with the window. With `--teacher-logits top-k`
 the teacher is not in memory while the student trains (its targets are computed first, then it is freed): the
 peak is the larger of training without the teacher (logits: 2 x vocabulary values per token) and the teacher's
 pass (its weights and 2 x vocabulary values per token). Estimates; docs/heal.md compares them with measured peaks.
@@ -26,6 +29,9 @@ HEADROOM = 0.9
 #: The interpreter, torch, transformers, the tokenized data and allocator slack (torch and transformers alone:
 #: ~170 MiB anonymous memory on CPU).
 RUNTIME = 512 << 20
+#: Attention-probability-sized buffers in flight beside the kept ones in the layer running (scores, the mask made
+#: additive, the softmax output and their gradients), where the kernel is not fused.
+SCORE_BUFFERS = 3
 #: LoRA rank the refusal suggests.
 SUGGESTED_LORA = 16
 
@@ -41,6 +47,27 @@ class Shapes:
     hidden: int
     intermediate: int
     vocab: int
+    heads: int = 1
+    unfused: str = ""  # why the student's attention cannot take a fused kernel on CPU ("" where it can)
+    eager: bool = False  # soft-capped: eager math on every device
+
+
+def keeps_scores(s: Shapes, device_type: str) -> bool:
+    """Whether the student's attention materializes its probabilities [B, H, T, T] (and keeps them for the
+    backward pass): eager attention (soft-capped models), or torch's CPU SDPA, whose fused kernel wants the same
+    width for queries, keys and values (MLA's values are narrower: the math path). CUDA's memory-efficient
+    kernel takes narrower values."""
+    return s.eager or (device_type == "cpu" and bool(s.unfused))
+
+
+def _attention_layout(spec) -> dict:
+    """Shapes' attention fields from the student's AttentionSpec (None: a family outside the registry)."""
+    if spec is None:
+        return {}
+    unfused = (
+        f"query/key width {spec.head_dim} != value width {spec.v_head_dim}" if spec.head_dim != spec.v_head_dim else ""
+    )
+    return {"heads": spec.num_heads, "unfused": unfused, "eager": spec.attn_softcap is not None}
 
 
 def shapes_of(pair, trained: list[str]) -> Shapes:
@@ -63,6 +90,7 @@ def shapes_of(pair, trained: list[str]) -> Shapes:
         hidden=int(c.get("hidden_size", 1)),
         intermediate=int(c.get("intermediate_size") or 4 * c.get("hidden_size", 1)),
         vocab=int(c.get("vocab_size", 1)),
+        **_attention_layout(pair.student.spec),
     )
 
 
@@ -82,10 +110,12 @@ def plan(
     copies: int = 1,
     live_teacher: bool = True,
     shards: int = 1,
+    scores: bool = False,
 ) -> dict:
     """{item: bytes} and the total, for `copies` processes sharing the device's memory (one per GPU; on a CPU
     every process of the run); `live_teacher` False: --teacher-logits top-k; `shards`: --fsdp's processes (each
-    holds 1/shards of the student, its gradients and optimizer state, plus one layer gathered whole)."""
+    holds 1/shards of the student, its gradients and optimizer state, plus one layer gathered whole); `scores`:
+    the attention keeps its probabilities (keeps_scores)."""
     if lora_rank:  # adapters on the 2-D weights (rank x (in + out)), the rest trains directly
         trained = sum(lora_rank * (s_[0] + s_[1]) if len(s_) == 2 else _numel(s_) for s_ in s.trainable)
     else:
@@ -96,6 +126,8 @@ def plan(
         activations = s.layers * s.hidden * tokens + per_layer
     else:
         activations = s.layers * per_layer
+    kept_layers = 1 if checkpointing else s.layers  # layers whose probabilities wait for the backward pass
+    attention = (kept_layers + SCORE_BUFFERS) * micro_batch * s.heads * seq_len * seq_len if scores else 0
     items = {
         "teacher": s.teacher_params if live_teacher else 0,
         "student": (s.student_params + (trained if lora_rank else 0)) // shards
@@ -103,6 +135,7 @@ def plan(
         "gradients": trained // shards,
         "optimizer": 2 * trained // shards,
         "activations": activations,
+        "attention": attention,
         "logits": (3 if live_teacher else 2) * tokens * s.vocab,
     }
     items = {k: v * BYTES * copies for k, v in items.items()} | {"runtime": RUNTIME * copies}
@@ -116,7 +149,10 @@ def memory_report(s: Shapes, req, device) -> dict:
     """The plan for the request on `device`: items, total, what is free, whether it fits, and what would fit."""
     copies = processes() if device.type == "cpu" else 1
     live, shards = req.teacher_logits == "live", processes() if req.fsdp else 1
-    chosen = plan(s, req.micro_batch_size, req.seq_len, req.lora_rank, req.gradient_checkpointing, copies, live, shards)
+    scores = keeps_scores(s, device.type)
+    chosen = plan(
+        s, req.micro_batch_size, req.seq_len, req.lora_rank, req.gradient_checkpointing, copies, live, shards, scores
+    )
     free = free_memory(device)
     fits = free is None or chosen["total"] <= HEADROOM * free
     return {
@@ -124,11 +160,18 @@ def memory_report(s: Shapes, req, device) -> dict:
         **chosen,
         "available": free,
         "fits": fits,
-        "fitting_options": [] if fits else _fitting(s, req, HEADROOM * free, copies, shards),
+        "fitting_options": [] if fits else _fitting(s, req, HEADROOM * free, copies, shards, scores),
+        "attention_kernel": _kernel(s, scores),
     }
 
 
-def _fitting(s: Shapes, req, budget: float, copies: int, shards: int) -> list[dict]:
+def _kernel(s: Shapes, scores: bool) -> str:
+    if not scores:
+        return "fused"
+    return "eager (soft-capped)" if s.eager else f"math: {s.unfused}"
+
+
+def _fitting(s: Shapes, req, budget: float, copies: int, shards: int, scores: bool) -> list[dict]:
     """The smallest changes of the request that fit `budget`, each with its total: one option, then pairs."""
     choices = []
     if req.micro_batch_size > 1:
@@ -160,6 +203,7 @@ def _fitting(s: Shapes, req, budget: float, copies: int, shards: int) -> list[di
                 copies,
                 settings["live"],
                 shards,
+                scores,
             )
             if total["total"] <= budget:
                 found.append({"options": " ".join(name for name, _ in combo), "total": total["total"]})
