@@ -719,6 +719,45 @@ def test_the_plan_counts_attention_probabilities_where_torch_takes_the_math_path
     assert torch._fused_sdp_choice(q, q, q, is_causal=True) != SDPBackend.MATH.value
 
 
+def _saved_on_cpu(folder: Path, seq_len: int) -> int:
+    """Bytes of the distinct non-parameter storages layer 0 of `folder`'s model saves for backward on a real
+    [1, seq_len] window on the CPU (random input)."""
+    from attnkit.runtime import load_model
+
+    model = load_model(str(folder), device="cpu", dtype="float32").model
+    model.train()
+    layer, rotary = model.model.layers[0], model.model.rotary_emb
+    params = {p.untyped_storage()._cdata for p in layer.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage()._cdata not in params:
+            saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(1, seq_len, model.config.hidden_size, requires_grad=True)
+    positions = torch.arange(seq_len)[None]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, attention_mask=None, position_ids=positions, position_embeddings=rotary(x, positions))
+    return sum(saved.values())
+
+
+def test_the_meta_count_of_saved_activations_matches_a_real_layer(pair, mla_student):
+    from attnkit.commands.heal.activations import per_token
+
+    def config(folder: Path) -> dict:
+        return json.loads((folder / "config.json").read_text())
+
+    # MLA: the CPU takes the math path, as the meta device does: the count is exact, plus heads x T^2 probabilities
+    spec_heads = config(mla_student)["num_attention_heads"]
+    for t in (32, 96):
+        assert _saved_on_cpu(mla_student, t) == per_token(config(mla_student)) * t + 4 * spec_heads * t * t
+    # equal widths: the CPU's fused kernel keeps less than the meta device's math path; the count errs high
+    real, counted = _saved_on_cpu(pair[1], 64) / 64, per_token(config(pair[1]))
+    assert real <= counted <= 1.25 * real
+    assert per_token({"model_type": "no-such-family", "hidden_size": 8}) is None  # the plan estimates instead
+
+
 def test_unfused_attention_keeps_heads_x_window_squared_per_layer_and_checkpointing_keeps_one_layer():
     import dataclasses
 

@@ -2,17 +2,18 @@
 options that would make a plan that does not fit the device fit.
 
 Both models train in fp32 (4 bytes a value): teacher and student weights; the trained values' gradients and
-AdamW's two moments; per micro-batch the student's activations kept for the backward pass (per token and
-layer ~ 6 h + 4 i values with SDPA attention: the norms' inputs and outputs, the rotated query, the attention
-output, the MLP's four intermediates; with gradient checkpointing only each layer's input, plus one layer's
-activations while it is recomputed) and the logits (student, teacher and the log-softmax buffers: 3 x
+AdamW's two moments; per micro-batch the student's activations kept for the backward pass (per token and layer:
+what one layer of the student's own code saves, counted on the meta device by attnkit.commands.heal.activations,
+or where that cannot run an estimate of 6 h + 4 i values: the norms' inputs and outputs, the rotated query, the
+attention output, the MLP's four intermediates; with gradient checkpointing only each layer's input, plus one
+layer's activations while it is recomputed) and the logits (student, teacher and the log-softmax buffers: 3 x
 vocabulary values per token); and RUNTIME for the interpreter, torch and the data. Where the student's attention
 kernel is not fused (see `keeps_scores`) every layer also keeps its attention probabilities, heads x T^2 values
 per window, plus SCORE_BUFFERS more of them in flight in the layer being computed: the term that grows fastest
-with the window. With `--teacher-logits top-k`
-the teacher is not in memory while the student trains (its targets are computed first, then it is freed): the
-peak is the larger of training without the teacher (logits: 2 x vocabulary values per token) and the teacher's
-pass (its weights and 2 x vocabulary values per token). Estimates; docs/heal.md compares them with measured peaks.
+with the window. With `--teacher-logits top-k` the teacher is not in memory while the student trains (its
+targets are computed first, then it is freed): the peak is the larger of training without the teacher (logits:
+2 x vocabulary values per token) and the teacher's pass (its weights and 2 x vocabulary values per token).
+Estimates; docs/heal.md compares them with measured peaks.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Shapes:
     heads: int = 1
     unfused: str = ""  # why the student's attention cannot take a fused kernel on CPU ("" where it can)
     eager: bool = False  # soft-capped: eager math on every device
+    saved_per_token: int | None = None  # bytes one layer keeps per token (activations.per_token); None: estimate
 
 
 def keeps_scores(s: Shapes, device_type: str) -> bool:
@@ -72,6 +74,7 @@ def _attention_layout(spec) -> dict:
 
 def shapes_of(pair, trained: list[str]) -> Shapes:
     """Shapes from the checkpoints' headers and the student's config; `trained`: the names that train."""
+    from attnkit.commands.heal.activations import per_token
     from attnkit.io.reader import LazyReader
 
     def params(source) -> tuple[int, dict]:
@@ -91,7 +94,15 @@ def shapes_of(pair, trained: list[str]) -> Shapes:
         intermediate=int(c.get("intermediate_size") or 4 * c.get("hidden_size", 1)),
         vocab=int(c.get("vocab_size", 1)),
         **_attention_layout(pair.student.spec),
+        saved_per_token=per_token(c),
     )
+
+
+def _layer_values(s: Shapes) -> int:
+    """Values one layer keeps per token: counted (saved_per_token) or estimated."""
+    if s.saved_per_token is not None:
+        return -(-s.saved_per_token // BYTES)
+    return 6 * s.hidden + 4 * s.intermediate
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -121,7 +132,7 @@ def plan(
     else:
         trained = sum(_numel(s_) for s_ in s.trainable)
     tokens = micro_batch * seq_len
-    per_layer = (6 * s.hidden + 4 * s.intermediate) * tokens  # values one layer keeps for the backward pass
+    per_layer = _layer_values(s) * tokens  # values one layer keeps for the backward pass
     if checkpointing:
         activations = s.layers * s.hidden * tokens + per_layer
     else:
@@ -162,6 +173,8 @@ def memory_report(s: Shapes, req, device) -> dict:
         "fits": fits,
         "fitting_options": [] if fits else _fitting(s, req, HEADROOM * free, copies, shards, scores),
         "attention_kernel": _kernel(s, scores),
+        "activations_per_token_layer": _layer_values(s) * BYTES,
+        "activations_counted": "estimate" if s.saved_per_token is None else "one layer run on the meta device",
     }
 
 
