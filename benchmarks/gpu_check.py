@@ -145,11 +145,11 @@ def heal(work: Path, model: str, device: str, max_time: str) -> dict:
     }
 
 
-def geometry(work: Path, layers: int, device: str) -> dict:
+def geometry(work: Path, layers: int, device: str, tokenizer: str) -> dict:
     folder = work / f"llama-3.1-8b-{layers}"
     if not (folder / "config.json").is_file():
         cmd = [sys.executable, str(ROOT / "benchmarks/make_geometry.py"), "llama-3.1-8b", str(folder)]
-        subprocess.run([*cmd, "--layers", str(layers), "--dtype", "bf16"], check=True)
+        subprocess.run([*cmd, "--layers", str(layers), "--dtype", "bf16", "--tokenizer", tokenizer], check=True)
     result = {"layers": layers}
     stats = {}
     for mode in ("always", "never"):
@@ -179,7 +179,7 @@ def run(work: Path, model: str, args) -> dict:
         "probe_8k": probe_against_forward(model, args.device, args.seq_len),
         "convert_mla": convert_mla(work, model, args.device),
         "heal_3m": heal(work, model, args.device, args.heal_time),
-        "geometry_8b": geometry(work, args.geometry_layers, args.device),
+        "geometry_8b": geometry(work, args.geometry_layers, args.device, model),
     }
     result["seconds"] = time.perf_counter() - started
     return result

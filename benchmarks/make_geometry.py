@@ -2,11 +2,12 @@
 benchmarks at sizes whose real weights cannot be downloaded here (memory and time depend on shapes, not values).
 
 Usage: python benchmarks/make_geometry.py PRESET OUT [--layers N] [--dtype bf16] [--shard-size 5GB] [--seed 0]
+           [--tokenizer DIR]
   PRESET: an attnkit preset (llama-3.1-8b, qwen2.5-7b, llama-3.1-70b, ...); --layers keeps the first N decoder
   layers (at most the preset's); the names and shapes come from the transformers class built on the meta
   device, so they are the published checkpoint's. Shards of --shard-size (the published ones are ~5 GB) with
   model.safetensors.index.json; weights N(0, 0.02) (norm weights 1), seeded; SmolLM2's tokenizer (its ids are
-  a subset of every preset's vocabulary). OUT must be absent or empty; written into OUT.partial and renamed; the
+  a subset of every preset's vocabulary): the test suite's, or the one in --tokenizer DIR. OUT must be absent or empty; written into OUT.partial and renamed; the
   free disk space is checked before anything is written. Not part of the test suite.
 """
 
@@ -77,7 +78,7 @@ def _random(name: str, shape, dt, g):
     return (torch.randn(shape, generator=g) * 0.02).to(dt)
 
 
-def write(config: dict, out: Path, dtype: str, shard_bytes: int, seed: int) -> int:
+def write(config: dict, out: Path, dtype: str, shard_bytes: int, seed: int, tokenizer_dir: Path | None = None) -> int:
     """Write the checkpoint into OUT (via OUT.partial); returns the bytes of weights written."""
     import torch
     from safetensors.torch import save_file
@@ -117,7 +118,7 @@ def write(config: dict, out: Path, dtype: str, shard_bytes: int, seed: int) -> i
         json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1)
     )
     (partial / "config.json").write_text(json.dumps({**config, "torch_dtype": DTYPES[dtype]}, indent=1))
-    tokenizer = smollm2_folder()
+    tokenizer = tokenizer_dir or smollm2_folder()
     for file in TOKENIZER_FILES:
         if (tokenizer / file).is_file():
             shutil.copy(tokenizer / file, partial / file)
@@ -135,6 +136,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--shard-size", default="5GB")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--tokenizer", type=Path, help="a folder with SmolLM2's tokenizer files (default: the test suite's)"
+    )
     args = ap.parse_args()
     config = geometry_config(args.preset, args.layers)
     if not args.out.parent.is_dir():
@@ -143,7 +147,7 @@ def main() -> None:
         fail(f"{args.out}: exists and is not an empty folder", 1)
     if args.out.is_dir():
         args.out.rmdir()
-    total = write(config, args.out, args.dtype, parse_bytes(args.shard_size, "--shard-size"), args.seed)
+    total = write(config, args.out, args.dtype, parse_bytes(args.shard_size, "--shard-size"), args.seed, args.tokenizer)
     print(f"{args.out}: {config['num_hidden_layers']} layers, {total / 2**30:.2f} GiB of {args.dtype} weights")
 
 

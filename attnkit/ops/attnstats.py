@@ -41,7 +41,7 @@ class Moments:
         """Add x [B, H, N] (float) where `valid` (bool, broadcastable to x; None = all) is True."""
         heads = x.shape[1]
         if valid is None:
-            n = torch.full((heads,), float(x.shape[0] * x.shape[2]), dtype=torch.float64)
+            n = torch.full((heads,), float(x.shape[0] * x.shape[2]), dtype=torch.float64, device=x.device)
             mean = x.sum((0, 2), dtype=torch.float64) / n.clamp_min(1)
             d = x - mean.view(1, heads, 1).to(x.dtype)
             lo, hi = x.amin((0, 2)), x.amax((0, 2))

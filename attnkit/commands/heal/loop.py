@@ -358,11 +358,14 @@ class Trainer:
         st, acc = self.state, self.acc
         began = time.perf_counter()
         share = slice(acc.process_index, None, acc.num_processes)
-        if self.targets is not None:
-            windows, targets = self.val_windows[share], self.targets[1].rows(share)
-            sums = evaluate_shard_topk(self.inner_model(), windows, targets, acc.device)
-        else:
-            sums = evaluate_shard(self.inner_model(), self.teacher, self.val_windows[share], acc.device)
+        # accelerate runs the prepared student's forward under the training's autocast (bf16 on CUDA); the
+        # teacher and the output-head check in scoring run under it too, so both sides compute alike
+        with acc.autocast():
+            if self.targets is not None:
+                windows, targets = self.val_windows[share], self.targets[1].rows(share)
+                sums = evaluate_shard_topk(self.inner_model(), windows, targets, acc.device)
+            else:
+                sums = evaluate_shard(self.inner_model(), self.teacher, self.val_windows[share], acc.device)
         if self.sharded:  # every process runs as many forward passes as the one with the most windows
             per_pass = 1 if self.targets is not None else val_batch(self.val_windows.shape[1])
             most = -(-self.val_windows.shape[0] // acc.num_processes)
