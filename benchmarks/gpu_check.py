@@ -189,6 +189,23 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+#: What the GPU sessions found while the check has not run to its end (no rows yet).
+NOT_COMPLETED = (
+    "Not completed yet. One session had an H200 for 15 minutes (2026-12-04: torch 2.11.0+cu130, transformers "
+    "5.25.0 carried as wheels; a random-weight model of SmolLM2-135M's geometry with its real tokenizer, since "
+    "the real weights could not travel). It found and fixed two CUDA bugs: every probe failed (probe's per-head "
+    "moments counted on the CPU beside CUDA values), and heal's first validation refused the student as 'not a "
+    "plain linear map' (the student's forward ran under accelerate's bf16 autocast, the teacher and the "
+    "output-head check outside it); tests/test_gpu.py then passed 4 of 5. The fifth, and the check's heal step, "
+    "failed in training: with the `kernels` package installed (transformers 5.25 requires it), the Llama "
+    "attention's rotary function is routed to the hub kernel 'kernels-community/rotary' in training mode on CUDA, "
+    "which an offline machine cannot fetch; not fixed (no device time left to test a fix). torch's CUDA kernel "
+    "choice for an MLA student's widths (queries and keys 128, values 64, 2048 tokens): cuDNN attention in bf16, "
+    "memory-efficient attention in fp32, the same as for equal widths (no probabilities kept; heal's memory plan "
+    "counts none there)."
+)
+
+
 def render(r: dict | None) -> str:
     head = [
         "## GPU check",
@@ -199,7 +216,7 @@ def render(r: dict | None) -> str:
         "",
     ]
     if r is None:
-        return "\n".join(head + ["Not run yet: no machine with a GPU has been at hand.", ""])
+        return "\n".join(head + [NOT_COMPLETED, ""])
     p, c, h, g = r["probe_8k"], r["convert_mla"], r["heal_3m"], r["geometry_8b"]
     rows = [
         f"Device: {r['device']}, torch {r['torch']}; whole check {r['seconds']:.0f} s.",
