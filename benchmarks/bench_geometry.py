@@ -14,7 +14,6 @@ writes "## big checkpoints" in docs/benchmarks.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -28,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.docsection import publish  # noqa: E402
+from benchmarks.docsection import publish, run_render_parser  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "geometry.json"
 CALIB = ["--calib", str(ROOT / "tests/data/prose/calib.txt"), "--calib-tokens", "2048", "--calib-seq-len", "512"]
@@ -198,14 +197,8 @@ def render() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--work", type=Path, required=True)
-    r.add_argument("--only", nargs="*", default=[])
+    ap, r = run_render_parser(__doc__.split("\n")[0])
     r.add_argument("--commands", nargs="*", default=[], help="run the COMMANDS whose name contains one of these")
-    d = sub.add_parser("render")
-    d.add_argument("--write", action="store_true")
     args = ap.parse_args()
     if args.cmd == "run":
         args.work.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,6 @@ Usage: python benchmarks/bench_heal_memory.py run --work DIR [--only NAME ...]
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -23,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_geometry import measure  # noqa: E402
-from benchmarks.docsection import publish  # noqa: E402
+from benchmarks.docsection import publish, run_render_parser  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "heal_memory.jsonl"
 CALIB = str(ROOT / "tests/data/prose/calib.txt")
@@ -128,13 +127,7 @@ def render(write: bool) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--work", type=Path, required=True)
-    r.add_argument("--only", nargs="*", default=[])
-    w = sub.add_parser("render")
-    w.add_argument("--write", action="store_true")
+    parser, _ = run_render_parser(__doc__)
     args = parser.parse_args()
     run(args.work, args.only) if args.cmd == "run" else render(args.write)
 

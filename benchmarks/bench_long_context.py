@@ -16,7 +16,6 @@ Usage: python benchmarks/bench_long_context.py run --work DIR [--only NAME ...] 
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import subprocess
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from benchmarks.docsection import publish  # noqa: E402
+from benchmarks.docsection import publish, run_render_parser  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "long_context.jsonl"
 CALIB = "--calib " + str(ROOT / "tests/data/prose/calib.txt")
@@ -260,16 +259,10 @@ def render(write: bool) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--work", type=Path, required=True)
-    r.add_argument("--only", nargs="*", default=[])
+    parser, r = run_render_parser(__doc__)
     r.add_argument("--windows", default=",".join(f"{k}:{v}" for k, v in WINDOWS.items()), help="LENGTH:COUNT,...")
     r.add_argument("--passkey", default=PASSKEY)
     r.add_argument("--trials", type=int, default=TRIALS)
-    w = sub.add_parser("render")
-    w.add_argument("--write", action="store_true")
     args = parser.parse_args()
     if args.cmd == "run":
         windows = dict(tuple(int(x) for x in item.split(":")) for item in args.windows.split(","))

@@ -26,3 +26,17 @@ def publish(section: str, write: bool) -> None:
         replace_section(DOCS, section)
     else:
         print(section)
+
+
+def run_render_parser(description: str):
+    """(parser, its "run" subparser) of a benchmark that runs (--work DIR, --only NAME ...) and renders its section
+    (--write); the caller adds its own run options and dispatches on `cmd`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run")
+    run.add_argument("--work", type=Path, required=True)
+    run.add_argument("--only", nargs="*", default=[])
+    sub.add_parser("render").add_argument("--write", action="store_true")
+    return parser, run
