@@ -65,6 +65,8 @@ MODELS = {
     "mqa-merge-calib-512x16": "convert mqa {src} {out} --method merge --calib {work}/heal.jsonl --calib-tokens 8192",
     "mla-50-healed": "heal {work}/mla-50 {out} --teacher {src} --data {work}/heal.jsonl " + HEAL,
     "mqa-merge-healed": "heal {work}/mqa-merge {out} --teacher {src} --data {work}/heal.jsonl " + HEAL,
+    "mla-50-calib-mixed-healed": "heal {work}/mla-50-calib-mixed {out} --teacher {src} --data {work}/heal.jsonl "
+    + HEAL,
 }
 
 

@@ -143,6 +143,14 @@ def test_load_model_folder_with_tokenizer(tiny):
     assert not loaded.model.training and loaded.checkpoint.kind == "folder"
 
 
+def test_models_load_without_hub_kernels(tiny):
+    """transformers 5 with the `kernels` package kernelizes by default and, in training mode on CUDA, fetches hub
+    kernels (Llama's rotary) that an offline run cannot get: attnkit's models keep transformers' own code."""
+    loaded = load_model(str(char_tokenizer(tiny("llama_gqa"))), device="cpu")
+    loaded.model.train()  # heal's mode: where transformers would re-kernelize for training
+    assert getattr(loaded.model, "use_kernels", False) is False
+
+
 def test_load_model_errors(tiny):
     with pytest.raises(AttnkitError, match="bert is not a causal language model"):
         load_model(str(tiny("bert")), device="cpu")

@@ -49,7 +49,7 @@ def load_gguf_model(gguf_path: Path, dtype: str = "float32"):
     hf_logging.disable_progress_bar()  # attnkit.progress shows the work instead
     try:
         with _dequantize_progress(f"dequantizing {name}"):
-            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype)
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype, use_kernels=False)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as exc:  # transformers raises many types for unsupported/corrupt GGUF
         raise AttnkitError(

@@ -168,7 +168,10 @@ def load_model(
     src = run_source(ref)
     ref, ckpt = src.ref, src.ckpt
     torch_dtype = resolve_dtype(dtype, dev, ckpt.config)
-    kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    # use_kernels=False: transformers 5 (which requires the `kernels` package) otherwise swaps layers and functions
+    # for hub kernels it downloads at run time (on CUDA, in training mode: Llama's rotary), so an offline run
+    # fails and numbers would depend on code outside the checkpoint
+    kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, use_kernels=False)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if device_map is not None:
