@@ -8,9 +8,10 @@ micro-batches whose gradients accumulate (without DDP sync until the last one). 
 sharded instead (attnkit.commands.heal.sharding): gradients are reduce-scattered after every micro-batch, and
 validation gives every process as many forward passes.
 
-A time budget (--max-time) is a deadline for the whole command: the loop stops, between micro-batches if
-need be (a step cut short is dropped), when what remains would not leave time for the work after training,
-which costs `after_training` times the first validation's duration (the last validation, scoring).
+A time budget (--max-time) is a deadline for the whole command: the loop does not start a micro-batch that
+would end (taking as long as the longest one so far) inside the reserve for the work after training, which
+costs `after_training` times the first validation's duration (the last validation, scoring); a step cut
+short between its micro-batches is dropped.
 """
 
 from __future__ import annotations
@@ -180,6 +181,7 @@ class Trainer:
         self.attention_pairs = attention_pairs if cfg.attn_loss > 0 else {}
         self.best_tensors: dict | None = None
         self.reserve = 0.0  # seconds kept for the work after training; measured by the first validation
+        self.micro_seconds = 0.0  # the longest micro-batch so far (forward and backward), seconds
         self.on_validation: Callable[[dict], None] | None = None
         self.monitor: Callable[[object], dict] | None = None  # extra scores per validation, never used to stop
 
@@ -222,10 +224,14 @@ class Trainer:
             return (time.perf_counter() - self.cfg.started) / max(self.cfg.deadline - self.cfg.started, 1e-9)
         return elapsed / self.cfg.max_time
 
+    def late(self) -> bool:
+        """Whether one more micro-batch would end inside the reserve before the deadline (this process's view)."""
+        deadline = self.cfg.deadline
+        return deadline is not None and time.perf_counter() + self.micro_seconds + self.reserve >= deadline
+
     def out_of_time(self) -> bool:
         """Whether training must stop now to leave the reserve before the deadline (every process agrees)."""
-        late = self.cfg.deadline is not None and time.perf_counter() + self.reserve >= self.cfg.deadline
-        return self._flags(False, late)[1]
+        return self._flags(False, self.late())[1]
 
     def run(self, save: Callable[[], None], advance: Callable[[dict], None] | None = None) -> LoopState:
         """Train until the budget is spent, validation stops improving, or a stop is requested (saved, then
@@ -244,8 +250,7 @@ class Trainer:
                     break
                 if advance is not None:
                     advance(entry)
-                late = cfg.deadline is not None and time.perf_counter() + self.reserve >= cfg.deadline
-                stop, time_up = self._flags(flag["stop"], late)
+                stop, time_up = self._flags(flag["stop"], self.late())
                 if cfg.budget_tokens and st.tokens >= cfg.budget_tokens:
                     st.stopped = "tokens"
                 elif time_up:
@@ -288,6 +293,7 @@ class Trainer:
                 if self.out_of_time():
                     self.optimizer.zero_grad(set_to_none=True)
                     return None
+                began = time.perf_counter()
                 last = i == len(micro) - 1
                 sync = contextlib.nullcontext() if last or self.sharded else acc.no_sync(self.model)
                 with sync, acc.autocast():
@@ -300,6 +306,7 @@ class Trainer:
                             self.model, self.teacher, ids.to(acc.device), cfg.attn_loss, capture
                         )
                     acc.backward(loss / len(micro))
+                self.micro_seconds = max(self.micro_seconds, time.perf_counter() - began)
                 sums += torch.stack(
                     [loss.detach(), kl.detach(), attn.detach() if attn is not None else kl.new_zeros(())]
                 )
