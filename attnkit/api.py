@@ -9,7 +9,8 @@ def load_model(path: str, *, device: str = "auto", dtype: str = "auto", attn_imp
     Besides what `transformers.AutoModelForCausalLM` does, config soft-caps that stock transformers
     ignores for the model's family (attn_logit_softcapping, final_logit_softcapping, e.g. written by
     `attnkit retrofit softcap` into a Llama checkpoint) are applied: attention runs through
-    attnkit's soft-capped eager function and `logits` are capped by a forward hook.
+    attnkit's soft-capped eager function and `logits` are capped by a forward hook. Hub kernels are off
+    (`use_kernels=False`): the model runs transformers' own code and fetches nothing at run time.
     """
     from attnkit.runtime import load_model as _load
 
