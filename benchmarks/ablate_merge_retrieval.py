@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from attnkit.ops.headmerge import expand_heads  # noqa: E402
 from attnkit.runtime import load_model  # noqa: E402
 from attnkit.scoring.passkey import PasskeySpec, run_passkey  # noqa: E402
 
@@ -71,9 +72,8 @@ def graft(model, merged: dict, layers: list[int], roles: str) -> None:
                 w = merged[name]  # q, o: as the source's; k, v: [G*D, n]
                 if role in "kv":
                     groups = w.shape[0] // head_dim
-                    per = cfg.num_key_value_heads // groups
-                    w = w.reshape(groups, 1, head_dim, -1).expand(groups, per, head_dim, w.shape[1])
-                params[name].copy_(w.reshape(params[name].shape))
+                    w = expand_heads(w, groups, cfg.num_key_value_heads // groups)  # [Hkv*D, n]
+                params[name].copy_(w)
 
 
 def hybrid(src: str, merged_dir: str, layers: list[int], roles: str, lengths: tuple[int, ...]) -> dict:
