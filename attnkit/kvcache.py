@@ -103,9 +103,7 @@ def kv_heads_per_gpu(spec: AttentionSpec, tp: int) -> int:
 def layer_bytes_per_token(spec: AttentionSpec, dtype: CacheDtype, tp: int = 1) -> float:
     """Bytes one token adds to one layer's cache on one GPU (tp=1: the whole model)."""
     if spec.mla is not None:  # the latent is replicated on every rank
-        return (
-            spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
-        ) * dtype.bytes_per_element + dtype.scale_bytes_per_group
+        return spec.kv_elements_per_token() * dtype.bytes_per_element + dtype.scale_bytes_per_group
     heads = kv_heads_per_gpu(spec, tp)
     return heads * (spec.head_dim + spec.v_head_dim) * dtype.bytes_per_element + 2 * heads * dtype.scale_bytes_per_group
 

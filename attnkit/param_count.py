@@ -21,6 +21,8 @@ def estimate_parameters(config: dict, spec: AttentionSpec) -> int:
         attn = (
             q + d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * h * (m.qk_nope_head_dim + dv) + h * dv * d
         )
+        if m.key_factors:  # attnkit_gemma3_mla's exact QK-norm: the source's q and k projections
+            attn += d * (h + m.key_factors) * m.qk_nope_head_dim
     else:
         attn = d * h * dk + d * spec.num_kv_heads * (dk + dv) + h * dv * d
 

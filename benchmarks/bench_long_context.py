@@ -1,15 +1,18 @@
-"""What rewrites of SmolLM2-135M keep of long context: scores by distance of the predicted token on 4096- and
-8192-token windows of two held-out texts, and pass-key retrieval at 1k-8k tokens, every result against the source.
+"""What rewrites of SmolLM2-135M (and of Gemma 3 270M: --family gemma3) keep of long context: scores by distance of
+the predicted token on 4096- and 8192-token windows of two held-out texts, and pass-key retrieval at 1k-8k tokens,
+every result against the source.
 
-Usage: python benchmarks/bench_long_context.py run --work DIR [--only NAME ...] [--windows 4096:4,8192:2]
-           [--passkey 1k,2k,4k,8k] [--trials 2]
+Usage: python benchmarks/bench_long_context.py run --work DIR [--family smollm2|gemma3] [--only NAME ...]
+           [--windows 4096:4,8192:2] [--passkey 1k,2k,4k,8k] [--trials 2]
        python benchmarks/bench_long_context.py render [--write]
   run: writes the texts (prose: the last HELD_OUT Wikipedia articles of benchmarks/wiki_corpus.py's excerpt, which
        nothing calibrates or heals on; technical: Python's language reference, benchmarks/eval_texts.py) and the
        healing data (the excerpt's other articles), writes every rewrite with attnkit's own command (MODELS; kept
        when DIR holds it), then scores each with `attnkit eval` (the command lines are in the rows): by distance
        (--reference SRC) on --windows windows of each length of each text, and pass keys (both variants,
-       --passkey lengths, none when empty; DEPTHS depths x --trials keys). Rows go to DIR/long_context.jsonl and
+       --passkey lengths, none when empty; DEPTHS depths x --trials keys). --family gemma3: the rewrites of
+       GEMMA3_MODELS, of Gemma 3 270M (tests/realmodel.py's fp32 folder of the Q4_K_M GGUF; its source rows are
+       named "gemma3-source"). Rows go to DIR/long_context.jsonl and
        benchmarks/results/long_context.jsonl (one per model, text and length, or model and variant).
   render: "## long context" of docs/benchmarks.md from benchmarks/results/long_context.jsonl.
 """
@@ -70,6 +73,21 @@ MODELS = {
 }
 
 
+#: The same for Gemma 3 270M (QK-norm, 5 sliding layers of 512 per global one, 1 KV head): convert mla needs
+#: attnkit's Gemma 3 MLA layout (--target gemma3-mla); calibration as mla-50-calib-mixed.
+GEMMA3_MODELS = {
+    "gemma3-mla-50-calib-mixed": "convert mla {src} {out} --target gemma3-mla --kv-budget 0.5 --calib "
+    "{work}/prose-2.jsonl --calib {work}/code.txt --calib-seq-len 2048 --calib-tokens 8192",
+    "gemma3-mla-75-calib-mixed": "convert mla {src} {out} --target gemma3-mla --kv-budget 0.75 --calib "
+    "{work}/prose-2.jsonl --calib {work}/code.txt --calib-seq-len 2048 --calib-tokens 8192",
+}
+#: --family -> (its source folder, its rewrites, the name of its source rows)
+FAMILIES = {
+    "smollm2": ("smollm2_folder", MODELS, "source"),
+    "gemma3": ("gemma3_folder", GEMMA3_MODELS, "gemma3-source"),
+}
+
+
 def prepare(work: Path) -> dict:
     """The two held-out texts, the healing data, a calibration text of another kind (Python source: the
     standard library's argparse.py) and prose-2.jsonl (the first two healing articles of over PROSE_CHARS
@@ -106,13 +124,13 @@ def portable(command: str, work: Path, source: Path) -> str:
     return command.replace(str(source), "SRC").replace(str(work), "DIR").replace(str(ROOT) + "/", "")
 
 
-def write_models(work: Path, source: Path, names: list[str]) -> None:
+def write_models(work: Path, source: Path, names: list[str], models: dict) -> None:
     for name in names:
         out = work / name
         if (out / "attnkit.json").is_file():
             continue
         started = time.perf_counter()
-        args = MODELS[name].format(src=source, out=out, work=work).split()
+        args = models[name].format(src=source, out=out, work=work).split()
         subprocess.run([sys.executable, "-m", "attnkit", *args], check=True, stdout=subprocess.DEVNULL)
         print(f"{name}: written in {time.perf_counter() - started:.0f}s", file=sys.stderr)
 
@@ -163,16 +181,18 @@ def score(name: str, path: Path, source: Path, texts: dict, work: Path, windows:
     return rows
 
 
-def run(work: Path, only: list[str], windows: dict, passkey: str, trials: int) -> None:
-    from tests.realmodel import smollm2_folder
+def run(work: Path, family: str, only: list[str], windows: dict, passkey: str, trials: int) -> None:
+    import tests.realmodel
 
+    folder, models, source_name = FAMILIES[family]
     work.mkdir(parents=True, exist_ok=True)
-    source = smollm2_folder()
+    source = getattr(tests.realmodel, folder)()
     texts = prepare(work)
-    names = only or ["source", *MODELS]
-    write_models(work, source, [n for n in names if n != "source"])
+    names = only or [source_name, *models]
+    write_models(work, source, [n for n in names if n != source_name], models)
     for name in names:
-        rows = score(name, source if name == "source" else work / name, source, texts, work, windows, passkey, trials)
+        path = source if name == source_name else work / name
+        rows = score(name, path, source, texts, work, windows, passkey, trials)
         for target in (work / "long_context.jsonl", RESULTS):
             with target.open("a") as fh:
                 fh.writelines(json.dumps(row) + "\n" for row in rows)
@@ -193,7 +213,6 @@ def _share(value: float | None) -> str:
 
 def render(write: bool) -> None:
     rows = latest([json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()])
-    models = list(dict.fromkeys(key[0] for key in rows))
     lines = [
         "## long context",
         "",
@@ -206,7 +225,29 @@ def render(write: bool) -> None:
         "source's on the same tokens (the source's own perplexity in the first row); the source gets better with "
         "context, and a rewrite that uses far context as the source does keeps its ratio flat.",
         "",
+        *family_tables(rows, "smollm2"),
     ]
+    if any(key[0] == FAMILIES["gemma3"][2] for key in rows):
+        lines += [
+            "",
+            "### Gemma 3 270M",
+            "",
+            "`run --family gemma3`: Gemma 3 270M (the Q4_K_M GGUF dequantized to fp32; 18 layers, 4 heads, 1 KV head "
+            "of 256, QK-norm, 5 sliding layers of 512 tokens per global one, 32,768 positions) and its rewrites, "
+            "the same texts and scoring.",
+            "",
+            *family_tables(rows, "gemma3"),
+        ]
+    publish("\n".join(lines), write)
+
+
+def family_tables(rows: dict, family: str) -> list[str]:
+    """The by-distance tables, pass keys and commands of one --family's source and rewrites."""
+    _, commands, source_name = FAMILIES[family]
+    gemma = FAMILIES["gemma3"][2], *GEMMA3_MODELS
+    models = [m for m in dict.fromkeys(key[0] for key in rows) if (m in gemma) == (family == "gemma3")]
+    rows = {key: row for key, row in rows.items() if key[0] in models}
+    lines = []
     for text in ("prose", "technical"):
         for length in sorted({key[3] for key in rows if key[1] == "distance"}):
             found = [rows[k] for k in rows if k[1] == "distance" and k[2] == text and k[3] == length]
@@ -227,7 +268,7 @@ def render(write: bool) -> None:
             )
             for model in models:
                 row = rows.get((model, "distance", text, length))
-                if row is None or model == "source":
+                if row is None or model == source_name:
                     continue
                 cells = [f"{r['ratio']:.2f}x" for r in row["by_distance"]]
                 ratio = row["perplexity"] / row["source_perplexity"]
@@ -250,14 +291,15 @@ def render(write: bool) -> None:
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
     lines += ["", "Commands (SRC: the source folder, DIR: --work):", ""]
     for model in models:
-        if model in MODELS:
-            lines.append(f"- {model}: `attnkit {portable(MODELS[model], Path('DIR'), Path('SRC'))}`")
-    missing = [m for m in MODELS if m not in models]
+        if model in commands:
+            lines.append(f"- {model}: `attnkit {portable(commands[model], Path('DIR'), Path('SRC'))}`")
+    missing = [m for m in commands if m not in models]
     if missing:
         lines += ["", "Not measured yet (in MODELS, no rows): " + ", ".join(missing) + "."]
-    example = next(r["command"] for r in rows.values() if r["kind"] == "distance" and r["model"] != "source")
-    lines += ["", f"Scored with e.g. `{re.sub(r'^attnkit eval DIR/[^ ]+ ', 'attnkit eval MODEL ', example)}`."]
-    publish("\n".join(lines), write)
+    example = next((r["command"] for r in rows.values() if r["kind"] == "distance" and r["model"] != source_name), None)
+    if example:
+        lines += ["", f"Scored with e.g. `{re.sub(r'^attnkit eval DIR/[^ ]+ ', 'attnkit eval MODEL ', example)}`."]
+    return lines
 
 
 def main() -> None:
@@ -265,10 +307,11 @@ def main() -> None:
     r.add_argument("--windows", default=",".join(f"{k}:{v}" for k, v in WINDOWS.items()), help="LENGTH:COUNT,...")
     r.add_argument("--passkey", default=PASSKEY)
     r.add_argument("--trials", type=int, default=TRIALS)
+    r.add_argument("--family", choices=sorted(FAMILIES), default="smollm2")
     args = parser.parse_args()
     if args.cmd == "run":
         windows = dict(tuple(int(x) for x in item.split(":")) for item in args.windows.split(","))
-        run(args.work, args.only, windows, args.passkey, args.trials)
+        run(args.work, args.family, args.only, windows, args.passkey, args.trials)
     else:
         render(args.write)
 

@@ -1,4 +1,5 @@
-"""Imports point one way: cli -> commands -> scoring -> runtime, engines -> ops, io -> archs -> the base modules. No
+"""Imports point one way: cli -> commands -> scoring -> runtime, engines -> ops, io, modeling -> archs -> the base
+modules. No
 package imports one at its own level or above (so there are no cycles), function-level imports included. Inside
 commands/, no command imports another command's modules: what two commands share lives in a lower layer (scoring)
 or in the write path's own modules (commands/rewrite.py, report_head.py, write.py)."""
@@ -19,6 +20,7 @@ LAYERS = {
     "presets": 2,
     "io": 3,
     "ops": 3,
+    "modeling": 3,
     "kvcache": 3,
     "param_count": 3,
     "runtime": 4,

@@ -31,7 +31,7 @@ COMMANDS = {
     "retrofit qknorm": ["retrofit", "qknorm", "{src}", "{out}", "--method", "pad"],
     "retrofit qkclip": ["retrofit", "qkclip", "{src}", "{out}", "--tau", "0.01", *CALIB],
 }
-EXTRA = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3"]
+EXTRA = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "gemma3_mla"]
 ROWS = [f for f in FAMILIES if f != "llama_gqa"] + EXTRA
 
 

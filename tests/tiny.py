@@ -106,11 +106,15 @@ _CLASSES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+#: attnkit's own model types (attnkit.modeling): class names there.
+_ATTNKIT_CLASSES = {"attnkit_gemma3_mla": "Gemma3MLAForCausalLM"}
 
 
 def extra_model(name: str):
     import torch
     import transformers as tf
+
+    from attnkit.modeling import gemma3_mla
 
     configs = {
         "llama_bias": lambda: tf.LlamaConfig(**SMALL, num_key_value_heads=4, head_dim=8, attention_bias=True),
@@ -128,7 +132,12 @@ def extra_model(name: str):
         "deepseek_v3_bias": lambda: tf.DeepseekV3Config(
             **SMALL, **MLA, q_lora_rank=24, n_group=1, topk_group=1, first_k_dense_replace=2, attention_bias=True
         ),
+        "gemma3_mla": lambda: gemma3_mla.Gemma3MLAConfig(
+            **SMALL, num_key_value_heads=1, head_dim=8, sliding_window=16, kv_lora_rank=12, qk_rope_head_dim=4
+        ),
     }
     config = configs[name]()
     torch.manual_seed(0)
+    if config.model_type in _ATTNKIT_CLASSES:
+        return getattr(gemma3_mla, _ATTNKIT_CLASSES[config.model_type])(config)
     return getattr(tf, _CLASSES[config.model_type])(config)

@@ -34,6 +34,7 @@ CONFIG_ROLES = {
     "qk_rope_head_dim",
     "qk_nope_head_dim",
     "v_head_dim",
+    "mla_key_factors",
     "num_experts",
     "moe_intermediate_size",
     "num_shared_experts",
@@ -66,6 +67,8 @@ TENSOR_ROLES = {
     "kv_a_bias",
     "kv_a_norm",
     "kv_b",
+    "q_rms",
+    "k_rms",
     "sinks",
 }
 

@@ -16,6 +16,7 @@ class MLADims:
     qk_nope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None
+    key_factors: int = 0  # cached per token beside the latent and RoPE key (attnkit_gemma3_mla: key RMS per KV head)
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class AttentionSpec:
         """Cached elements per token in one layer (K and V, or the MLA latent plus RoPE key)."""
         del layer  # every supported family caches the same width in each layer
         if self.mla is not None:
-            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+            return self.mla.kv_lora_rank + self.mla.key_factors + self.mla.qk_rope_head_dim
         return self.num_kv_heads * (self.head_dim + self.v_head_dim)
 
     def sliding_summary(self) -> str:
@@ -134,6 +135,7 @@ def attention_spec(config: dict) -> AttentionSpec:
             qk_nope_head_dim=nope,
             v_head_dim=_int(arch, config, "v_head_dim"),
             q_lora_rank=_int(arch, config, "q_lora_rank"),
+            key_factors=_int(arch, config, "mla_key_factors") or 0,
         )
         num_kv_heads, head_dim, v_head_dim = num_heads, nope + rope, mla.v_head_dim
     if num_heads % num_kv_heads:

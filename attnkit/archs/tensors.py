@@ -56,6 +56,8 @@ def role_shape(arch: Arch, spec: AttentionSpec, role: str) -> tuple[int, ...]:
             "kv_a_bias": (m.kv_lora_rank + m.qk_rope_head_dim,),
             "kv_a_norm": (m.kv_lora_rank,),
             "kv_b": (h * (m.qk_nope_head_dim + dv), m.kv_lora_rank),
+            "q_rms": (h * m.qk_nope_head_dim, d),
+            "k_rms": (m.key_factors * m.qk_nope_head_dim, d),
             "o": (d, h * dv),
             "o_bias": (d,),
         }
@@ -89,7 +91,8 @@ def expected_names(arch: Arch, spec: AttentionSpec, config: dict, prefix: str) -
     if spec.qk_norm != "none":
         roles |= {"q_norm", "k_norm"}
     if spec.mla is not None:
-        roles |= {"kv_a_norm"} | ({"q_a", "q_a_norm", "q_b"} if spec.mla.q_lora_rank else {"q"})
+        roles |= {"q_a", "q_a_norm", "q_b"} if spec.mla.q_lora_rank else {"q"}
+        roles |= {r for r in ("kv_a_norm", "q_rms", "k_rms") if r in arch.tensors}
     if "sinks" in arch.tensors:
         roles.add("sinks")
     if arch.config_value(config, "attention_bias", False):

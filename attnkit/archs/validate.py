@@ -36,6 +36,7 @@ RULES: dict[str, tuple[str, float | None, float | None]] = {
     "qk_rope_head_dim": ("int", 1, MAX_HEAD_DIM),
     "qk_nope_head_dim": ("int", 1, MAX_HEAD_DIM),
     "v_head_dim": ("int", 1, MAX_HEAD_DIM),
+    "mla_key_factors": ("int", 0, MAX_HEADS),
     "num_experts": ("int", 0, MAX_EXPERTS),
     "moe_intermediate_size": ("int", 1, MAX_WIDTH),
     "num_shared_experts": ("int", 0, MAX_EXPERTS),

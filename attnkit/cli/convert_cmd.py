@@ -192,6 +192,12 @@ def mla(
         "vllm, sglang or transformers; naming one snaps --kv-budget to a shape its "
         "kernels take (vllm: 512+64).",
     ),
+    target: str = typer.Option(
+        "deepseek-v3",
+        "--target",
+        help="Output architecture: deepseek-v3 (stock, what the engines serve) or gemma3-mla (a Gemma 3 "
+        "source as attnkit's Gemma 3 layout with MLA attention; transformers with attnkit.modeling imported).",
+    ),
     fmt: OutputFormat = FORMAT_OPTION,
     shared: dict = None,
 ) -> None:
@@ -217,11 +223,13 @@ def mla(
         options=options,
         latent_norm=latent_norm,
         engine=engine,
+        target=target,
     )
     report = convert_mla(req, log=log_sink)
     kv = report["kv_bytes_per_token"]
     caption = (
-        f"{report['model_type']} -> deepseek_v3: R={report['kv_lora_rank']} + P={report['rope_dim']} = "
+        f"{report['model_type']} -> {report['target_model_type']}: "
+        f"R={report['kv_lora_rank']} + P={report['rope_dim']} = "
         f"{kv['elements_after']} cached values per token and layer (source {kv['elements_before']}); "
         f"KV cache {kv['before']:,.0f} -> {kv['after']:,.0f} bytes/token ({kv['dtype']})"
     )

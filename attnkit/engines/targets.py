@@ -21,6 +21,8 @@ MLA_SHAPES: dict[str, tuple[tuple[int, int], ...] | None] = {
     "sglang": None,
     "transformers": None,
 }
+#: Model types attnkit writes that no serving engine has a model class for (transformers, with attnkit.modeling).
+TRANSFORMERS_ONLY = {"attnkit_gemma3_mla": "convert mla --target gemma3-mla"}
 #: Layer counts for which llama.cpp's deepseek2 loader wants no q_lora (its "lite" models).
 LLAMA_CPP_LITE_LAYERS = (26, 27)
 

@@ -47,15 +47,27 @@ def weighted_group_covariance(x: torch.Tensor, weights: torch.Tensor, groups: in
     return torch.einsum("gn,ni,nj->gij", per_group, x, x)
 
 
+def causal_mask(t: int, window: int | None, device) -> torch.Tensor:
+    """[T, T] bool, True where query i may see key j: j <= i, and i - j < window for a sliding layer."""
+    mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    return mask if window is None else mask.triu(1 - window)
+
+
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scaling: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    scaling: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Per-head causal softmax attention output before o_proj (transformers' repeat_kv order).
-    q: [B, T, H, D], k, v: [B, T, Hkv, D], cos/sin: [B, T, R].  -> [B, T, H*D]."""
+    """Per-head causal softmax attention output before o_proj (transformers' repeat_kv order; window: a sliding
+    layer's). q: [B, T, H, D], k, v: [B, T, Hkv, D], cos/sin: [B, T, R].  -> [B, T, H*D]."""
     batch, t, heads, d = q.shape
     num_kv = k.shape[2]
     qr, kr = rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin)
-    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    mask = causal_mask(t, window, q.device)
     out = torch.empty(batch, t, heads, v.shape[-1], dtype=q.dtype, device=q.device)
     for h in range(heads):
         j = h // (heads // num_kv)

@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from attnkit.ops.attnweight import rotate_half_rope
+from attnkit.ops.attnweight import causal_mask, rotate_half_rope
 
 #: A normalized key dimension is constant when its std over tokens is below this fraction of its RMS.
 CONSTANT_KEY = 1e-2
@@ -54,6 +54,23 @@ def _rms(p: torch.Tensor, eps: float) -> torch.Tensor:
     return (p.square().mean(-1) + eps).sqrt()
 
 
+def mean_fold(x: torch.Tensor, weights: dict, eps: float, head_dim: int) -> QKNormFold:
+    """The geometric-mean constants alone (c = exp(-mean log r) per head; no search, nothing dropped): what a
+    layout that applies the exact per-token factors (attnkit.modeling.gemma3_mla) fits its latent in, so that
+    keys and queries keep the normalized ones' scale on average.  x: [B, T, n]"""
+    x = x.detach().to(torch.float64)
+    r_q = _rms(_heads(x, weights["q"], weights.get("q_bias"), head_dim), eps)  # [B, T, H]
+    r_k = _rms(_heads(x, weights["k"], weights.get("k_bias"), head_dim), eps)  # [B, T, Hkv]
+    return QKNormFold(
+        c_q=torch.exp(-r_q.log().mean((0, 1))),
+        c_k=torch.exp(-r_k.log().mean((0, 1))),
+        kl=torch.zeros(r_q.shape[-1], dtype=torch.float64),
+        dropped=torch.zeros(r_k.shape[-1], head_dim, dtype=torch.bool),
+        spread_q=float(r_q.log().std()),
+        spread_k=float(r_k.log().std()),
+    )
+
+
 def fit_fold(
     x: torch.Tensor,
     weights: dict,
@@ -62,9 +79,10 @@ def fit_fold(
     rope: tuple[torch.Tensor, torch.Tensor],
     scaling: float,
     head_dim: int,
+    window: int | None = None,
 ) -> QKNormFold:
     """The fold's constants from one layer's attention inputs x [B, T, n] (weights: q, k and their biases;
-    gains: the q-norm and k-norm scales [D] as applied; rope: cos, sin [B, T, R])."""
+    gains: the q-norm and k-norm scales [D] as applied; rope: cos, sin [B, T, R]; window: a sliding layer's)."""
     x = x.detach().to(torch.float64)
     cos, sin = (r.detach().to(x) for r in rope)
     q = _heads(x, weights["q"], weights.get("q_bias"), head_dim)  # [B, T, H, D]
@@ -77,7 +95,7 @@ def fit_fold(
     kept_k = rotate_half_rope(kn * ~dropped, cos, sin)  # [B, T, Hkv, D]: what the fold's keys keep
     c_k = torch.exp(-r_k.log().mean((0, 1)))  # [Hkv]
     heads, num_kv, t = q.shape[2], k.shape[2], q.shape[1]
-    mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+    mask = causal_mask(t, window, x.device)
     c_q = torch.empty(heads, dtype=torch.float64)
     kl = torch.empty(heads, dtype=torch.float64)
     for h in range(heads):

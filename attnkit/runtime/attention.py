@@ -10,34 +10,51 @@ if TYPE_CHECKING:
 
 
 def deepseek_attention(config, layer: int, tensors: dict, device):
-    """The converted layer as a stock DeepseekV3Attention (sdpa, fp32) and its rotary embedding."""
+    """The converted layer as the target's attention module (sdpa, fp32) and its rotary embedding `(x, pos) ->
+    (cos, sin)`: a stock DeepseekV3Attention, or for an attnkit_gemma3_mla config its Gemma3MLAAttention on
+    the layer type's rotary embedding (attnkit.modeling.gemma3_mla)."""
     import torch
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
+    from attnkit.modeling.gemma3_mla import Gemma3MLAAttention, Gemma3MLAConfig
+
     config._attn_implementation = "sdpa"
+    gemma = isinstance(config, Gemma3MLAConfig)
     with torch.device("meta"):  # no initial weights: the tensors are assigned in float32 (one copy)
-        attn = DeepseekV3Attention(config, layer)
+        attn = (Gemma3MLAAttention if gemma else DeepseekV3Attention)(config, layer)
     attn.load_state_dict({k: v.to(device=device, dtype=torch.float32) for k, v in tensors.items()}, assign=True)
-    return attn, DeepseekV3RotaryEmbedding(config).to(device)
+    if not gemma:
+        return attn, DeepseekV3RotaryEmbedding(config).to(device)
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    rotary, layer_type = Gemma3RotaryEmbedding(config).to(device), config.layer_types[layer]
+    return attn, lambda x, pos: rotary(x, pos, layer_type)
 
 
 def run_attention(attn, rotary, hidden):
-    """(output, input of o_proj [B*T, H*D]) of the converted attention on hidden [B, T, n] (no padding)."""
+    """(output, input of o_proj [B*T, H*D]) of the converted attention on hidden [B, T, n] (no padding; a
+    module with a sliding_window sees only that many tokens back)."""
     import torch
+
+    from attnkit.ops.attnweight import causal_mask
 
     captured = {}
     handle = attn.o_proj.register_forward_pre_hook(lambda _m, args: captured.update(z=args[0]))
+    window, t = getattr(attn, "sliding_window", None), hidden.shape[1]
+    mask = causal_mask(t, window, hidden.device)[None, None] if window is not None and t > window else None
     try:
-        pos = torch.arange(hidden.shape[1], device=hidden.device)[None]
-        out, _ = attn(hidden_states=hidden, position_embeddings=rotary(hidden, pos), attention_mask=None)
+        pos = torch.arange(t, device=hidden.device)[None]
+        out, _ = attn(hidden_states=hidden, position_embeddings=rotary(hidden, pos), attention_mask=mask)
     finally:
         handle.remove()
     return out, captured["z"].reshape(-1, captured["z"].shape[-1])
 
 
-def source_attention_inputs(weights: dict, hidden, rope, scaling: float, s: MLAShape, norm_eps: float = 1e-6):
+def source_attention_inputs(
+    weights: dict, hidden, rope, scaling: float, s: MLAShape, norm_eps: float = 1e-6, window: int | None = None
+):
     """The source layer's attention output before o_proj on hidden [B, T, n] (per-head QK-norm applied where
-    weights has q_norm / k_norm gains [D]).  -> [B*T, H*D] float32"""
+    weights has q_norm / k_norm gains [D]; window: a sliding layer's).  -> [B*T, H*D] float32"""
     import torch
 
     from attnkit.ops.attnweight import causal_attention
@@ -54,7 +71,7 @@ def source_attention_inputs(weights: dict, hidden, rope, scaling: float, s: MLAS
         return out
 
     cos, sin = (r.detach().to(x) for r in rope)
-    z = causal_attention(project("q"), project("k"), project("v"), cos, sin, scaling)
+    z = causal_attention(project("q"), project("k"), project("v"), cos, sin, scaling, window)
     return z.reshape(-1, z.shape[-1])
 
 

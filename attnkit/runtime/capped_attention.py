@@ -16,7 +16,12 @@ from dataclasses import dataclass
 #: Name of attnkit's attention function in transformers' AttentionInterface.
 ATTN_NAME = "attnkit_softcap"
 #: model_type -> honoured natively by stock transformers 5.24 (attention cap, final cap).
-NATIVE = {"gemma2": (True, True), "gemma3": (False, True), "gemma3_text": (False, True)}
+NATIVE = {
+    "gemma2": (True, True),
+    "gemma3": (False, True),
+    "gemma3_text": (False, True),
+    "attnkit_gemma3_mla": (False, True),  # attnkit.modeling.gemma3_mla: Gemma3ForCausalLM's final cap
+}
 
 #: Callbacks (module, scores [B, H, Tq, Tk] before the cap, visible bool [B|1, 1|H, Tq, Tk] | None).
 _observers: list[Callable] = []

@@ -160,6 +160,7 @@ def load_model(
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    import attnkit.modeling  # noqa: F401  (registers attnkit's own model types with the Auto classes)
     from attnkit.io.finite import is_finite
     from attnkit.runtime.capped_attention import apply_softcaps
 

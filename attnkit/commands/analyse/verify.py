@@ -22,7 +22,7 @@ from pathlib import Path
 
 from attnkit.engines import llamacpp
 from attnkit.engines.llamacpp import find_llama_cpp
-from attnkit.engines.targets import LLAMA_CPP_LITE_LAYERS, MLA_SHAPES
+from attnkit.engines.targets import LLAMA_CPP_LITE_LAYERS, MLA_SHAPES, TRANSFORMERS_ONLY
 from attnkit.engines.vllm_run import run_vllm_worker
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.resolve import resolve
@@ -105,6 +105,11 @@ def check_request(req: VerifyRequest):
         raise UsageError(f"{req.model}: verify takes a Hugging Face folder (what attnkit writes), not {ckpt.kind}")
 
     src = run_source(req.model)  # complete and consistent before any engine runs
+    if src.spec.model_type in TRANSFORMERS_ONLY:
+        raise AttnkitError(
+            f"{req.model}: {src.spec.model_type} ({TRANSFORMERS_ONLY[src.spec.model_type]}) runs in transformers "
+            "only; no serving engine has its layout"
+        )
     return list(req.engines or VERIFY_ENGINES), src
 
 

@@ -1,4 +1,5 @@
-"""`convert mla`: rewrite an MHA/GQA checkpoint as a stock DeepseekV3 (MLA) checkpoint, layer by layer.
+"""`convert mla`: rewrite an MHA/GQA checkpoint as a stock DeepseekV3 (MLA) checkpoint, layer by layer (or, with
+--target gemma3-mla, a Gemma 3 one as attnkit's Gemma 3 MLA layout, attnkit.modeling.gemma3_mla).
 
 Flow: check the source and the ranks (mla_request.py) -> load it once (fp32) and run the calibration text through
 it; when the pass reaches layer l, l's input covariance gives its MLA tensors (mla_layer.py, attnkit.ops.mla),
@@ -22,6 +23,7 @@ from attnkit.commands.convert.layer_spill import LayerSpill
 from attnkit.commands.convert.mla_copy import copy_rest
 from attnkit.commands.convert.mla_layer import (
     convert_one,
+    exact_qk_norm,
     fold_qk_norm,
     fold_row,
     input_gamma,
@@ -50,9 +52,10 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
 
     started = time.perf_counter()
     src = check_request(req)
-    rank = src.shape.latent_rank + 1
+    rank = src.rank
     report = {
         **report_head(req, src.spec.model_type),
+        "target_model_type": "attnkit_gemma3_mla" if src.target == "gemma3-mla" else "deepseek_v3",
         "num_layers": src.spec.num_layers,
         "num_heads": src.spec.num_heads,
         "kv_heads": src.spec.num_kv_heads,
@@ -82,7 +85,8 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
                 for name, t in spill.take(layer).items():
                     writer.add(name, t)
         with LazyReader(src.ckpt.weight_files) as reader:
-            copy_rest(reader, src, writer, expected, fold_input_norm=req.latent_norm != "bias")
+            fold_input_norm = req.latent_norm not in ("bias", "none")
+            copy_rest(reader, src, writer, expected, fold_input_norm=fold_input_norm, config=config)
         report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return expected
 
@@ -125,24 +129,30 @@ def _calibrate_and_convert(req: MLARequest, src: MLASource, config, spill, expec
     loaded = load_for_calibration(src, req.device)  # decoder layers streamed when possible
     windows = calib_windows(loaded.tokenizer, req)
     modules = [attention_module_name(src.arch.tensors["k"], src.prefix, i) for i in range(src.spec.num_layers)]
-    written = target_attention_names(expected, src.spec.num_layers)  # model.layers.{i}.self_attn of the target
+    written = target_attention_names(config, expected)  # model.layers.{i}.self_attn of the target
     rows: list = [None] * src.spec.num_layers
     with LazyReader(src.ckpt.weight_files) as reader:
         dtype = reader.get(src.layer_names[0]["o"]).dtype
-        freqs = source_freqs(src)
 
         def on_layer(layer: int, hidden, rope=None, scaling=None):
             weights = {role: reader.get(name) for role, name in src.layer_names[layer].items()}
+            window = getattr(loaded.model.get_submodule(modules[layer]), "sliding_window", None)  # the source's
             gamma = scale = None
-            if req.latent_norm != "bias":  # the engine route: no o_proj bias, the input norm folded in
+            if req.latent_norm not in ("bias", "none"):  # the engine route: no o_proj bias, the input norm folded in
                 weights = without_o_bias(src, weights)
                 gamma = input_gamma(src, reader.get(src.tensor("input_norm", layer)))
                 scale = (1.0 / gamma).to(torch.float32)
-            weights, plain, fold = fold_qk_norm(src, weights, hidden, rope, scaling, config.rms_norm_eps)
+            weights, plain, fold = fold_qk_norm(src, weights, hidden, rope, scaling, config.rms_norm_eps, window)
+            freqs = source_freqs(src, layer)
             tensors, row = convert_one(
-                src, plain, hidden, gamma, freqs, req.options, dtype, req.latent_norm, config.rms_norm_eps
+                src, plain, hidden, gamma, freqs, req.options, dtype, req.latent_norm, config.rms_norm_eps, scaling
             )
-            rows[layer] = {"layer": layer, **row, **(fold_row(fold) if fold is not None else {})}
+            if src.target == "gemma3-mla":
+                tensors = exact_qk_norm(tensors, weights, fold, src.shape)
+                row |= {"qk_norm": "exact", "qk_norm_rms_spread": [fold.spread_q, fold.spread_k]}
+            elif fold is not None:
+                row |= fold_row(fold)
+            rows[layer] = {"layer": layer, **row}
             if req.options.o_refit > 0:
                 tensors["o_proj.weight"] = refit_o_proj(
                     config,
@@ -157,11 +167,12 @@ def _calibrate_and_convert(req: MLARequest, src: MLASource, config, spill, expec
                     loaded.device,
                     scale,
                     norm_eps=config.rms_norm_eps,
+                    window=window,
                 )
             named = {f"{written[layer]}.{name}": t for name, t in tensors.items()}
             unknown = [full for full in named if full not in expected]
             if unknown:
-                raise AttnkitError(f"internal: {unknown[0]} is not a DeepseekV3 tensor")
+                raise AttnkitError(f"internal: {unknown[0]} is not a {config.architectures[0]} tensor")
             spill.put(layer, named)
             if req.sequential:
                 replace_output_once(

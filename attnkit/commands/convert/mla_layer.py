@@ -13,9 +13,9 @@ from attnkit.ops.anchor import anchor_row, fold_o_bias, substitute_constant
 from attnkit.ops.gqa import augmented_rows, is_biased, stored_rows
 from attnkit.ops.latent_norm import anchor_plan, fold_gamma, span_plan
 from attnkit.ops.mla import MLAOptions, MLAShape, convert_layer
-from attnkit.ops.mla_deepseek import attention_tensors, engine_tensors, q_lora_readout
+from attnkit.ops.mla_deepseek import attention_tensors, engine_tensors, per_query_head, q_lora_readout, query_rows
 from attnkit.ops.orefit import refit_o
-from attnkit.ops.qknorm_fold import fit_fold, folded_weights
+from attnkit.ops.qknorm_fold import fit_fold, folded_weights, mean_fold
 from attnkit.runtime.attention import deepseek_attention, run_attention, source_attention_inputs
 from attnkit.runtime.calibrate import input_moments
 
@@ -23,19 +23,28 @@ if TYPE_CHECKING:
     from attnkit.commands.convert.mla_request import MLASource
 
 
-def source_freqs(src: MLASource):
-    """The source's rotary frequencies [D/2] (radians per token), as its transformers class computes them."""
+def source_freqs(src: MLASource, layer: int):
+    """The source layer's rotary frequencies [D/2] (radians per token), as its transformers class computes them
+    (Gemma 3: the layer type's own rope parameters)."""
     import torch
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     d = src.shape.head_dim
-    if src.rope["rope_type"] == "default":
-        return float(src.rope["rope_theta"]) ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    rope = layer_rope(src, layer)
+    if rope["rope_type"] == "default":
+        return float(rope["rope_theta"]) ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     cfg = AutoConfig.from_pretrained(str(src.root))
     cfg.head_dim = d
-    inv_freq, _ = ROPE_INIT_FUNCTIONS[src.rope["rope_type"]](cfg, "cpu")
+    layer_type = src.layer_types[layer] if src.layer_types else None
+    kwargs = {"layer_type": layer_type} if layer_type else {}
+    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, "cpu", **kwargs)
     return inv_freq.to(torch.float64)
+
+
+def layer_rope(src: MLASource, layer: int) -> dict:
+    """The rope parameters of one source layer: the source's, or its layer type's where they are per type."""
+    return src.rope[src.layer_types[layer]] if src.layer_types and src.layer_types[layer] in src.rope else src.rope
 
 
 def input_gamma(src: MLASource, weight):
@@ -51,11 +60,13 @@ def input_gamma(src: MLASource, weight):
     return gamma
 
 
-def fold_qk_norm(src: MLASource, weights: dict, hidden, rope, scaling, norm_eps: float) -> tuple[dict, dict, object]:
+def fold_qk_norm(
+    src: MLASource, weights: dict, hidden, rope, scaling, norm_eps: float, window: int | None = None
+) -> tuple[dict, dict, object]:
     """(weights, plain weights, fold): without per-head QK-norm the weights as they are twice and no fold; with
     it, q_norm and k_norm as the scales they apply (offset + stored weight, float64 [D]), the weights with the
-    norm replaced by constants fitted on this layer's inputs hidden [B, T, n] (attnkit.ops.qknorm_fold), and the
-    fold."""
+    norm replaced by constants fitted on this layer's inputs hidden [B, T, n] (attnkit.ops.qknorm_fold; window:
+    the layer's sliding window), and the fold."""
     import torch
 
     if "q_norm" not in weights:
@@ -65,8 +76,25 @@ def fold_qk_norm(src: MLASource, weights: dict, hidden, rope, scaling, norm_eps:
     gains = {role: weights[role].to(torch.float64) + src.arch.norm_offset for role in ("q_norm", "k_norm")}
     weights = {**weights, **gains}
     pair = (weights["q_norm"], weights["k_norm"])
-    fold = fit_fold(hidden, weights, pair, norm_eps, rope, scaling, src.shape.head_dim)
+    if src.target == "gemma3-mla":  # the layout applies the exact factors: the constants only set the scale
+        fold = mean_fold(hidden, weights, norm_eps, src.shape.head_dim)
+    else:
+        fold = fit_fold(hidden, weights, pair, norm_eps, rope, scaling, src.shape.head_dim, window)
     return weights, folded_weights(weights, fold, pair, src.shape.head_dim), fold
+
+
+def exact_qk_norm(tensors: dict, source: dict, fold, s: MLAShape) -> dict:
+    """The tensors of attnkit.modeling.gemma3_mla's exact QK-norm: q_rms_proj and k_rms_proj are the source's W_q
+    and W_k (the layer takes 1 / RMS of each head of them, per token), and each query head's rows are divided by
+    its constant c_q and its KV group's c_k (the latent was fitted to keys and queries times those constants)."""
+    import torch
+
+    group = s.num_heads // s.num_kv
+    per_head = fold.c_q * fold.c_k.repeat_interleave(group)  # [H]
+    q = tensors["q_proj.weight"].to(torch.float64)
+    q = (q.reshape(s.num_heads, -1, q.shape[1]) / per_head[:, None, None]).reshape(q.shape)
+    dtype = tensors["o_proj.weight"].dtype
+    return {**tensors, "q_proj.weight": q.to(dtype), "q_rms_proj.weight": source["q"], "k_rms_proj.weight": source["k"]}
 
 
 def fold_row(fold) -> dict:
@@ -81,15 +109,28 @@ def fold_row(fold) -> dict:
 
 
 def convert_one(
-    src: MLASource, weights: dict, hidden, gamma, freqs, options: MLAOptions, dtype, latent_norm: str, norm_eps: float
+    src: MLASource,
+    weights: dict,
+    hidden,
+    gamma,
+    freqs,
+    options: MLAOptions,
+    dtype,
+    latent_norm: str,
+    norm_eps: float,
+    scaling: float | None = None,
 ) -> tuple[dict, dict]:
     """(DeepseekV3 attention tensors of one layer in `dtype`, report row) from its source tensors and the
-    calibration inputs hidden [B, T, n] of its attention (gamma: input_layernorm's scale, for the engine route)."""
+    calibration inputs hidden [B, T, n] of its attention (gamma: input_layernorm's scale, for the engine route;
+    scaling: the source's softmax scale, D^-1/2 when not given)."""
 
     s, augmented = src.shape, is_biased(weights)
     cov, mean = input_moments(hidden, augmented)  # [n(+1), n(+1)], [n(+1)]
-    q_scale = math.sqrt((s.head_dim + s.rope_dim) / s.head_dim)  # softmax-scale fold: D^-1/2 -> (D + P)^-1/2
-    if latent_norm == "bias":
+    source_scale = s.head_dim**-0.5 if scaling is None else scaling
+    q_scale = source_scale * math.sqrt(s.head_dim + s.rope_dim)  # softmax-scale fold: source's -> (D + P)^-1/2
+    if latent_norm == "none":  # attnkit.modeling.gemma3_mla: rows on the layer input, a latent without norm
+        tensors, row = _plain_layer(weights, (cov, mean), s, freqs, options, q_scale)
+    elif latent_norm == "bias":
         q, k, v = (augmented_rows(weights, r, augmented) for r in ("q", "k", "v"))
         layer = convert_layer(q, k, v, weights["o"], cov, s, freqs, options, mean)
         n = src.spec.hidden_size
@@ -115,6 +156,31 @@ def convert_one(
             src, weights, hidden, (cov, mean), gamma, freqs, options, latent_norm, norm_eps, q_scale, dtype
         )
     return {name: t.to(dtype) for name, t in tensors.items()}, row
+
+
+def _plain_layer(weights: dict, moments: tuple, s: MLAShape, freqs, options: MLAOptions, q_scale: float):
+    """(tensors, report row) of one layer for a latent without norm (attnkit.modeling.gemma3_mla): R latent rows
+    on the layer's input (zero rows past the rank of the keys and values), the RoPE key, the read-out and the query
+    rows. `moments`: (E[x x^T], E[x]) of the calibration inputs."""
+    import dataclasses
+
+    import torch
+
+    cov, mean = moments
+    q, k, v = stored_rows(weights, "q", False), augmented_rows(weights, "k", False), augmented_rows(weights, "v", False)
+    info = min(s.latent_rank, 2 * s.num_kv * s.head_dim, cov.shape[0])
+    layer = convert_layer(q, k, v, weights["o"], cov, dataclasses.replace(s, latent_rank=info), freqs, options, mean)
+    pad = s.latent_rank - info
+    down = torch.cat([layer.down, layer.down.new_zeros(pad, layer.down.shape[1])])  # [R, n]
+    up = torch.cat([layer.up, layer.up.new_zeros(layer.up.shape[0], pad)], dim=1)  # [Hkv*2D, R]
+    tensors = {
+        "q_proj.weight": query_rows(layer, s, q_scale),  # [H*(D+P), n]
+        "kv_a_proj_with_mqa.weight": torch.cat([down, layer.rope]),  # [R + P, n]
+        "kv_b_proj.weight": per_query_head(up, s),  # [H*2D, R]
+        "o_proj.weight": weights["o"],
+    }
+    row = {"k_err": layer.k_err, "v_err": layer.v_err, "position_free": layer.position_free, "latent_norm": "none"}
+    return tensors, row
 
 
 def _engine_layer(
@@ -224,16 +290,17 @@ def refit_o_proj(
     device,
     input_scale=None,
     norm_eps: float = 1e-6,
+    window: int | None = None,
 ):
     """o_proj refit (attnkit.ops.orefit) so the converted layer's output matches the source's on these tokens
     (the converted layer runs on hidden * input_scale when given; a source with QK-norm carries its gains as
-    q_norm and k_norm in weights)."""
+    q_norm and k_norm in weights; window: the source layer's sliding window)."""
     if rope is None or scaling is None:
         raise AttnkitError("o_proj refit needs the source's rotary embedding and softmax scale")
     attn, rotary = deepseek_attention(config, layer, tensors, device)
     x = hidden.detach().to(device).float()
     _, z_new = run_attention(attn, rotary, x if input_scale is None else x * input_scale.to(x))
     del attn  # its float32 weights (0.75 GiB at a 70B width) are not needed for the fit
-    z_old = source_attention_inputs(weights, hidden.to(device), rope, scaling, s, norm_eps)
+    z_old = source_attention_inputs(weights, hidden.to(device), rope, scaling, s, norm_eps, window)
     o = weights["o"]
     return refit_o(z_new.cpu(), z_old.cpu(), o, o, ridge).to(tensors["o_proj.weight"].dtype)

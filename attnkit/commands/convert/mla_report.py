@@ -24,7 +24,7 @@ def parameters(req: MLARequest, src: MLASource) -> dict:
     """The report's and the manifest's parameters: the shape chosen and every option."""
     o = req.options
     return {
-        "kv_lora_rank": src.shape.latent_rank + 1,
+        "kv_lora_rank": src.rank,
         "latent_rank": src.shape.latent_rank,
         "rope_dim": src.shape.rope_dim,
         "rope_pairs": src.shape.pairs,
@@ -44,6 +44,7 @@ def parameters(req: MLARequest, src: MLASource) -> dict:
         "shrink": o.shrink,
         "latent_norm": req.latent_norm,
         "engine": req.engine,
+        "target": req.target,
         "q_lora_rank": (src.spec.hidden_size + int(req.latent_norm == "bias")) if src.q_lora else None,
         "max_shard_bytes": req.max_shard_bytes,
     }
@@ -69,12 +70,19 @@ def notes(req: MLARequest, src: MLASource) -> list[str]:
                 "q and RoPE-key biases ride on the anchor a.x ~ 1 (engines have no bias slot); the "
                 "latent's own constants come out exact"
             )
-    if any(w is not None for w in src.spec.layer_windows):
+    if src.target == "gemma3-mla":
+        notes.append(
+            "attnkit's Gemma 3 MLA layout (model_type attnkit_gemma3_mla): Gemma 3's decoder layers, sliding windows "
+            "and per-layer-type RoPE kept, each RoPE key at its layer type's fastest frequencies, no latent norm, "
+            "QK-norm exact (each key's RMS factor cached per KV head beside the latent: kv_lora_rank counts them); "
+            "transformers runs it with attnkit.modeling imported, no serving engine does"
+        )
+    elif any(w is not None for w in src.spec.layer_windows):
         notes.append(
             "the source's sliding window is dropped: DeepseekV3 attends to the full context "
             "(identical up to the window length)"
         )
-    if src.spec.qk_norm == "per_head":
+    if src.spec.qk_norm == "per_head" and src.target != "gemma3-mla":
         notes.append(
             "per-head QK-norm approximated: each head's 1/rms(q) and 1/rms(k) per token replaced by constants "
             "fitted on the calibration text (least attention KL; qk_norm_fold_kl per layer), the norm gains "

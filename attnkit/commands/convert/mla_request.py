@@ -16,12 +16,16 @@ from attnkit.units import check_bounds
 
 #: Families whose attention maps onto DeepseekV3 (the rest are refused with the reason in REFUSED).
 SUPPORTED = ("llama", "mistral", "qwen2", "gemma", "qwen3")
+#: --target: the stock DeepseekV3 checkpoint (engines), or attnkit's Gemma 3 layout with MLA attention
+#: (attnkit.modeling.gemma3_mla; transformers with attnkit imported) and the families it takes.
+TARGET_FAMILIES = {"deepseek-v3": SUPPORTED, "gemma3-mla": ("gemma3",)}
 #: What a refused family can do instead: convert gqa|mqa keeps the family's own stock architecture.
 INSTEAD = "`attnkit convert gqa|mqa` shrinks its cache in its own stock architecture"
 REFUSED = {
     "olmo2": "QK-norm over the full projection width is not linear in the input and DeepseekV3 has no such norm",
     "gemma2": "attention logit soft-capping and post-attention/post-MLP norms have no DeepseekV3 counterpart",
-    "gemma3": "per-head QK-norm and post-attention/post-MLP norms have no DeepseekV3 counterpart",
+    "gemma3": "per-head QK-norm and post-attention/post-MLP norms have no DeepseekV3 counterpart (pass --target "
+    "gemma3-mla for attnkit's Gemma 3 layout with MLA attention, which only transformers runs)",
     "phi3": "partial rotary and a fused qkv/gate_up layout are not converted",
 }
 ROPE_TYPES = ("default", "linear", "llama3")  # frequency rules that depend only on the frequency value
@@ -40,9 +44,10 @@ class MLARequest(RewriteRequest):
     options: MLAOptions = field(default_factory=MLAOptions)
     latent_norm: str = "auto"  # auto | anchor | span (engine-safe, attnkit.ops.latent_norm) | bias (transformers)
     engine: str = "any"  # serving engines the output must run in (attnkit.engines.targets)
+    target: str = "deepseek-v3"  # the output's architecture (TARGET_FAMILIES)
 
 
-LATENT_NORMS = ("auto", "anchor", "span", "bias")
+LATENT_NORMS = ("auto", "anchor", "span", "bias")  # and "none", which --target gemma3-mla sets
 
 
 @dataclass
@@ -51,13 +56,17 @@ class MLASource(Source):
 
     shape: MLAShape  # latent_rank = R - 1 (R cached latent values per token and layer), rope_dim = P
     layer_names: list[dict]  # per layer: role -> tensor name
-    rope: dict  # the source's rope_parameters (rope_type, rope_theta, ...)
+    rope: dict  # the source's rope_parameters (rope_type, rope_theta, ...), or per layer type (Gemma 3)
     q_lora: bool  # the query goes through q_a_proj / q_b_proj
     warnings: list[str]
+    target: str = "deepseek-v3"
+    layer_types: list[str] | None = None  # per layer (sliding_attention / full_attention) where the config has them
 
     @property
     def rank(self) -> int:
-        return self.shape.latent_rank + 1
+        """Cached latent values per token and layer: the latent and its norm channel, or for --target gemma3-mla
+        the latent and one key RMS factor per KV head."""
+        return self.shape.latent_rank + (self.spec.num_kv_heads if self.target == "gemma3-mla" else 1)
 
     @property
     def augmented(self) -> bool:
@@ -133,16 +142,25 @@ def _ranks(req: MLARequest, spec, augmented: bool) -> tuple[int, int]:
     return rank, rope
 
 
-def _rope_parameters(ckpt) -> dict:
-    """The source's rope parameters as transformers reads them (rope_theta, rope_type, scaling keys)."""
+def _rope_parameters(ckpt) -> tuple[dict, list[str] | None]:
+    """(the source's rope parameters as transformers reads them (rope_theta, rope_type, scaling keys), or a dict of
+    them per layer type (Gemma 3); the config's layer types or None)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(str(ckpt.root))
     params = dict(getattr(cfg, "rope_parameters", None) or {})
-    params.setdefault("rope_type", "default")
-    if "rope_theta" not in params:
-        raise AttnkitError(f"{ckpt.ref}: no rope_theta in the config")
-    return params
+    layer_types = list(getattr(cfg, "layer_types", None) or []) or None
+    nested = bool(layer_types) and all(isinstance(params.get(t), dict) for t in set(layer_types))
+    for part in [params[t] for t in set(layer_types)] if nested else [params]:
+        part.setdefault("rope_type", "default")
+        if "rope_theta" not in part:
+            raise AttnkitError(f"{ckpt.ref}: no rope_theta in the config")
+        if part["rope_type"] not in ROPE_TYPES:
+            raise AttnkitError(
+                f"{ckpt.ref}: rope_type {part['rope_type']!r} depends on the rotary width; "
+                f"convertible: {', '.join(ROPE_TYPES)}"
+            )
+    return params, layer_types
 
 
 def check_request(req: MLARequest) -> MLASource:
@@ -153,8 +171,16 @@ def check_request(req: MLARequest) -> MLASource:
     _check_route(req)
     check_rewrite(req)
 
-    def check(arch, spec, _config) -> None:  # on a GGUF file's header config: before dequantizing
-        if arch.family in REFUSED or arch.family not in SUPPORTED:
+    def check(arch, spec, config) -> None:  # on a GGUF file's header config: before dequantizing
+        families = TARGET_FAMILIES[req.target]
+        if req.target == "gemma3-mla" and "text_config" in config:
+            raise AttnkitError(f"{req.model}: a multimodal Gemma 3; --target gemma3-mla converts text models")
+        if req.target != "deepseek-v3" and arch.family not in families:
+            raise AttnkitError(
+                f"--target {req.target} takes {', '.join(families)} sources, not {arch.family}; "
+                "leave --target out for the stock DeepseekV3 output"
+            )
+        if arch.family not in families:
             why = REFUSED.get(arch.family) or _unsupported_reason(arch)
             raise AttnkitError(
                 f"{arch.family} cannot be converted to MLA: {why}; supported: {', '.join(SUPPORTED)}; {INSTEAD}"
@@ -165,12 +191,7 @@ def check_request(req: MLARequest) -> MLASource:
 
     src = open_source(req.model, "convert", check)
     spec, arch, prefix = src.spec, src.arch, src.prefix
-    rope = _rope_parameters(src.ckpt)
-    if rope["rope_type"] not in ROPE_TYPES:
-        raise AttnkitError(
-            f"{req.model}: rope_type {rope['rope_type']!r} depends on the rotary width; "
-            f"convertible: {', '.join(ROPE_TYPES)}"
-        )
+    rope, layer_types = _rope_parameters(src.ckpt)
     layer_names = []
     for layer in range(spec.num_layers):
         roles = {r: arch.tensor_name(r, layer, prefix) for r in ATTN_ROLES}
@@ -181,8 +202,23 @@ def check_request(req: MLARequest) -> MLASource:
         layer_names.append(roles)
     augmented = any(r in layer_names[0] for r in ("q_bias", "k_bias", "v_bias"))
     rank, rope_dim = _ranks(req, spec, augmented)
-    shape = MLAShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, rank - 1, rope_dim)
-    mla_src = MLASource(**src.fields(), shape=shape, layer_names=layer_names, rope=rope, q_lora=False, warnings=[])
+    extra = spec.num_kv_heads if req.target == "gemma3-mla" else 1  # cached besides the latent proper
+    if req.target == "gemma3-mla" and (augmented or rank <= extra):
+        raise UsageError(
+            f"--target gemma3-mla: {'q/k/v biases are not written' if augmented else ''}"
+            f"{'' if augmented else f'--kv-lora-rank {rank} leaves no latent beside the {extra} key RMS factors'}"
+        )
+    shape = MLAShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, rank - extra, rope_dim)
+    mla_src = MLASource(
+        **src.fields(),
+        shape=shape,
+        layer_names=layer_names,
+        rope=rope,
+        q_lora=False,
+        warnings=[],
+        target=req.target,
+        layer_types=layer_types,
+    )
     _check_engine(req, mla_src)
     return mla_src
 
@@ -202,10 +238,19 @@ def _unsupported_reason(arch) -> str:
 
 
 def _check_route(req: MLARequest) -> None:
-
+    """--target, --engine and --latent-norm, and whether they go together (a target other than deepseek-v3 runs in
+    transformers only: --engine becomes transformers)."""
+    if req.target not in TARGET_FAMILIES:
+        raise UsageError(f"--target must be one of {', '.join(TARGET_FAMILIES)}, got {req.target!r}")
+    if req.target != "deepseek-v3":
+        if req.engine not in ("any", "transformers"):
+            raise UsageError(f"--target {req.target} runs in transformers only, not in {req.engine}")
+        if req.latent_norm != "auto":
+            raise UsageError(f"--target {req.target} has no latent norm; leave --latent-norm {req.latent_norm} out")
+        req.engine, req.latent_norm = "transformers", "none"
     if req.engine not in TARGETS:
         raise UsageError(f"--engine must be one of {', '.join(TARGETS)}, got {req.engine!r}")
-    if req.latent_norm not in LATENT_NORMS:
+    if req.latent_norm not in LATENT_NORMS and not (req.target != "deepseek-v3" and req.latent_norm == "none"):
         raise UsageError(f"--latent-norm must be one of {', '.join(LATENT_NORMS)}, got {req.latent_norm!r}")
     if req.latent_norm == "bias" and req.engine not in ("any", "transformers"):
         raise UsageError(

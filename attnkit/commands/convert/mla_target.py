@@ -1,4 +1,5 @@
-"""The DeepseekV3 checkpoint `convert mla` writes: its config and the tensor names and shapes it must hold."""
+"""The checkpoint `convert mla` writes: its config (a stock DeepseekV3, or with --target gemma3-mla attnkit's Gemma 3
+MLA layout, attnkit.modeling.gemma3_mla) and the tensor names and shapes it must hold."""
 
 from __future__ import annotations
 
@@ -15,7 +16,31 @@ if TYPE_CHECKING:
 TARGET = get_arch("deepseek_v3")
 
 
+def target_arch(config):
+    """The registry entry of the result's architecture (TARGET, or gemma3_mla's)."""
+    return get_arch(config.model_type)
+
+
 def target_config(src: MLASource, bias_route: bool):
+    """The config of the result: DeepseekV3 (deepseek_config), or Gemma3MLAConfig for --target gemma3-mla."""
+    return gemma3_mla_config(src) if src.target == "gemma3-mla" else deepseek_config(src, bias_route)
+
+
+def gemma3_mla_config(src: MLASource):
+    """The source's Gemma 3 text config with the MLA shape (kv_lora_rank R, qk_rope_head_dim P) added."""
+    from transformers import AutoConfig
+
+    from attnkit.modeling.gemma3_mla import ARCHITECTURE, Gemma3MLAConfig
+
+    fields = AutoConfig.from_pretrained(str(src.root)).to_dict()
+    for key in ("model_type", "architectures", "transformers_version", "quantization_config"):
+        fields.pop(key, None)
+    config = Gemma3MLAConfig(**fields, kv_lora_rank=src.shape.latent_rank, qk_rope_head_dim=src.shape.rope_dim)
+    config.architectures = [ARCHITECTURE]
+    return config
+
+
+def deepseek_config(src: MLASource, bias_route: bool):
     """The DeepseekV3Config of the result: dense MLPs in every layer, no experts, the source's rope.
 
     Written for the engines' loaders as well as transformers: `architectures`, expert counts 0 with no
@@ -71,20 +96,23 @@ def target_config(src: MLASource, bias_route: bool):
 
 
 def expected_shapes(config) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of the target, from a DeepseekV3ForCausalLM built on the meta device."""
+    """Tensor names and shapes of the target, from its model class built on the meta device."""
     import torch
     from transformers import DeepseekV3ForCausalLM
 
+    from attnkit.modeling.gemma3_mla import Gemma3MLAConfig, Gemma3MLAForCausalLM
+
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config)
+        model = (Gemma3MLAForCausalLM if isinstance(config, Gemma3MLAConfig) else DeepseekV3ForCausalLM)(config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
-        shapes.pop(TARGET.head_name, None)
+        shapes.pop(target_arch(config).head_name, None)
     return shapes
 
 
-def target_attention_names(expected: dict, num_layers: int) -> list[str]:
+def target_attention_names(config, expected: dict) -> list[str]:
     """Each layer's attention module in the result (e.g. model.layers.3.self_attn), from its tensor names
     (expected_shapes) and the registry's templates."""
-    prefix = find_prefix(TARGET, expected)
-    return [attention_module_name(TARGET.tensors["o"], prefix, layer) for layer in range(num_layers)]
+    arch = target_arch(config)
+    prefix = find_prefix(arch, expected)
+    return [attention_module_name(arch.tensors["o"], prefix, layer) for layer in range(config.num_hidden_layers)]

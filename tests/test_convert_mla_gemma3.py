@@ -1,0 +1,148 @@
+"""`attnkit convert mla --target gemma3-mla` on tiny Gemma 3 checkpoints: exactness at full rank (QK-norm
+included), the layout's cache and sliding windows, loading through attnkit, and the refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnkit.cli import app
+from attnkit.io.source import open_source
+from tests.helpers import FAST_CALIB, one_line_error, tiny_source
+from tests.tiny import build_model, save_model
+
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+def _gemma3(tmp_path: Path, **overrides) -> Path:
+    """A tiny Gemma 3: MQA, head_dim 8, a 16-token window on layers 0 and 2, softmax scale 20^-1/2 (not D^-1/2)."""
+    return tiny_source(
+        tmp_path,
+        "gemma3",
+        num_key_value_heads=1,
+        head_dim=8,
+        num_hidden_layers=3,
+        sliding_window=16,
+        query_pre_attn_scalar=20,
+        layer_types=LAYER_TYPES,
+        **overrides,
+    )
+
+
+def _convert(runner, src: Path, out: Path, *args: str):
+    return runner.invoke(
+        app, ["convert", "mla", str(src), str(out), *FAST_CALIB, "--target", "gemma3-mla", *args, "--format", "json"]
+    )
+
+
+@pytest.fixture(scope="module")
+def full_rank(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """(source, result, report) of a conversion at P = D and a latent wider than the input, no o_proj refit."""
+    from typer.testing import CliRunner
+
+    tmp = tmp_path_factory.mktemp("gemma3_full_rank")
+    src, out = _gemma3(tmp), tmp / "out"
+    args = ["--kv-lora-rank", "72", "--rope-dim", "8", "--o-refit", "0", "--device", "cpu"]
+    result = _convert(CliRunner(), src, out, *args)
+    assert result.exit_code == 0, result.output
+    return src, out, json.loads(result.stdout)
+
+
+def test_full_rank_equals_the_source(full_rank):
+    """P = D and a latent wider than the input: the result equals the source, QK-norm included (the layout applies
+    its per-token RMS factors exactly), over 60 tokens, past the 16-token window, with the sliding and full
+    layers' own RoPE bases and a softmax scale that is not D^-1/2; measured 7e-7 on logits of size 0.6."""
+    from transformers import AutoModelForCausalLM
+
+    import attnkit.modeling  # noqa: F401  (registers attnkit_gemma3_mla)
+
+    src, out, report = full_rank
+    assert report["target_model_type"] == "attnkit_gemma3_mla" and report["parameters"]["target"] == "gemma3-mla"
+    assert all(row["qk_norm"] == "exact" and row["latent_norm"] == "none" for row in report["layers"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "attnkit_gemma3_mla" and config["architectures"] == ["Gemma3MLAForCausalLM"]
+    assert config["layer_types"] == LAYER_TYPES and config["sliding_window"] == 16
+    assert config["kv_lora_rank"] == report["kv_lora_rank"] - 1  # one key RMS factor per KV head beside it
+    result_model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ids = torch.randint(3, 200, (1, 60), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = result_model(ids).logits, source(ids).logits
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+
+
+def test_budget_output_caches_the_latent_and_decodes_as_it_scores(runner, tmp_path):
+    """At half the cache the result generates with a cache of R latent and P RoPE-key values per token and layer,
+    the sliding layers holding at most the window, and greedy decoding agrees with one forward pass over its
+    output (the cache and the masks agree); `attnkit eval --reference` loads it and reports by distance."""
+    from transformers import AutoModelForCausalLM
+
+    import attnkit.modeling  # noqa: F401
+
+    src, out = _gemma3(tmp_path), tmp_path / "out"
+    result = _convert(runner, src, out, "--kv-budget", "0.5", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    rank, rope = report["kv_lora_rank"], report["rope_dim"]
+    assert rank + rope == 8 and report["kv_bytes_per_token"]["elements_after"] == 8
+    assert open_source(str(out), "inspect").spec.kv_elements_per_token() == 8  # what kvmem and inspect count
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    prompt = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        gen = model.generate(
+            prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False, return_dict_in_generate=True
+        )
+        logits = model(gen.sequences).logits
+    shapes = [(layer.keys.shape[-2:], layer.values.shape[-1]) for layer in gen.past_key_values.layers]
+    assert [v for _, v in shapes] == [rope] * 3 and all(k[-1] == rank for k, _ in shapes)
+    assert [k[0] for k, _ in shapes] == [15, 35, 15]  # sliding layers keep window - 1 tokens, the full one all
+    assert torch.equal(logits[0, 5:-1].argmax(-1), gen.sequences[0, 6:])
+    scored = runner.invoke(
+        app, ["eval", str(out), "--reference", str(src), "--text", "abc " * 130, "--seq-len", "256", "--format", "json"]
+    )
+    assert scored.exit_code == 0, scored.output
+    by_distance = json.loads(scored.stdout)["by_distance"]
+    assert by_distance and all(b["kl_mean"] is not None and b["kl_mean"] >= 0 for b in by_distance)
+
+
+def test_final_cap_is_applied_once(runner, full_rank, tmp_path):
+    """The layout keeps Gemma3ForCausalLM's own final soft-cap: attnkit's loader must not add its own on top."""
+    from attnkit.runtime import load_model
+
+    _, out, _ = full_rank
+    capped = tmp_path / "capped"
+    result = runner.invoke(app, ["retrofit", "softcap", str(out), str(capped), "--final-cap", "0.05"])
+    assert result.exit_code == 0, result.output
+    ids = torch.randint(3, 200, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        raw = load_model(out, device="cpu").model(ids).logits
+        got = load_model(capped, device="cpu").model(ids).logits
+    assert raw.abs().max() > 0.1  # the cap bites
+    torch.testing.assert_close(got, 0.05 * torch.tanh(raw / 0.05), rtol=1e-4, atol=1e-6)
+
+
+def test_verify_refuses_the_layout(runner, full_rank):
+    _, out, _ = full_rank
+    one_line_error(runner.invoke(app, ["verify", str(out)]), 1, "runs in transformers only")
+
+
+@pytest.mark.parametrize(
+    "family,args,code,needle",
+    [
+        ("gemma3", [], 1, "pass --target gemma3-mla"),
+        ("llama", ["--target", "gemma3-mla"], 1, "--target gemma3-mla takes gemma3 sources, not llama"),
+        ("gemma3", ["--target", "gemma3-mla", "--engine", "vllm"], 2, "runs in transformers only"),
+        ("gemma3", ["--target", "gemma3-mla", "--latent-norm", "bias"], 2, "leave --latent-norm bias out"),
+        ("gemma3", ["--target", "deepseek"], 2, "--target must be one of deepseek-v3, gemma3-mla"),
+    ],
+)
+def test_target_refusals_are_one_line_before_work(runner, tmp_path, family, args, code, needle):
+    folder = tmp_path / family
+    save_model(build_model(family, num_key_value_heads=1), folder)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", "mla", str(folder), str(out), *FAST_CALIB, "--kv-budget", "0.5", *args])
+    one_line_error(result, code, needle)
+    assert not out.exists()
