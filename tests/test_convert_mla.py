@@ -366,3 +366,13 @@ def test_calibration_shorter_than_the_mla_default_is_warned_about(runner, tmp_pa
     warnings = json.loads(result.stdout)["warnings"]
     assert any("calibrated on 512 tokens" in w for w in warnings)
     assert json.loads((out / "attnkit.json").read_text())["warnings"] == warnings
+
+
+def test_linear_rope_source_with_layer_types_converts(runner, tmp_path):
+    """A Qwen2 (its config lists layer_types) with linear RoPE: the rotary frequencies come from its flat rope
+    parameters (transformers' init function is not asked for a layer type), and the stock result runs it."""
+    rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    src = tiny_source(tmp_path, "qwen2", num_key_value_heads=1, rope_parameters=rope)
+    result = _convert(runner, src, tmp_path / "out", "--kv-budget", "0.5", "--engine", "transformers")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]["rope_type"] == "linear"

@@ -22,13 +22,12 @@ def _gemma3(tmp_path: Path, **overrides) -> Path:
     return tiny_source(
         tmp_path,
         "gemma3",
-        num_key_value_heads=1,
         head_dim=8,
         num_hidden_layers=3,
         sliding_window=16,
         query_pre_attn_scalar=20,
         layer_types=LAYER_TYPES,
-        **overrides,
+        **{"num_key_value_heads": 1, **overrides},
     )
 
 
@@ -71,6 +70,30 @@ def test_full_rank_equals_the_source(full_rank):
     ids = torch.randint(3, 200, (1, 60), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want = result_model(ids).logits, source(ids).logits
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+
+
+def test_full_rank_with_two_kv_heads_equals_the_source(runner, tmp_path):
+    """Two KV heads whose raw keys differ by a factor of 2 (so their normalized keys, and the one shared RoPE key,
+    agree): exact only if each query head's keys are scaled by its own group's cached RMS factor."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    import attnkit.modeling  # noqa: F401
+
+    src, out = _gemma3(tmp_path, num_key_value_heads=2), tmp_path / "out"
+    tensors = load_file(src / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("k_proj.weight")]:
+        tensors[name][8:] = 2 * tensors[name][:8]  # [Hkv*D, n]: KV head 1 = 2 x KV head 0
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    args = ["--kv-lora-rank", "72", "--rope-dim", "8", "--o-refit", "0", "--device", "cpu"]
+    result = _convert(runner, src, out, *args)
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["kv_lora_rank"] == 70  # 72 less one factor per KV head
+    ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(ids).logits
     assert (got - want).abs().max() < 1e-5 * want.abs().max()
 
 

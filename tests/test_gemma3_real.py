@@ -114,9 +114,9 @@ def test_rewrites_that_do_not_apply_refuse_with_their_reason(runner, tmp_path):
 
 def test_convert_mla_target_gemma3_mla_halves_the_cache(runner, tmp_path):
     """convert mla --target gemma3-mla of the GGUF at half the cache: attnkit's Gemma 3 MLA layout loads, caches
-    R + Hkv + P = 256 values per token and layer (the source 512), keeps QK-norm exact, and scores within a bound
-    on held-out text (these 256 calibration tokens: 5.7x on 512 tokens of heldout.txt in 256-token windows;
-    docs/convert-mla.md has the 4096-token figures)."""
+    256 values per token and layer (latent, key factor, RoPE key; the source 512), keeps QK-norm exact, and
+    scores within a bound on held-out text (these 256 calibration tokens: 5.7x on 512 tokens of heldout.txt in
+    256-token windows; docs/convert-mla.md has the 4096-token figures)."""
     out = tmp_path / "mla"
     args = ["convert", "mla", str(gemma3_gguf()), str(out), "--target", "gemma3-mla", "--kv-budget", "0.5", *CALIB]
     args += ["--eval", HELDOUT, "--eval-tokens", "512", "--eval-seq-len", "256", "--eval-long-seq-len", "0"]

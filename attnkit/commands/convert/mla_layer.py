@@ -36,8 +36,8 @@ def source_freqs(src: MLASource, layer: int):
         return float(rope["rope_theta"]) ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     cfg = AutoConfig.from_pretrained(str(src.root))
     cfg.head_dim = d
-    layer_type = src.layer_types[layer] if src.layer_types else None
-    kwargs = {"layer_type": layer_type} if layer_type else {}
+    per_type = rope is not src.rope  # rope parameters per layer type (Gemma 3): the init function picks by type
+    kwargs = {"layer_type": src.layer_types[layer]} if per_type else {}
     inv_freq, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, "cpu", **kwargs)
     return inv_freq.to(torch.float64)
 

@@ -54,7 +54,7 @@ LATENT_NORMS = ("auto", "anchor", "span", "bias")  # and "none", which --target 
 class MLASource(Source):
     """The checked source, its layer shape and RoPE parameters, and the route the conversion takes."""
 
-    shape: MLAShape  # latent_rank = R - 1 (R cached latent values per token and layer), rope_dim = P
+    shape: MLAShape  # latent_rank = R - 1, or R - Hkv for gemma3-mla (R: cached latent values per token), rope_dim = P
     layer_names: list[dict]  # per layer: role -> tensor name
     rope: dict  # the source's rope_parameters (rope_type, rope_theta, ...), or per layer type (Gemma 3)
     q_lora: bool  # the query goes through q_a_proj / q_b_proj
@@ -203,6 +203,8 @@ def check_request(req: MLARequest) -> MLASource:
     augmented = any(r in layer_names[0] for r in ("q_bias", "k_bias", "v_bias"))
     rank, rope_dim = _ranks(req, spec, augmented)
     extra = spec.num_kv_heads if req.target == "gemma3-mla" else 1  # cached besides the latent proper
+    if req.target == "gemma3-mla" and rope_dim > spec.head_dim:
+        raise UsageError(f"--target gemma3-mla: --rope-dim {rope_dim} is past the head dim {spec.head_dim}")
     if req.target == "gemma3-mla" and (augmented or rank <= extra):
         raise UsageError(
             f"--target gemma3-mla: {'q/k/v biases are not written' if augmented else ''}"
@@ -291,11 +293,10 @@ def _check_engine(req: MLARequest, src: MLASource) -> None:
         src.warnings.append(
             f"RoPE key padded from the head dim {spec.head_dim} to {src.shape.rope_dim} dims (zero rows)"
         )
-    if src.rank > max_rank(spec, src.augmented):
-        src.warnings.append(
-            f"latent padded: the source's keys and values have rank "
-            f"{max_rank(spec, src.augmented) - 1}; the extra channels steady the latent norm"
-        )
+    kv_rank = max_rank(spec, src.augmented) - 1  # of the stacked keys and values
+    if src.shape.latent_rank > kv_rank:
+        why = "are zero" if src.target == "gemma3-mla" else "steady the latent norm"
+        src.warnings.append(f"latent padded: the source's keys and values have rank {kv_rank}; extra channels {why}")
 
 
 def _activation(config: dict) -> str | None:

@@ -12,12 +12,10 @@ from attnkit.runtime.calibrate import attention_module_name
 if TYPE_CHECKING:
     from attnkit.commands.convert.mla_request import MLASource
 
-#: The architecture the result has: its tensor names come from the registry (attnkit/archs/data/deepseek_v3.json).
-TARGET = get_arch("deepseek_v3")
-
 
 def target_arch(config):
-    """The registry entry of the result's architecture (TARGET, or gemma3_mla's)."""
+    """The registry entry of the result's architecture (attnkit/archs/data/deepseek_v3.json or gemma3_mla.json):
+    the tensor names it is written under."""
     return get_arch(config.model_type)
 
 
