@@ -292,7 +292,8 @@ def family_tables(rows: dict, family: str) -> list[str]:
     lines += ["", "Commands (SRC: the source folder, DIR: --work):", ""]
     for model in models:
         if model in commands:
-            lines.append(f"- {model}: `attnkit {portable(commands[model], Path('DIR'), Path('SRC'))}`")
+            command = commands[model].format(src="SRC", out=f"DIR/{model}", work="DIR")
+            lines.append(f"- {model}: `attnkit {portable(command, Path('DIR'), Path('SRC'))}`")
     missing = [m for m in commands if m not in models]
     if missing:
         lines += ["", "Not measured yet (in MODELS, no rows): " + ", ".join(missing) + "."]
