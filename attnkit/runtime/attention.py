@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     from attnkit.ops.mla import MLAShape
 
 
-def deepseek_attention(config, layer: int, tensors: dict, device):
+def target_attention(config, layer: int, tensors: dict, device):
     """The converted layer as the target's attention module (sdpa, fp32) and its rotary embedding `(x, pos) ->
     (cos, sin)`: a stock DeepseekV3Attention, or for an attnkit_gemma3_mla config its Gemma3MLAAttention on
     the layer type's rotary embedding (attnkit.modeling.gemma3_mla)."""
@@ -79,7 +79,7 @@ def replace_output_once(module, config, layer: int, tensors: dict, device, input
     """Hook `module` (a source attention) so that its next output is the converted layer's, run on its input
     times input_scale [n] when given; the hook then removes itself, freeing the converted module (calibration is
     one forward pass)."""
-    converted = {"modules": deepseek_attention(config, layer, tensors, device)}
+    converted = {"modules": target_attention(config, layer, tensors, device)}
 
     def hook(_module, args, kwargs, output):
         attn, rotary = converted.pop("modules")

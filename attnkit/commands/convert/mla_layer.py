@@ -16,7 +16,7 @@ from attnkit.ops.mla import MLAOptions, MLAShape, convert_layer
 from attnkit.ops.mla_deepseek import attention_tensors, engine_tensors, per_query_head, q_lora_readout, query_rows
 from attnkit.ops.orefit import refit_o
 from attnkit.ops.qknorm_fold import fit_fold, folded_weights, mean_fold
-from attnkit.runtime.attention import deepseek_attention, run_attention, source_attention_inputs
+from attnkit.runtime.attention import run_attention, source_attention_inputs, target_attention
 from attnkit.runtime.calibrate import input_moments
 
 if TYPE_CHECKING:
@@ -297,7 +297,7 @@ def refit_o_proj(
     q_norm and k_norm in weights; window: the source layer's sliding window)."""
     if rope is None or scaling is None:
         raise AttnkitError("o_proj refit needs the source's rotary embedding and softmax scale")
-    attn, rotary = deepseek_attention(config, layer, tensors, device)
+    attn, rotary = target_attention(config, layer, tensors, device)
     x = hidden.detach().to(device).float()
     _, z_new = run_attention(attn, rotary, x if input_scale is None else x * input_scale.to(x))
     del attn  # its float32 weights (0.75 GiB at a 70B width) are not needed for the fit
