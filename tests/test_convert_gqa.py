@@ -128,8 +128,9 @@ def test_every_family_merges_losslessly_and_generates(runner, tmp_path, family):
     )
     qk_norm = family in ("qwen3", "gemma3", "olmo2")
     assert {row["key_path"] for row in report["layers"]} == {"mean (qk-norm)" if qk_norm else "merge"}
-    # The o_proj refit needs plain causal attention: no QK-norm, soft-cap or window shorter than 64 tokens.
-    refit = family in ("llama", "llama_gqa", "qwen2", "gemma", "phi3")
+    # The o_proj refit needs attnkit's reference attention to be the model's: no QK-norm or soft-cap (a window
+    # shorter than the 64-token calibration windows is part of it: Mistral's 16).
+    refit = family in ("llama", "llama_gqa", "mistral", "qwen2", "gemma", "phi3")
     assert {row["value_path"] for row in report["layers"]} == {"merge + o refit" if refit else "merge"}
     assert torch.allclose(_logits(out, IDS), _logits(src, IDS), atol=LOGIT_ATOL, rtol=0)
     model = AutoModelForCausalLM.from_pretrained(str(out))
@@ -247,6 +248,34 @@ def test_manifest_names_a_gguf_source_as_gguf(tmp_path):
     assert record["kind"] == "gguf" and record["dequantized"] == str(tmp_path) and len(record["digest"]) == 64
     plain = Source("x", Checkpoint("x", "folder", {}, root=tmp_path), None, Spec(), "", frozenset()).record()
     assert plain["kind"] == "folder" and plain["dequantized"] is None
+
+
+def test_the_merge_reference_attention_is_a_sliding_layers_own(tmp_path):
+    """What the merge's key weights and o_proj refit compute as the layer's attention (attnkit.ops.attnweight)
+    equals Mistral's sliding layer, 40 tokens past a window of 16; without the window it would not."""
+    from transformers import AutoModelForCausalLM
+
+    from attnkit.ops.attnweight import causal_attention, key_token_weights
+
+    model = AutoModelForCausalLM.from_pretrained(str(_source(tmp_path, "mistral")), dtype=torch.float32).eval()
+    attn, seen = model.model.layers[0].self_attn, {}
+    attn.register_forward_pre_hook(lambda _m, _a, kw: seen.update(kw), with_kwargs=True)
+    attn.o_proj.register_forward_pre_hook(lambda _m, args: seen.update(z=args[0]))
+    with torch.no_grad():
+        model(IDS[:1])
+    x, (cos, sin), d = seen["hidden_states"], seen["position_embeddings"], attn.head_dim
+    q, k, v = (proj(x).reshape(1, IDS.shape[1], -1, d) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    window = model.config.sliding_window
+    assert window == 16
+    with torch.no_grad():
+        z = causal_attention(q, k, v, cos, sin, attn.scaling, window)  # [1, T, H*D]
+        assert torch.allclose(z, seen["z"], atol=1e-5)
+        assert not torch.allclose(causal_attention(q, k, v, cos, sin, attn.scaling), seen["z"], atol=1e-3)
+        # a window of one token: each key weighs the energies of the queries at its own position
+        w = key_token_weights(q, k, cos, sin, attn.scaling, window=1)  # [Hkv, T]
+    groups = q.shape[2] // k.shape[2]
+    energy = q.square().sum(-1)[0].T.reshape(k.shape[2], groups, -1).sum(1)  # [Hkv, T]
+    assert torch.allclose(w, energy.double(), rtol=1e-6)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])

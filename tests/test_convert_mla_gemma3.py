@@ -169,3 +169,18 @@ def test_target_refusals_are_one_line_before_work(runner, tmp_path, family, args
     result = runner.invoke(app, ["convert", "mla", str(folder), str(out), *FAST_CALIB, "--kv-budget", "0.5", *args])
     one_line_error(result, code, needle)
     assert not out.exists()
+
+
+def test_a_request_checked_twice_is_accepted_the_second_time_as_the_first(tmp_path):
+    """check_request sets the target's route (engine transformers, no latent norm); checking it again accepts it."""
+    from attnkit.commands.convert.mla_request import MLARequest, check_request
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text("calibration text")
+    req = MLARequest(
+        model=str(_gemma3(tmp_path)), out=tmp_path / "out", calib=[str(calib)], target="gemma3-mla", kv_budget=0.5
+    )
+    check_request(req)
+    assert (req.engine, req.latent_norm) == ("transformers", "none")
+    check_request(req)
+    assert (req.engine, req.latent_norm) == ("transformers", "none")

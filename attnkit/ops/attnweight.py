@@ -19,9 +19,15 @@ def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 def key_token_weights(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scaling: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    scaling: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """w[j, b*T + n] = sum_{h reading j} sum_m p_hmn |q_hm|^2 under causal softmax attention.
+    """w[j, b*T + n] = sum_{h reading j} sum_m p_hmn |q_hm|^2 under causal softmax attention (window: a sliding
+    layer's).
 
     q: [B, T, H, D], k: [B, T, Hkv, D] (before RoPE), cos/sin: [B, T, R].  -> [Hkv, B*T] float64.
     """
@@ -29,7 +35,7 @@ def key_token_weights(
     num_kv = k.shape[2]
     qr, kr = rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin)
     q_energy = q.square().sum(-1)  # [B, T, H] (RoPE keeps the norm)
-    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()  # [T(m), T(n)]
+    mask = causal_mask(t, window, q.device)  # [T(m), T(n)]
     out = torch.zeros(num_kv, batch, t, dtype=torch.float64)
     for h in range(heads):
         j = h // (heads // num_kv)

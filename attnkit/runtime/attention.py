@@ -10,15 +10,17 @@ if TYPE_CHECKING:
 
 
 def target_attention(config, layer: int, tensors: dict, device):
-    """The converted layer as the target's attention module (sdpa, fp32) and its rotary embedding `(x, pos) ->
+    """The converted layer as the target's attention module (sdpa, values padded on the CPU: padded_attention; fp32) and its rotary embedding `(x, pos) ->
     (cos, sin)`: a stock DeepseekV3Attention, or for an attnkit_gemma3_mla config its Gemma3MLAAttention on
     the layer type's rotary embedding (attnkit.modeling.gemma3_mla)."""
     import torch
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
     from attnkit.modeling.gemma3_mla import Gemma3MLAAttention, Gemma3MLAConfig
+    from attnkit.runtime import padded_attention
 
-    config._attn_implementation = "sdpa"
+    padded_attention.register()
+    config._attn_implementation = padded_attention.ATTN_NAME
     gemma = isinstance(config, Gemma3MLAConfig)
     with torch.device("meta"):  # no initial weights: the tensors are assigned in float32 (one copy)
         attn = (Gemma3MLAAttention if gemma else DeepseekV3Attention)(config, layer)

@@ -12,7 +12,8 @@ from attnkit.errors import AttnkitError
 PROBE = "attnkit_probe"  # wraps sdpa, gets sdpa's boolean masks
 PROBE_EAGER = "attnkit_probe_eager"  # wraps the model's own eager function, gets additive float masks
 PROBE_SOFTCAP = "attnkit_probe_softcap"  # wraps attnkit_softcap (runtime/capped_attention.py), additive float masks
-_BASES = {PROBE: "sdpa", PROBE_EAGER: "eager", PROBE_SOFTCAP: "attnkit_softcap"}
+PROBE_PADDED = "attnkit_probe_padded"  # wraps attnkit_sdpa (runtime/padded_attention.py), gets sdpa's boolean masks
+_BASES = {PROBE: "sdpa", PROBE_EAGER: "eager", PROBE_SOFTCAP: "attnkit_softcap", PROBE_PADDED: "attnkit_sdpa"}
 
 #: callback(module, query, key, attention_mask, kwargs) of the model being probed.
 _callback: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("attnkit_probe_callback", default=None)
@@ -54,13 +55,15 @@ def _register() -> None:
     AttentionMaskInterface.register(PROBE_EAGER, eager_mask)
     AttentionInterface.register(PROBE_SOFTCAP, _make(PROBE_SOFTCAP))
     AttentionMaskInterface.register(PROBE_SOFTCAP, eager_mask)
+    AttentionInterface.register(PROBE_PADDED, _make(PROBE_PADDED))
+    AttentionMaskInterface.register(PROBE_PADDED, sdpa_mask)
 
 
 @contextlib.contextmanager
 def attention_hook(model, callback: Callable) -> Iterator[None]:
     """Within the block, every attention call of `model` also calls callback(module, query, key, mask, kwargs)."""
     base = model.config._attn_implementation
-    name = {"sdpa": PROBE, "eager": PROBE_EAGER, "attnkit_softcap": PROBE_SOFTCAP}.get(base)
+    name = {v: k for k, v in _BASES.items()}.get(base)
     if name is None:
         raise AttnkitError(f"attention implementation {base!r} cannot be probed; load the model with sdpa or eager")
     _register()

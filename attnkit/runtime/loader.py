@@ -163,6 +163,7 @@ def load_model(
     import attnkit.modeling  # noqa: F401  (registers attnkit's own model types with the Auto classes)
     from attnkit.io.finite import is_finite
     from attnkit.runtime.capped_attention import apply_softcaps
+    from attnkit.runtime.padded_attention import use_padded_sdpa
 
     hf_logging.disable_progress_bar()
     dev = resolve_device(device)
@@ -198,6 +199,7 @@ def load_model(
     tokenizer = load_tokenizer(ckpt.root)
     model.eval()
     apply_softcaps(model)  # config soft-caps that stock transformers ignores for this family
+    use_padded_sdpa(model)  # MLA's narrower values: the fused CPU kernel rather than the math path
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -175,8 +175,9 @@ def _calibrate(req: ConvertRequest, src: GQASource, spill: LayerSpill) -> tuple[
         def on_layer(layer: int, hidden, rope, scaling):
             weights = _read_layer(reader, src.layer_names[layer])
             plain = req.method == "merge" and reference_attention_ok(
-                src.spec, layer, req.calib_seq_len, rope, scaling, "sinks" in src.arch.tensors
+                src.spec, layer, rope, scaling, "sinks" in src.arch.tensors
             )
+            window = src.spec.layer_windows[layer]
             attention_weighted = plain and req.options.key_weight == "attention"
             plans[layer] = plan_layer(  # the covariances (0.5 GiB each at a 70B width) are freed on return
                 weights,
@@ -184,13 +185,15 @@ def _calibrate(req: ConvertRequest, src: GQASource, spill: LayerSpill) -> tuple[
                 req.method,
                 input_covariance(hidden, augment),
                 req.options,
-                attention_key_covariance(weights, hidden, rope, scaling, src.shape, augment)
+                attention_key_covariance(weights, hidden, rope, scaling, src.shape, augment, window)
                 if attention_weighted
                 else None,
             )
             converted = apply_plan(weights, plans[layer], src.shape)
             if plain and req.options.o_refit:
-                refit = refit_output(weights, converted, hidden, rope, scaling, src.shape, req.options.o_refit)
+                refit = refit_output(
+                    weights, converted, hidden, rope, scaling, src.shape, req.options.o_refit, window
+                )
                 converted["o"] = refit.to(weights["o"].dtype)
                 plans[layer].value_path = "merge + o refit"
             spill.put(layer, converted)

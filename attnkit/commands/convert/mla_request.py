@@ -247,7 +247,7 @@ def _check_route(req: MLARequest) -> None:
     if req.target != "deepseek-v3":
         if req.engine not in ("any", "transformers"):
             raise UsageError(f"--target {req.target} runs in transformers only, not in {req.engine}")
-        if req.latent_norm != "auto":
+        if req.latent_norm not in ("auto", "none"):  # "none": what this check sets (a request checked again)
             raise UsageError(f"--target {req.target} has no latent norm; leave --latent-norm {req.latent_norm} out")
         req.engine, req.latent_norm = "transformers", "none"
     if req.engine not in TARGETS:

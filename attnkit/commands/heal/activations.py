@@ -3,14 +3,18 @@ the model's own transformers code on the meta device (shapes only: no weights, n
 hooks, at two window lengths.
 
 The count is of distinct storages the layer saves, its parameters left out. It grows as b T + c T^2 with the
-window T; the meta device runs attention as math, so c is the attention probabilities' share, which heal's memory
-plan counts apart (only where the real kernel keeps them: memory.keeps_scores). `per_token` returns b.
+window T. The layer's attention runs the CPU's fused SDPA kernel (`fused_on_meta`: torch's sdpa would take the
+math path on meta), values padded as attnkit.runtime.padded_attention pads them, so it saves what the real
+kernel saves; probabilities, where an eager attention keeps them, heal's memory plan counts apart
+(memory.keeps_scores). `per_token` returns b.
 """
 
 from __future__ import annotations
 
 import inspect
 
+#: Name of `fused_on_meta` in transformers' AttentionInterface (with sdpa's mask).
+META_ATTN = "attnkit_meta_fused"
 #: Window lengths of the two meta runs (any two give b and c; short keeps the run cheap).
 LENGTHS = (64, 128)
 
@@ -39,6 +43,8 @@ def _one_layer(config: dict) -> tuple:
     cfg = AutoConfig.for_model(config["model_type"], **values)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    _register()
+    model.set_attn_implementation(META_ATTN)
     model.train()
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     return inner.layers[0], getattr(inner, "rotary_emb", None), (values.get("layer_types") or [None])[0]
@@ -66,3 +72,27 @@ def _saved_bytes(layer, rotary, layer_type, seq_len: int, hidden: int) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x, **kwargs)
     return sum(saved.values())
+
+
+def fused_on_meta(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Causal attention through the CPU's fused kernel op (it runs on meta tensors), values zero-padded to the key
+    width: what the CPU saves for the backward pass. query [B, H, T, Dk], key [B, Hkv, T, Dk], value
+    [B, Hkv, T, Dv] -> (output [B, T, H, Dv], None)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # [B, H, T, D*]
+    width = value.shape[-1]
+    value = F.pad(value, [0, key.shape[-1] - width])  # [B, H, T, Dk]
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, True, scale=scaling)
+    return out[..., :width].transpose(1, 2), None  # [B, T, H, Dv]
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(META_ATTN, fused_on_meta)
+    AttentionMaskInterface.register(META_ATTN, sdpa_mask)

@@ -431,7 +431,7 @@ VAL_PASS_TOKENS = 1024
 
 
 def val_batch(seq_len: int) -> int:
-    """Validation windows per forward pass: long windows go one at a time (an unfused attention holds
+    """Validation windows per forward pass: long windows go one at a time (an eager attention holds
     windows x heads x T^2 probabilities)."""
     return max(1, VAL_PASS_TOKENS // seq_len)
 

@@ -8,7 +8,7 @@ or where that cannot run an estimate of 6 h + 4 i values: the norms' inputs and 
 attention output, the MLP's four intermediates; with gradient checkpointing only each layer's input, plus one
 layer's activations while it is recomputed) and the logits (student, teacher and the log-softmax buffers: 3 x
 vocabulary values per token); and RUNTIME for the interpreter, torch and the data. Where the student's attention
-kernel is not fused (see `keeps_scores`) every layer also keeps its attention probabilities, heads x T^2 values
+runs eager math (see `keeps_scores`) every layer also keeps its attention probabilities, heads x T^2 values
 per window, plus SCORE_BUFFERS more of them in flight in the layer being computed: the term that grows fastest
 with the window. With `--teacher-logits top-k` the teacher is not in memory while the student trains (its
 targets are computed first, then it is freed): the peak is the larger of training without the teacher (logits:
@@ -49,27 +49,22 @@ class Shapes:
     intermediate: int
     vocab: int
     heads: int = 1
-    unfused: str = ""  # why the student's attention cannot take a fused kernel on CPU ("" where it can)
     eager: bool = False  # soft-capped: eager math on every device
     saved_per_token: int | None = None  # bytes one layer keeps per token (activations.per_token); None: estimate
 
 
-def keeps_scores(s: Shapes, device_type: str) -> bool:
+def keeps_scores(s: Shapes) -> bool:
     """Whether the student's attention materializes its probabilities [B, H, T, T] (and keeps them for the
-    backward pass): eager attention (soft-capped models), or torch's CPU SDPA, whose fused kernel wants the same
-    width for queries, keys and values (MLA's values are narrower: the math path). CUDA's memory-efficient
-    kernel takes narrower values."""
-    return s.eager or (device_type == "cpu" and bool(s.unfused))
+    backward pass): eager attention (soft-capped models). SDPA is fused on every device, MLA's narrower values
+    included (attnkit.runtime.padded_attention pads them on the CPU)."""
+    return s.eager
 
 
 def _attention_layout(spec) -> dict:
     """Shapes' attention fields from the student's AttentionSpec (None: a family outside the registry)."""
     if spec is None:
         return {}
-    unfused = (
-        f"query/key width {spec.head_dim} != value width {spec.v_head_dim}" if spec.head_dim != spec.v_head_dim else ""
-    )
-    return {"heads": spec.num_heads, "unfused": unfused, "eager": spec.attn_softcap is not None}
+    return {"heads": spec.num_heads, "eager": spec.attn_softcap is not None}
 
 
 def shapes_of(pair, trained: list[str]) -> Shapes:
@@ -160,7 +155,7 @@ def memory_report(s: Shapes, req, device) -> dict:
     """The plan for the request on `device`: items, total, what is free, whether it fits, and what would fit."""
     copies = processes() if device.type == "cpu" else 1
     live, shards = req.teacher_logits == "live", processes() if req.fsdp else 1
-    scores = keeps_scores(s, device.type)
+    scores = keeps_scores(s)
     chosen = plan(
         s, req.micro_batch_size, req.seq_len, req.lora_rank, req.gradient_checkpointing, copies, live, shards, scores
     )
@@ -172,16 +167,10 @@ def memory_report(s: Shapes, req, device) -> dict:
         "available": free,
         "fits": fits,
         "fitting_options": [] if fits else _fitting(s, req, HEADROOM * free, copies, shards, scores),
-        "attention_kernel": _kernel(s, scores),
+        "attention_kernel": "eager (soft-capped)" if scores else "fused",
         "activations_per_token_layer": _layer_values(s) * BYTES,
         "activations_counted": "estimate" if s.saved_per_token is None else "one layer run on the meta device",
     }
-
-
-def _kernel(s: Shapes, scores: bool) -> str:
-    if not scores:
-        return "fused"
-    return "eager (soft-capped)" if s.eager else f"math: {s.unfused}"
 
 
 def _fitting(s: Shapes, req, budget: float, copies: int, shards: int, scores: bool) -> list[dict]:
