@@ -80,6 +80,9 @@ GEMMA3_MODELS = {
     "{work}/prose-2.jsonl --calib {work}/code.txt --calib-seq-len 2048 --calib-tokens 8192",
     "gemma3-mla-75-calib-mixed": "convert mla {src} {out} --target gemma3-mla --kv-budget 0.75 --calib "
     "{work}/prose-2.jsonl --calib {work}/code.txt --calib-seq-len 2048 --calib-tokens 8192",
+    # 75% as 128 latent (incl. the key factor) + a 256-wide RoPE key: every key position-exact, the latent for values
+    "gemma3-mla-75-p256-calib-mixed": "convert mla {src} {out} --target gemma3-mla --kv-lora-rank 128 --rope-dim 256 "
+    "--calib {work}/prose-2.jsonl --calib {work}/code.txt --calib-seq-len 2048 --calib-tokens 8192",
 }
 #: --family -> (its source folder, its rewrites, the name of its source rows)
 FAMILIES = {

@@ -824,14 +824,15 @@ def test_the_plan_of_sharded_lora_divides_the_frozen_weights_and_the_adapters_st
 
 
 def test_the_plan_of_topk_holds_the_teacher_only_while_it_computes_the_targets(runner, pair, tmp_path):
-    from attnkit.commands.heal.memory import RUNTIME
+    from attnkit.commands.heal.memory import LOGIT_BUFFERS, RUNTIME, TOPK_LOGIT_BUFFERS
 
     shape = ("--micro-batch-size", "4", "--seq-len", "256", "--val-tokens", "256", "--dry-run")
     live = json.loads(_heal(runner, pair, tmp_path / "a", *shape).stdout)["memory"]
     cached = json.loads(_heal(runner, pair, tmp_path / "b", *shape, "--teacher-logits", "top-k").stdout)["memory"]
     assert cached["items"]["teacher"] == 0 < live["items"]["teacher"]
-    assert cached["items"]["logits"] * 3 == live["items"]["logits"] * 2  # no teacher logits beside the student's
-    teacher_pass = live["items"]["teacher"] + live["items"]["logits"] * 2 // 3 + RUNTIME
+    # no teacher logits, nor the KL's full-vocabulary terms, beside the student's
+    assert cached["items"]["logits"] * LOGIT_BUFFERS == live["items"]["logits"] * TOPK_LOGIT_BUFFERS
+    teacher_pass = live["items"]["teacher"] + live["items"]["logits"] * 2 // LOGIT_BUFFERS + RUNTIME
     assert cached["total"] == max(sum(cached["items"].values()), teacher_pass) < live["total"]
 
 

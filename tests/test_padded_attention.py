@@ -61,3 +61,5 @@ def test_equal_widths_keep_sdpa_and_a_padded_model_can_be_probed(tmp_path):
             probed = model(input_ids=ids).logits
     assert model.config._attn_implementation == "attnkit_sdpa"  # restored after the probe
     assert len(calls) == model.config.num_hidden_layers and torch.equal(probed, plain)
+    model.save_pretrained(tmp_path / "saved")  # what heal writes: the runtime's choice stays out of the checkpoint
+    assert "attnkit_sdpa" not in (tmp_path / "saved" / "config.json").read_text()

@@ -6,13 +6,14 @@ AdamW's two moments; per micro-batch the student's activations kept for the back
 what one layer of the student's own code saves, counted on the meta device by attnkit.commands.heal.activations,
 or where that cannot run an estimate of 6 h + 4 i values: the norms' inputs and outputs, the rotated query, the
 attention output, the MLP's four intermediates; with gradient checkpointing only each layer's input, plus one
-layer's activations while it is recomputed) and the logits (student, teacher and the log-softmax buffers: 3 x
-vocabulary values per token); and RUNTIME for the interpreter, torch and the data. Where the student's attention
+layer's activations while it is recomputed) and the logits (LOGIT_BUFFERS x vocabulary values per token: the
+teacher's, the student's and what the loss and its backward pass hold beside them); and RUNTIME for the interpreter, torch and the data. Where the student's attention
 runs eager math (see `keeps_scores`) every layer also keeps its attention probabilities, heads x T^2 values
 per window, plus SCORE_BUFFERS more of them in flight in the layer being computed: the term that grows fastest
 with the window. With `--teacher-logits top-k` the teacher is not in memory while the student trains (its
 targets are computed first, then it is freed): the peak is the larger of training without the teacher (logits:
-2 x vocabulary values per token) and the teacher's pass (its weights and 2 x vocabulary values per token).
+TOPK_LOGIT_BUFFERS x vocabulary values per token) and the teacher's pass (its weights and 2 x vocabulary values
+per token).
 Estimates; docs/heal.md compares them with measured peaks.
 """
 
@@ -33,6 +34,11 @@ RUNTIME = 512 << 20
 #: Attention-probability-sized buffers in flight beside the kept ones in the layer running (scores, the mask made
 #: additive, the softmax output and their gradients), where the kernel is not fused.
 SCORE_BUFFERS = 3
+#: [T, V] buffers at the loss's peak, live teacher: its logits, then the student's, both log-softmaxes, the KL's
+#: terms and the gradients of the backward pass (measured: six beside the teacher's logits).
+LOGIT_BUFFERS = 7
+#: The same with --teacher-logits top-k: the student's logits, their log-softmax and its gradient.
+TOPK_LOGIT_BUFFERS = 3
 #: LoRA rank the refusal suggests.
 SUGGESTED_LORA = 16
 
@@ -142,7 +148,7 @@ def plan(
         "optimizer": 2 * trained // shards,
         "activations": activations,
         "attention": attention,
-        "logits": (3 if live_teacher else 2) * tokens * s.vocab,
+        "logits": (LOGIT_BUFFERS if live_teacher else TOPK_LOGIT_BUFFERS) * tokens * s.vocab,
     }
     items = {k: v * BYTES * copies for k, v in items.items()} | {"runtime": RUNTIME * copies}
     total = sum(items.values())
