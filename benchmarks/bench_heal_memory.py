@@ -102,12 +102,13 @@ def render(write: bool) -> None:
         "",
         "`python benchmarks/bench_heal_memory.py run --work DIR`, then `render --write`: heal's memory plan "
         "(`--dry-run`) against the measured peak of the same options run for two optimizer steps (SmolLM2-135M "
-        "teacher, fp32, CPU, micro-batch 1, Wikipedia text). The MLA student's queries and keys are 128 wide "
-        "and its values 64, so torch's CPU attention takes the math path and keeps every layer's attention "
-        "probabilities (heads x T^2 values) for the backward pass; the MQA student's widths agree and it takes the "
-        "fused kernel. The plan is compared with the peak of anonymous memory (polled every 0.2 s: what the plan "
-        "counts); the maximum RSS (/usr/bin/time) adds the models' files mapped in memory, about 1.2 GiB here, "
-        "page cache the kernel can reclaim.",
+        "teacher, fp32, CPU, micro-batch 1, Wikipedia text). Both students take sdpa's fused kernel (the MLA "
+        "student's 64-wide values padded to its 128-wide keys, attnkit/runtime/padded_attention.py; rows of "
+        "12a9d77 ran it on the math path, which kept every layer's probabilities, and counted the loss's logits "
+        "as 3 [T, V] buffers, 7 since 607a3bd; the 557034f row ran on 607a3bd's plan). The plan is compared with "
+        "the peak of anonymous memory (polled every 0.2 s: what the plan counts); the maximum RSS "
+        "(/usr/bin/time) adds the models' files mapped in memory, about 1.2 GiB here, page cache the kernel can "
+        "reclaim.",
         "",
         "| run | commit | plan GiB | activations GiB | attention GiB | logits GiB | peak anonymous GiB | "
         "max RSS GiB | anonymous / plan |",

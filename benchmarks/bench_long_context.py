@@ -78,10 +78,15 @@ MODELS = {
 GEMMA3_MODELS = {
     "gemma3-mla-50-calib-mixed": "convert mla {src} {out} --target gemma3-mla --kv-budget 0.5 --calib "
     "{work}/prose-2.jsonl --calib {work}/code.txt --calib-seq-len 2048 --calib-tokens 8192",
-    "gemma3-mla-75-calib-mixed": "convert mla {src} {out} --target gemma3-mla --kv-budget 0.75 --calib "
-    "{work}/prose-2.jsonl --calib {work}/code.txt --calib-seq-len 2048 --calib-tokens 8192",
+    # 75% as 256 latent (incl. the key factor) + a 128-wide RoPE key: --kv-budget 0.75's split before it put every
+    # key dimension in the RoPE key (the next entry's, its split now)
+    "gemma3-mla-75-calib-mixed": "convert mla {src} {out} --target gemma3-mla --kv-lora-rank 256 --rope-dim 128 "
+    "--calib {work}/prose-2.jsonl --calib {work}/code.txt --calib-seq-len 2048 --calib-tokens 8192",
     # 75% as 128 latent (incl. the key factor) + a 256-wide RoPE key: every key position-exact, the latent for values
     "gemma3-mla-75-p256-calib-mixed": "convert mla {src} {out} --target gemma3-mla --kv-lora-rank 128 --rope-dim 256 "
+    "--calib {work}/prose-2.jsonl --calib {work}/code.txt --calib-seq-len 2048 --calib-tokens 8192",
+    # 50% as 64 latent (incl. the key factor) + a 192-wide RoPE key: three quarters of the key pairs position-exact
+    "gemma3-mla-50-p192-calib-mixed": "convert mla {src} {out} --target gemma3-mla --kv-lora-rank 64 --rope-dim 192 "
     "--calib {work}/prose-2.jsonl --calib {work}/code.txt --calib-seq-len 2048 --calib-tokens 8192",
 }
 #: --family -> (its source folder, its rewrites, the name of its source rows)

@@ -184,3 +184,22 @@ def test_a_request_checked_twice_is_accepted_the_second_time_as_the_first(tmp_pa
     assert (req.engine, req.latent_norm) == ("transformers", "none")
     check_request(req)
     assert (req.engine, req.latent_norm) == ("transformers", "none")
+
+
+@pytest.mark.parametrize(
+    "budget,kv_heads,split",
+    [(0.75, 1, (4, 8)), (0.5, 1, (6, 2)), (0.5, 2, (12, 4))],  # D = 8: the source caches 16 values per KV head
+)
+def test_a_budget_puts_every_key_dimension_in_the_rope_key_where_one_kv_head_leaves_the_latent_half_a_head(
+    tmp_path, budget, kv_heads, split
+):
+    """--target gemma3-mla --kv-budget: with one KV head and R = total - D >= D/2, P = D (keys exact, the latent for
+    the values); otherwise, and with more KV heads (one shared RoPE key cannot be exact for them), the usual split."""
+    from attnkit.commands.convert.mla_request import MLARequest, check_request
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text("calibration text")
+    src = _gemma3(tmp_path, num_key_value_heads=kv_heads)
+    req = MLARequest(model=str(src), out=tmp_path / "out", calib=[str(calib)], target="gemma3-mla", kv_budget=budget)
+    checked = check_request(req)
+    assert (checked.rank, checked.shape.rope_dim) == split

@@ -84,6 +84,14 @@ def budget_split(total: int, head_dim: int) -> tuple[int, int]:
     return total - rope, rope
 
 
+def exact_key_split(total: int, head_dim: int) -> tuple[int, int] | None:
+    """(R, P) with every key dimension in the RoPE key (P = D) where `total` leaves the latent at least D/2; None
+    where it does not. For one KV head (--target gemma3-mla of an MQA source): the keys are then exact and the
+    latent holds the values (measured on Gemma 3 270M at 75%, docs/convert-mla.md)."""
+    rank = total - head_dim
+    return (rank, head_dim) if rank >= head_dim // 2 else None
+
+
 def max_rank(spec, augmented: bool) -> int:
     """Largest useful R: the rank of the stacked keys and values (2*Hkv*D, at most the input width) + 1."""
     return min(2 * spec.num_kv_heads * spec.head_dim, spec.hidden_size + int(augmented)) + 1
@@ -104,7 +112,8 @@ def _ranks(req: MLARequest, spec, augmented: bool) -> tuple[int, int]:
         if total < 4:
             raise UsageError(f"--kv-budget {req.kv_budget} leaves {total} cached values per token; need at least 4")
         if shapes is None:
-            rank, rope = budget_split(total, d)
+            exact_keys = req.target == "gemma3-mla" and spec.num_kv_heads == 1
+            rank, rope = (exact_keys and exact_key_split(total, d)) or budget_split(total, d)
         else:
             fitting = [s for s in shapes if sum(s) <= total]
             if not fitting:
