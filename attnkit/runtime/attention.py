@@ -10,9 +10,10 @@ if TYPE_CHECKING:
 
 
 def target_attention(config, layer: int, tensors: dict, device):
-    """The converted layer as the target's attention module (sdpa, values padded on the CPU: padded_attention; fp32) and its rotary embedding `(x, pos) ->
-    (cos, sin)`: a stock DeepseekV3Attention, or for an attnkit_gemma3_mla config its Gemma3MLAAttention on
-    the layer type's rotary embedding (attnkit.modeling.gemma3_mla)."""
+    """The converted layer as the target's attention module (fp32; sdpa, its values padded on the CPU:
+    runtime.padded_attention) and its rotary embedding `(x, pos) -> (cos, sin)`: a stock DeepseekV3Attention, or
+    for an attnkit_gemma3_mla config its Gemma3MLAAttention on the layer type's rotary embedding
+    (attnkit.modeling.gemma3_mla)."""
     import torch
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 

@@ -191,9 +191,7 @@ def _calibrate(req: ConvertRequest, src: GQASource, spill: LayerSpill) -> tuple[
             )
             converted = apply_plan(weights, plans[layer], src.shape)
             if plain and req.options.o_refit:
-                refit = refit_output(
-                    weights, converted, hidden, rope, scaling, src.shape, req.options.o_refit, window
-                )
+                refit = refit_output(weights, converted, hidden, rope, scaling, src.shape, req.options.o_refit, window)
                 converted["o"] = refit.to(weights["o"].dtype)
                 plans[layer].value_path = "merge + o refit"
             spill.put(layer, converted)

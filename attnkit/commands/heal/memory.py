@@ -7,13 +7,13 @@ what one layer of the student's own code saves, counted on the meta device by at
 or where that cannot run an estimate of 6 h + 4 i values: the norms' inputs and outputs, the rotated query, the
 attention output, the MLP's four intermediates; with gradient checkpointing only each layer's input, plus one
 layer's activations while it is recomputed) and the logits (LOGIT_BUFFERS x vocabulary values per token: the
-teacher's, the student's and what the loss and its backward pass hold beside them); and RUNTIME for the interpreter, torch and the data. Where the student's attention
-runs eager math (see `keeps_scores`) every layer also keeps its attention probabilities, heads x T^2 values
-per window, plus SCORE_BUFFERS more of them in flight in the layer being computed: the term that grows fastest
-with the window. With `--teacher-logits top-k` the teacher is not in memory while the student trains (its
-targets are computed first, then it is freed): the peak is the larger of training without the teacher (logits:
-TOPK_LOGIT_BUFFERS x vocabulary values per token) and the teacher's pass (its weights and 2 x vocabulary values
-per token).
+teacher's, the student's and what the loss and its backward pass hold beside them); and RUNTIME for the
+interpreter, torch and the data. Where the student's attention runs eager math (see `keeps_scores`) every layer
+also keeps its attention probabilities, heads x T^2 values per window, plus SCORE_BUFFERS more of them in
+flight in the layer being computed: the term that grows fastest with the window. With `--teacher-logits top-k`
+the teacher is not in memory while the student trains (its targets are computed first, then it is freed): the
+peak is the larger of training without the teacher (logits: TOPK_LOGIT_BUFFERS x vocabulary values per token)
+and the teacher's pass (its weights and 2 x vocabulary values per token).
 Estimates; docs/heal.md compares them with measured peaks.
 """
 
