@@ -45,10 +45,8 @@ def narrow_values(config) -> bool:
     return qk is not None and v is not None and v < qk
 
 
-def use_padded_sdpa(model) -> bool:
-    """Switch `model` from sdpa to `attnkit_sdpa` where its values are narrower; returns whether it switched."""
-    if model.config._attn_implementation != "sdpa" or not narrow_values(model.config):
-        return False
-    register()
-    model.set_attn_implementation(ATTN_NAME)
-    return True
+def use_padded_sdpa(model) -> None:
+    """Switch `model` from sdpa to `attnkit_sdpa` where its values are narrower."""
+    if model.config._attn_implementation == "sdpa" and narrow_values(model.config):
+        register()
+        model.set_attn_implementation(ATTN_NAME)
