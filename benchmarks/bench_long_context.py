@@ -46,6 +46,32 @@ DEPTHS, TRIALS = 3, 2
 #: "mixed" two windows of prose (prose-2.jsonl) then two of Python source.
 LONG_CALIB = "--calib {work}/heal.jsonl --calib-seq-len 2048 --calib-tokens 8192"
 PROSE_CHARS = 10_000
+#: Standard-library modules interleaved with the healing articles in heal-mixed.jsonl (Python source, not the
+#: language reference that is scored as the technical text), and the share of its characters they make.
+CODE_MODULES = (
+    "functools.py",
+    "dataclasses.py",
+    "pathlib.py",
+    "textwrap.py",
+    "shutil.py",
+    "subprocess.py",
+    "enum.py",
+    "inspect.py",
+    "ast.py",
+    "tokenize.py",
+    "csv.py",
+    "datetime.py",
+    "heapq.py",
+    "random.py",
+    "statistics.py",
+    "fractions.py",
+    "typing.py",
+    "logging/__init__.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "collections/__init__.py",
+)
+CODE_SHARE = 1 / 3
 HEAL = "--max-time 30m --seq-len 2048 --batch-size 4 --micro-batch-size 1 --val-tokens 4096 --retrieval-mix 0.25"
 #: name -> attnkit command line after "attnkit" ({src} {out} {work}), in the order they are written; the source
 #: itself is scored as "source".
@@ -70,6 +96,9 @@ MODELS = {
     "mqa-merge-healed": "heal {work}/mqa-merge {out} --teacher {src} --data {work}/heal.jsonl " + HEAL,
     "mla-50-calib-mixed-healed": "heal {work}/mla-50-calib-mixed {out} --teacher {src} --data {work}/heal.jsonl "
     + HEAL,
+    "mla-50-calib-mixed-healed-mixed": "heal {work}/mla-50-calib-mixed {out} --teacher {src} --data "
+    "{work}/heal-mixed.jsonl " + HEAL,
+    "mqa-merge-healed-mixed": "heal {work}/mqa-merge {out} --teacher {src} --data {work}/heal-mixed.jsonl " + HEAL,
 }
 
 
@@ -118,7 +147,24 @@ def prepare(work: Path) -> dict:
         long = [json.loads(line)["text"] for line in lines[: -local_tasks.HELD_OUT]]
         cut = [json.dumps({"text": text[:PROSE_CHARS]}) for text in long if len(text) > PROSE_CHARS][:2]
         (work / "prose-2.jsonl").write_text("\n".join(cut) + "\n")
+    if not (work / "heal-mixed.jsonl").is_file():
+        (work / "heal-mixed.jsonl").write_text(mixed_heal_data(lines[: -local_tasks.HELD_OUT]))
     return texts
+
+
+def mixed_heal_data(article_lines: list[str]) -> str:
+    """The healing articles with CODE_MODULES interleaved (a module whenever code falls under CODE_SHARE of the
+    characters so far) as jsonl; articles left over when the modules run out are kept."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    modules = [json.dumps({"text": (stdlib / name).read_text()}) for name in CODE_MODULES]
+    out, prose, code = [], 0, 0
+    for line in article_lines:
+        out.append(line)
+        prose += len(line)
+        while modules and code < CODE_SHARE * (prose + code):
+            out.append(modules.pop(0))
+            code += len(out[-1])
+    return "\n".join(out + modules) + "\n"
 
 
 def attnkit(*args: str) -> dict:
