@@ -99,6 +99,8 @@ MODELS = {
     "mla-50-calib-mixed-healed-mixed": "heal {work}/mla-50-calib-mixed {out} --teacher {src} --data "
     "{work}/heal-mixed.jsonl " + HEAL,
     "mqa-merge-healed-mixed": "heal {work}/mqa-merge {out} --teacher {src} --data {work}/heal-mixed.jsonl " + HEAL,
+    "mla-50-calib-mixed-healed-mixed-bf16": "heal {work}/mla-50-calib-mixed {out} --teacher {src} --data "
+    "{work}/heal-mixed.jsonl --precision bf16 " + HEAL,
 }
 
 
@@ -277,7 +279,10 @@ def render(write: bool) -> None:
         "Wikipedia excerpt (benchmarks/wiki_corpus.py), which no rewrite was calibrated or healed on; technical: "
         "Python's language reference (benchmarks/eval_texts.py). Each cell: perplexity of the result over the "
         "source's on the same tokens (the source's own perplexity in the first row); the source gets better with "
-        "context, and a rewrite that uses far context as the source does keeps its ratio flat.",
+        "context, and a rewrite that uses far context as the source does keeps its ratio flat. The files in DIR "
+        "(`prepare`): heal.jsonl, the excerpt's other articles (healing, long calibration); heal-mixed.jsonl, the "
+        "same with 21 standard-library modules interleaved, a third of its characters (CODE_MODULES); code.txt, "
+        "argparse.py; prose-2.jsonl, two articles of heal.jsonl cut to 10,000 characters.",
         "",
         *family_tables(rows, "smollm2"),
     ]

@@ -15,8 +15,10 @@ import torch
 from safetensors import safe_open
 
 from attnkit.cli import app
+from attnkit.commands.heal import models as heal_models
 from attnkit.commands.heal.heal import heal
 from attnkit.commands.heal.loop import Interrupted, LoopConfig, batch_indices, lr_at
+from attnkit.commands.heal.models import cpu_has_bf16
 from attnkit.commands.heal.request import HealRequest
 from attnkit.io.safetensors_header import read_headers
 from attnkit.scoring.options import EvalOptions
@@ -559,6 +561,7 @@ def test_dry_run_refuses_a_student_whose_attention_is_the_teachers(runner, pair,
         (["--train", "some"], "--train must be one of rewritten, all"),
         (["--resume"], "holds no heal checkpoint"),
         (["--max-time", "soon", "--tokens", "1"], "not a duration"),
+        (["--precision", "fp16"], "--precision must be one of auto, fp32, bf16, got 'fp16'"),
         (["--retrieval-mix", "0"], "--retrieval-mix is the share of training windows"),
         (["--retrieval-mix", "1.5"], "above 0 and at most 1, got 1.5"),
         (["--retrieval-mix", "0.5"], "needs windows of at least 256 tokens"),
@@ -689,10 +692,12 @@ def test_dry_run_prints_a_memory_plan(runner, pair, tmp_path):
     memory = json.loads(result.stdout)["memory"]
     items = memory["items"]
     assert set(items) == {
-        "teacher", "student", "gradients", "optimizer", "activations", "attention", "logits", "runtime"
+        "teacher", "student", "gradients", "optimizer", "autocast_copies", "activations", "attention", "logits",
+        "runtime",
     }  # fmt: skip
     assert memory["total"] == sum(items.values()) and memory["fits"] and memory["device"] == "cpu"
     assert items["optimizer"] == 2 * items["gradients"] > 0  # AdamW's two moments of the trained values
+    assert items["autocast_copies"] == 0  # fp32 on the CPU by default
     assert items["teacher"] == 4 * sum(p.numel() for p in build_model("llama_gqa").parameters())
     table = runner.invoke(app, ["heal", str(pair[1]), str(tmp_path / "o"), "--teacher", str(pair[0]), "--dry-run"])
     assert "memory: total on cpu" in table.stdout
@@ -948,3 +953,49 @@ def test_heal_trains_with_the_retrieval_mix_and_reports_it(runner, pair, tmp_pat
         and retrieval["windows"] >= 1
         and sum(retrieval["kinds"].values()) == retrieval["windows"]
     )
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no bf16 instructions")
+def test_precision_bf16_trains_under_autocast_on_the_cpu_and_fp32_runs_after_it(runner, pair, tmp_path):
+    runs, scored = {}, ["--eval", str(pair[2]), "--eval-seq-len", "64", "--eval-tokens", "256"]
+    for precision in ("bf16", "fp32"):  # one process: accelerate's per-process precision is set again for fp32
+        result = _heal(runner, pair, tmp_path / precision, "--precision", precision, *scored)
+        assert result.exit_code == 0, result.output
+        runs[precision] = json.loads(result.stdout)
+    bf16, fp32 = runs["bf16"], runs["fp32"]
+    assert bf16["training"]["precision"] == "bf16 autocast" and fp32["training"]["precision"] == "fp32"
+    assert bf16["validation"]["after"]["kl_mean"] < bf16["validation"]["before"]["kl_mean"]
+    # the same first step computed in bf16: close to fp32's loss, not equal to it
+    first = bf16["steps"][0]["loss"], fp32["steps"][0]["loss"]
+    assert first[0] != first[1] and first[0] == pytest.approx(first[1], rel=0.05)
+    items = bf16["memory"]["items"]
+    assert items["autocast_copies"] * 2 == items["gradients"] > 0  # a bf16 copy of each trained value
+    assert _layout(tmp_path / "bf16") == _layout(pair[1])  # written in the student's stored dtypes
+    # the written folder is scored after training in fp32, as before it: what `attnkit eval` gives for it
+    args = [str(tmp_path / "bf16"), str(pair[2]), "--reference", str(pair[0]), "--seq-len", "64", "--max-tokens"]
+    args += ["256", "--device", "cpu", "--format", "json"]
+    result = runner.invoke(app, ["eval", *args])
+    assert result.exit_code == 0, result.output
+    assert bf16["eval"]["after"]["kl_mean"] == pytest.approx(json.loads(result.stdout)["kl_mean"], rel=1e-4)
+
+
+def test_precision_bf16_is_refused_on_a_cpu_without_bf16_instructions(runner, pair, tmp_path, monkeypatch):
+    monkeypatch.setattr(heal_models, "cpu_has_bf16", lambda: False)
+    out = tmp_path / "out"
+    result = _heal(runner, pair, out, "--precision", "bf16")
+    assert result.exit_code == 2 and "this CPU has no bf16 instructions" in result.output, result.output
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no bf16 instructions")
+def test_an_mla_student_heals_in_bf16_through_the_padded_fused_kernel(runner, pair, tmp_path):
+    teacher, _, data = pair
+    student = tmp_path / "mla-25"  # a quarter of the cache: far enough from the teacher to heal in bf16
+    convert = ["convert", "mla", str(teacher), str(student), "--kv-budget", "0.25", "--calib", str(data)]
+    assert runner.invoke(app, [*convert, "--calib-tokens", "256", "--calib-seq-len", "64"]).exit_code == 0
+    args = [str(student), str(tmp_path / "out"), "--teacher", str(teacher), "--data", str(data), *FAST]
+    result = runner.invoke(app, ["heal", *args, "--precision", "bf16", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["training"]["precision"] == "bf16 autocast" and report["memory"]["attention_kernel"] == "fused"
+    assert report["validation"]["after"]["kl_mean"] < 0.9 * report["validation"]["before"]["kl_mean"]

@@ -80,6 +80,12 @@ def register(app: typer.Typer) -> None:
         attn_loss: float = typer.Option(
             0.0, "--attn-loss", help="Weight of the attention-output matching term; 0: off."
         ),
+        precision: str = typer.Option(
+            "auto",
+            "--precision",
+            help="auto (bf16 autocast on a CUDA GPU, fp32 elsewhere), fp32, or bf16 (autocast on the CPU too, where "
+            "it has bf16 instructions).",
+        ),
         teacher_logits: str = typer.Option(
             "live",
             "--teacher-logits",
@@ -152,6 +158,7 @@ def register(app: typer.Typer) -> None:
             micro_batch_size=micro_batch_size,
             seq_len=seq_len,
             attn_loss=attn_loss,
+            precision=precision,
             teacher_logits=teacher_logits,
             top_k=top_k,
             fsdp=fsdp,

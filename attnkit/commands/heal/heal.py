@@ -36,6 +36,7 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
     check_options(req)
     device = check_write(req, inputs=[req.model, req.teacher])  # --device, resolved once
     _check_device(device, req.device)
+    mixed_precision = models.precision_for(device, req.precision)
     check_capability(req.scoring.capability, [req.model, req.teacher])
     _check_checkpoint_folder(req)
     pair = check_pair(req.model, req.teacher, rewritten=req.train != "all")
@@ -44,7 +45,7 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
         check_positions(req, None if limit is None else int(limit))
     if req.lr is None:
         req = dataclasses.replace(req, lr=default_lr(pair.student.config))
-    memory = memory_report(shapes_of(pair, pair.trained), req, device)
+    memory = memory_report(shapes_of(pair, pair.trained), req, device, autocast=mixed_precision == "bf16")
     if not memory["fits"]:
         raise AttnkitError(refusal(memory))
     plan = plan_data(req, pair)
@@ -63,7 +64,7 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
     }
     if req.dry_run:
         return timed(report, started)
-    acc = models.accelerator_for(device)
+    acc = models.accelerator_for(device, mixed_precision)
     run = HealRun(
         req=req,
         pair=pair,

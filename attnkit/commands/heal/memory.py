@@ -123,11 +123,13 @@ def plan(
     live_teacher: bool = True,
     shards: int = 1,
     scores: bool = False,
+    autocast: bool = False,
 ) -> dict:
     """{item: bytes} and the total, for `copies` processes sharing the device's memory (one per GPU; on a CPU
     every process of the run); `live_teacher` False: --teacher-logits top-k; `shards`: --fsdp's processes (each
     holds 1/shards of the student, its gradients and optimizer state, plus one layer gathered whole); `scores`:
-    the attention keeps its probabilities (keeps_scores)."""
+    the attention keeps its probabilities (keeps_scores); `autocast`: bf16 autocast, which keeps a bf16 copy of
+    each trained tensor while a micro-batch runs (the counted fp32 activations stay an upper bound)."""
     if lora_rank:  # adapters on the 2-D weights (rank x (in + out)), the rest trains directly
         trained = sum(lora_rank * (s_[0] + s_[1]) if len(s_) == 2 else _numel(s_) for s_ in s.trainable)
     else:
@@ -146,6 +148,7 @@ def plan(
         + (s.student_params // s.layers if shards > 1 else 0),
         "gradients": trained // shards,
         "optimizer": 2 * trained // shards,
+        "autocast_copies": trained // shards // 2 if autocast else 0,  # bf16: half an fp32 value each
         "activations": activations,
         "attention": attention,
         "logits": (LOGIT_BUFFERS if live_teacher else TOPK_LOGIT_BUFFERS) * tokens * s.vocab,
@@ -157,13 +160,23 @@ def plan(
     return {"items": items, "total": total, "trained_values": trained}
 
 
-def memory_report(s: Shapes, req, device) -> dict:
-    """The plan for the request on `device`: items, total, what is free, whether it fits, and what would fit."""
+def memory_report(s: Shapes, req, device, autocast: bool = False) -> dict:
+    """The plan for the request on `device` (`autocast`: bf16, heal.models.precision_for): items, total, what is
+    free, whether it fits, and what would fit."""
     copies = processes() if device.type == "cpu" else 1
     live, shards = req.teacher_logits == "live", processes() if req.fsdp else 1
     scores = keeps_scores(s)
     chosen = plan(
-        s, req.micro_batch_size, req.seq_len, req.lora_rank, req.gradient_checkpointing, copies, live, shards, scores
+        s,
+        req.micro_batch_size,
+        req.seq_len,
+        req.lora_rank,
+        req.gradient_checkpointing,
+        copies,
+        live,
+        shards,
+        scores,
+        autocast,
     )
     free = free_memory(device)
     fits = free is None or chosen["total"] <= HEADROOM * free
@@ -172,14 +185,14 @@ def memory_report(s: Shapes, req, device) -> dict:
         **chosen,
         "available": free,
         "fits": fits,
-        "fitting_options": [] if fits else _fitting(s, req, HEADROOM * free, copies, shards, scores),
+        "fitting_options": [] if fits else _fitting(s, req, HEADROOM * free, copies, shards, scores, autocast),
         "attention_kernel": "eager (soft-capped)" if scores else "fused",
         "activations_per_token_layer": _layer_values(s) * BYTES,
         "activations_counted": "estimate" if s.saved_per_token is None else "one layer run on the meta device",
     }
 
 
-def _fitting(s: Shapes, req, budget: float, copies: int, shards: int, scores: bool) -> list[dict]:
+def _fitting(s: Shapes, req, budget: float, copies: int, shards: int, scores: bool, autocast: bool) -> list[dict]:
     """The smallest changes of the request that fit `budget`, each with its total: one option, then pairs."""
     choices = []
     if req.micro_batch_size > 1:
@@ -212,6 +225,7 @@ def _fitting(s: Shapes, req, budget: float, copies: int, shards: int, scores: bo
                 settings["live"],
                 shards,
                 scores,
+                autocast,
             )
             if total["total"] <= budget:
                 found.append({"options": " ".join(name for name, _ in combo), "total": total["total"]})

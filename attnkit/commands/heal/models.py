@@ -1,22 +1,46 @@
-"""The models of a heal run: accelerate's Accelerator on the one resolved --device, the teacher and the student
-loaded on it in fp32, and their memory handed back when the teacher leaves."""
+"""The models of a heal run: accelerate's Accelerator on the one resolved --device and --precision, the teacher
+and the student loaded on it in fp32, and their memory handed back when the teacher leaves."""
 
 from __future__ import annotations
 
 from attnkit.commands.heal.output import check_names, stored_layout
+from attnkit.errors import UsageError
 from attnkit.runtime import load_model
 from attnkit.runtime.loader import LoadedModel
 
 
-def accelerator_for(device):
-    """accelerate's Accelerator on `device` (the torch.device --device names): a CUDA GPU trains with bf16
-    autocast (cuda:N chooses it), MPS and the CPU in fp32."""
+def precision_for(device, precision: str) -> str:
+    """accelerate's mixed_precision for --precision on `device`: "bf16" (autocast) or "no" (fp32). auto is bf16
+    on a CUDA GPU only; bf16 needs a CUDA GPU or a CPU with bf16 instructions (UsageError otherwise)."""
+    if precision == "fp32" or (precision == "auto" and device.type != "cuda"):
+        return "no"
+    if device.type == "cpu" and not cpu_has_bf16():
+        raise UsageError("--precision bf16: this CPU has no bf16 instructions (avx512_bf16 or AMX); use fp32")
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--precision bf16 runs on a CUDA GPU or the CPU, not {device.type}; use fp32")
+    return "bf16"
+
+
+def cpu_has_bf16() -> bool:
+    """Whether torch's CPU kernels (oneDNN) have bf16 instructions here: avx512_bf16 or AMX."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def accelerator_for(device, mixed_precision: str):
+    """accelerate's Accelerator on `device` (the torch.device --device names) with `mixed_precision` (precision_for:
+    the forward passes under bf16 autocast, or fp32)."""
     import torch
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device.index)
-    return Accelerator(cpu=device.type == "cpu", mixed_precision="bf16" if device.type == "cuda" else "no")
+    if AcceleratorState._shared_state.get("_mixed_precision", mixed_precision) != mixed_precision:
+        # an earlier heal in this process set another precision; accelerate keeps one per process
+        AcceleratorState._reset_state()
+    return Accelerator(cpu=device.type == "cpu", mixed_precision=mixed_precision)
 
 
 def load_models(run, student: bool = True) -> tuple:

@@ -19,6 +19,8 @@ MAX_LORA_RANK = 1 << 16
 #: The token budget when neither --tokens nor --max-time is given (about 30 minutes for a 135M model on 2 CPU cores).
 DEFAULT_TOKENS = 256 * 1024
 TEACHER_LOGITS = ("live", "top-k")
+#: --precision: auto is bf16 autocast on a CUDA GPU and fp32 elsewhere; bf16 asks for autocast on the CPU too.
+PRECISIONS = ("auto", "fp32", "bf16")
 MAX_TOP_K = 4096
 #: Shortest training window the retrieval mix hides a task in.
 MIN_RETRIEVAL_SEQ_LEN = 256
@@ -47,6 +49,7 @@ class HealRequest(WriteRequest):
     micro_batch_size: int = 4
     seq_len: int = 256
     attn_loss: float = 0.0
+    precision: str = "auto"  # PRECISIONS; resolved against the device by heal.models.precision_for
     teacher_logits: str = "live"  # live: the teacher runs beside the student; top-k: its targets cached once
     top_k: int = 64
     val_tokens: int = 2048
@@ -127,7 +130,11 @@ BOUNDS = {
     "--seq-len": ("seq_len", 2, MAX_TOKENS),
 }
 #: Options that take one of a few words: flag -> (request field, the words).
-CHOICES = {"--train": ("train", TRAIN_CHOICES), "--teacher-logits": ("teacher_logits", TEACHER_LOGITS)}
+CHOICES = {
+    "--train": ("train", TRAIN_CHOICES),
+    "--teacher-logits": ("teacher_logits", TEACHER_LOGITS),
+    "--precision": ("precision", PRECISIONS),
+}
 
 
 def check_options(req: HealRequest) -> None:
