@@ -101,6 +101,11 @@ MODELS = {
     "mqa-merge-healed-mixed": "heal {work}/mqa-merge {out} --teacher {src} --data {work}/heal-mixed.jsonl " + HEAL,
     "mla-50-calib-mixed-healed-mixed-bf16": "heal {work}/mla-50-calib-mixed {out} --teacher {src} --data "
     "{work}/heal-mixed.jsonl --precision bf16 " + HEAL,
+    "mqa-merge-healed-mixed-bf16": "heal {work}/mqa-merge {out} --teacher {src} --data {work}/heal-mixed.jsonl "
+    "--precision bf16 " + HEAL,
+    "mla-50-calib-mixed-healed-mixed-bf16-4k": "heal {work}/mla-50-calib-mixed {out} --teacher {src} --data "
+    "{work}/heal-mixed.jsonl --precision bf16 "
+    + HEAL.replace("--seq-len 2048 --batch-size 4", "--seq-len 4096 --batch-size 2"),
 }
 
 
