@@ -73,6 +73,8 @@ CODE_MODULES = (
 )
 CODE_SHARE = 1 / 3
 HEAL = "--max-time 30m --seq-len 2048 --batch-size 4 --micro-batch-size 1 --val-tokens 4096 --retrieval-mix 0.25"
+#: HEAL on 4096-token windows, the same tokens a step.
+HEAL_4K = "--max-time 30m --seq-len 4096 --batch-size 2 --micro-batch-size 1 --val-tokens 4096 --retrieval-mix 0.25"
 #: name -> attnkit command line after "attnkit" ({src} {out} {work}), in the order they are written; the source
 #: itself is scored as "source".
 MODELS = {
@@ -104,8 +106,7 @@ MODELS = {
     "mqa-merge-healed-mixed-bf16": "heal {work}/mqa-merge {out} --teacher {src} --data {work}/heal-mixed.jsonl "
     "--precision bf16 " + HEAL,
     "mla-50-calib-mixed-healed-mixed-bf16-4k": "heal {work}/mla-50-calib-mixed {out} --teacher {src} --data "
-    "{work}/heal-mixed.jsonl --precision bf16 "
-    + HEAL.replace("--seq-len 2048 --batch-size 4", "--seq-len 4096 --batch-size 2"),
+    "{work}/heal-mixed.jsonl --precision bf16 " + HEAL_4K,
 }
 
 
