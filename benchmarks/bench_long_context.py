@@ -75,6 +75,22 @@ CODE_SHARE = 1 / 3
 HEAL = "--max-time 30m --seq-len 2048 --batch-size 4 --micro-batch-size 1 --val-tokens 4096 --retrieval-mix 0.25"
 #: HEAL on 4096-token windows, the same tokens a step.
 HEAL_4K = "--max-time 30m --seq-len 4096 --batch-size 2 --micro-batch-size 1 --val-tokens 4096 --retrieval-mix 0.25"
+
+
+def two_heals(first: int) -> dict:
+    """The MODELS entries of the 50% result healed in bf16 on the mixed stream by two heals in a row that share 30
+    minutes: `first` minutes on 2048-token windows (HEAL), then the rest on 4096-token ones (HEAL_4K; a student
+    healed already, so its warmup is 2 steps)."""
+    part = f"mla-50-calib-mixed-healed-mixed-bf16-{first}m"
+    common = " {out} --teacher {src} --data {work}/heal-mixed.jsonl --precision bf16 "
+    short = HEAL.replace("--max-time 30m", f"--max-time {first}m")
+    long = HEAL_4K.replace("--max-time 30m", f"--max-time {30 - first}m --warmup-steps 2")
+    return {
+        part: "heal {work}/mla-50-calib-mixed" + common + short,
+        part + "-4k": "heal {work}/" + part + common + long,
+    }
+
+
 #: name -> attnkit command line after "attnkit" ({src} {out} {work}), in the order they are written; the source
 #: itself is scored as "source".
 MODELS = {
@@ -107,6 +123,8 @@ MODELS = {
     "--precision bf16 " + HEAL,
     "mla-50-calib-mixed-healed-mixed-bf16-4k": "heal {work}/mla-50-calib-mixed {out} --teacher {src} --data "
     "{work}/heal-mixed.jsonl --precision bf16 " + HEAL_4K,
+    **two_heals(20),
+    **two_heals(15),
 }
 
 
