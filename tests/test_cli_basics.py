@@ -133,9 +133,9 @@ def test_a_bracketed_path_is_printed_whole_in_a_table(runner, tiny, tmp_path):
     ],
 )
 def test_writing_reports_start_with_one_head_and_end_with_seconds(runner, tiny, tmp_path, args, lead):
-    from tests.helpers import CALIB
+    from tests.helpers import CALIB, char_tokenizer
 
-    src, out = tiny("llama_gqa"), tmp_path / "out"
+    src, out = char_tokenizer(tiny("llama_gqa")), tmp_path / "out"
     command, options = args[:2], args[2:]
     result = runner.invoke(
         app, [*command, str(src), str(out), *options, "--calib", CALIB, "--dry-run", "--format", "json"]

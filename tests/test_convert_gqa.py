@@ -105,6 +105,19 @@ def test_identical_heads_convert_losslessly(runner, tmp_path, family, method):
     assert torch.allclose(_logits(out, IDS), _logits(src, IDS), atol=LOGIT_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("method", ["mean", "merge"])
+def test_identical_heads_of_qwen_shapes_merge_losslessly(runner, tmp_path, method):
+    """Qwen2.5's layout (q/k/v biases, 14 query heads over 2 KV heads of 64, theta 1e6): two identical KV heads
+    become one without loss."""
+    shape = dict(num_attention_heads=14, num_key_value_heads=2, head_dim=64, rope_theta=1e6)
+    src = _source(tmp_path, "qwen2", groups=1, **shape)
+    out = tmp_path / "out"
+    calib = ["--calib", str(_calib(tmp_path)), "--calib-tokens", "256", "--calib-seq-len", "64"]
+    report = _convert(runner, "mqa", str(src), str(out), "--method", method, *calib, "--no-check")
+    assert max(max(row["k_err"], row["v_err"]) for row in report["layers"]) < 1e-6
+    assert torch.allclose(_logits(out, IDS), _logits(src, IDS), atol=LOGIT_ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("family", GROUP_FAMILIES)
 def test_every_family_merges_losslessly_and_generates(runner, tmp_path, family):
     """Merge (keys fall back to mean under QK-norm) on identical heads reproduces the logits; generate runs."""

@@ -102,6 +102,7 @@ def test_dry_run_writes_nothing_and_reports_the_plan(runner, src, tmp_path):
         "calibration",
         "layers",
         "eval",
+        "check",
         "seconds",
     ]
     assert not (tmp_path / "out").exists() and digest(src) == before

@@ -87,6 +87,27 @@ def test_lossless_bias_route_matches_source_logits(runner, tmp_path, family, bia
     assert diff < 1e-4, diff
 
 
+#: A tiny model with Qwen2.5's attention layout: q/k/v biases, 14 query heads over 2 KV heads, head_dim 64 (wider
+#: than hidden / heads), RoPE theta 1e6.
+QWEN_SHAPE = dict(num_attention_heads=14, num_key_value_heads=2, head_dim=64, rope_theta=1e6)
+
+
+def test_lossless_bias_route_on_qwen_shapes(runner, tmp_path):
+    """14 heads of 64 with biases and theta 1e6, over one KV head (DeepSeek's one shared RoPE key is exact for one
+    only), at full rank (R = the rank of the stacked keys and values + 1, P = D): the bias route reproduces the
+    source's logits."""
+    src = tiny_source(tmp_path, "qwen2", True, **{**QWEN_SHAPE, "num_key_value_heads": 1})
+    out = tmp_path / "out"
+    args = ("--kv-lora-rank", "66", "--rope-dim", "64", "--latent-norm", "bias", "--device", "cpu", "--no-check")
+    result = _convert(runner, src, out, *args)
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_attention_heads"] == 14 and config["qk_rope_head_dim"] == 64
+    ids = torch.randint(3, 100, (2, 48), generator=torch.Generator().manual_seed(0))
+    want = _logits(src, ids)
+    assert (want - _logits(out, ids)).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
+
+
 def test_engine_route_carries_biases_without_bias_tensors(runner, tmp_path):
     """Qwen2 (q/k/v biases): the latent's constants come out of the norm exactly, q and RoPE-key biases ride on
     the anchor; the output has no bias tensor and stays close to the source."""
@@ -103,6 +124,39 @@ def test_engine_route_carries_biases_without_bias_tensors(runner, tmp_path):
     src_logits, out_logits = _logits(src, ids), _logits(out, ids)
     rel = ((src_logits - out_logits).norm() / src_logits.norm()).item()
     assert rel < 0.01, rel
+
+
+def _unanchored(runner, tmp_path, *args):
+    """A random tiny Qwen2 (q/k/v biases) calibrated on as few tokens as its width: its anchor fits them and misses
+    held-out ones, so the engine route could not carry its biases."""
+    src = tiny_source(tmp_path, "qwen2", True, num_key_value_heads=1, head_dim=8)
+    out = tmp_path / "out"
+    few = ("--calib-tokens", "128", "--calib-seq-len", "64", "--kv-lora-rank", "17", "--rope-dim", "8")
+    return src, out, _convert(runner, src, out, *few, "--device", "cpu", *args)
+
+
+def test_biases_take_the_bias_route_where_the_anchor_does_not_hold(runner, tmp_path):
+    """The anchor that would carry the biases is measured first; where it does not hold the output is the bias
+    route's (exact, bias tensors, transformers only) and the report says why."""
+    src, out, result = _unanchored(runner, tmp_path)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    params = doc["parameters"]
+    assert params["latent_norm"] == "bias" and params["engine"] == "transformers"
+    assert (
+        params["route_why"].startswith("bias route chosen: the anchor a.x ~ 1") and params["route_why"] in doc["notes"]
+    )
+    assert json.loads((out / "config.json").read_text())["attention_bias"] is True
+    ids = torch.randint(3, 100, (2, 48), generator=torch.Generator().manual_seed(0))
+    assert (_logits(src, ids) - _logits(out, ids)).abs().max().item() < 1e-4
+
+
+def test_a_named_engine_keeps_its_route_and_is_warned(runner, tmp_path):
+    _, out, result = _unanchored(runner, tmp_path, "--engine", "llama.cpp")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["parameters"]["latent_norm"] == "auto" and doc["parameters"]["route_why"] is None
+    assert any("ride on it anyway for --engine llama.cpp" in w for w in doc["warnings"])
 
 
 def test_engine_vllm_snaps_the_budget_or_refuses_before_work(runner, tmp_path):
@@ -349,23 +403,25 @@ def test_converted_layers_wait_on_disk_and_leave_nothing_behind(runner, tmp_path
     assert leftovers(tmp_path, "out", "src") == ([] if fail else ["out"])
 
 
-def test_calibration_shorter_than_the_mla_default_is_warned_about(runner, tmp_path):
-    """convert mla asks for MLA_CALIB_TOKENS calibration tokens by default (fewer lost pass-key retrieval);
-    a text that gives fewer says so in the report and the manifest."""
-    from attnkit.commands.convert.mla import few_calibration_tokens
+def test_calibration_shorter_than_asked_is_refused_before_any_model_loads(runner, tmp_path):
+    """convert mla calibrates on MLA_CALIB_TOKENS tokens by default (fewer lost pass-key retrieval): a text that holds
+    fewer is refused with how much it holds and how to ask for that, before any model loads or folder is made."""
     from attnkit.commands.convert.mla_request import MLARequest
     from attnkit.commands.rewrite import MLA_CALIB_TOKENS, RewriteRequest
+    from tests.helpers import one_line_error
 
     assert MLARequest(model="m", out=tmp_path).calib_tokens == MLA_CALIB_TOKENS == 8192
     assert RewriteRequest(model="m", out=tmp_path).calib_tokens == 2048  # the other rewrites keep theirs
-    assert few_calibration_tokens(MLA_CALIB_TOKENS) == [] and few_calibration_tokens(MLA_CALIB_TOKENS - 1)
     src = tiny_source(tmp_path, "llama_gqa")
+    short = tmp_path / "short.txt"
+    short.write_text("A short text. " * 200)  # 2,800 characters: 5 windows of 512 for the character tokenizer
     out = tmp_path / "out"
-    result = _convert(runner, src, out, "--kv-budget", "0.5", "--device", "cpu")
-    assert result.exit_code == 0, result.output
-    warnings = json.loads(result.stdout)["warnings"]
-    assert any("calibrated on 512 tokens" in w for w in warnings)
-    assert json.loads((out / "attnkit.json").read_text())["warnings"] == warnings
+    args = ["convert", "mla", str(src), str(out), "--calib", str(short), "--kv-budget", "0.5"]
+    result = runner.invoke(app, args)
+    one_line_error(result, 2, "--calib holds 2,560 tokens in windows of 512, fewer than the 8,192")
+    assert "--calib-tokens 2560 to calibrate on what there is" in result.output
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+    assert runner.invoke(app, [*args, "--calib-tokens", "2560", "--no-check"]).exit_code == 0
 
 
 def test_linear_rope_source_with_layer_types_converts(runner, tmp_path):

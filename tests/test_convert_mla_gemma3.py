@@ -171,19 +171,28 @@ def test_target_refusals_are_one_line_before_work(runner, tmp_path, family, args
     assert not out.exists()
 
 
-def test_a_request_checked_twice_is_accepted_the_second_time_as_the_first(tmp_path):
-    """check_request sets the target's route (engine transformers, no latent norm); checking it again accepts it."""
-    from attnkit.commands.convert.mla_request import MLARequest, check_request
+def test_the_target_route_is_the_sources_and_the_request_is_not_edited(tmp_path):
+    """check_request gives the source the target's route (engine transformers, no latent norm) and leaves the request
+    as it was, so checking it again gives the same."""
+    import dataclasses
+
+    from attnkit.commands.convert.mla_request import MLARequest, Route, check_request
 
     calib = tmp_path / "calib.txt"
-    calib.write_text("calibration text")
+    calib.write_text("calibration text " * 100)
     req = MLARequest(
-        model=str(_gemma3(tmp_path)), out=tmp_path / "out", calib=[str(calib)], target="gemma3-mla", kv_budget=0.5
+        model=str(_gemma3(tmp_path)),
+        out=tmp_path / "out",
+        calib=[str(calib)],
+        calib_tokens=512,
+        calib_seq_len=128,
+        target="gemma3-mla",
+        kv_budget=0.5,
     )
-    check_request(req)
-    assert (req.engine, req.latent_norm) == ("transformers", "none")
-    check_request(req)
-    assert (req.engine, req.latent_norm) == ("transformers", "none")
+    before = dataclasses.asdict(req)
+    assert check_request(req).route == Route("transformers", "none")
+    assert dataclasses.asdict(req) == before
+    assert check_request(req).route == Route("transformers", "none")
 
 
 @pytest.mark.parametrize(
@@ -198,8 +207,16 @@ def test_a_budget_puts_every_key_dimension_in_the_rope_key_where_one_kv_head_lea
     from attnkit.commands.convert.mla_request import MLARequest, check_request
 
     calib = tmp_path / "calib.txt"
-    calib.write_text("calibration text")
+    calib.write_text("calibration text " * 100)
     src = _gemma3(tmp_path, num_key_value_heads=kv_heads)
-    req = MLARequest(model=str(src), out=tmp_path / "out", calib=[str(calib)], target="gemma3-mla", kv_budget=budget)
+    req = MLARequest(
+        model=str(src),
+        out=tmp_path / "out",
+        calib=[str(calib)],
+        calib_tokens=512,
+        calib_seq_len=128,
+        target="gemma3-mla",
+        kv_budget=budget,
+    )
     checked = check_request(req)
     assert (checked.rank, checked.shape.rope_dim) == split

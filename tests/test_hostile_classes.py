@@ -392,9 +392,8 @@ def test_a_hub_id_the_hub_would_reject_is_one_line(runner, monkeypatch):
 def test_a_calibration_text_with_no_variation_is_one_line(runner, src, tmp_path):
     flat = tmp_path / "flat.txt"
     flat.write_text("a" * 8000)
-    result = runner.invoke(
-        app, ["convert", "mla", str(src), str(tmp_path / "out"), "--calib", str(flat), "--kv-budget", "0.5"]
-    )
+    args = ["--calib", str(flat), "--calib-tokens", "4096", "--kv-budget", "0.5"]
+    result = runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "out"), *args])
     assert result.exit_code in (0, 1) and "Traceback" not in result.output, result.output
     if result.exit_code == 1:
         one_line_error(result, 1, "calibration")

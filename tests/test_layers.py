@@ -18,6 +18,7 @@ LAYERS = {
     "progress": 1,
     "archs": 2,
     "presets": 2,
+    "data": 2,
     "io": 3,
     "ops": 3,
     "modeling": 3,

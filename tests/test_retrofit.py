@@ -203,6 +203,8 @@ def test_qknorm_anchor_has_no_bias_tensors_and_stays_close(runner, tmp_path, tex
         "qknorm",
         src,
         out,
+        "--method",
+        "anchor",
         "--calib",
         text,
         "--calib-tokens",
@@ -225,6 +227,107 @@ def test_qknorm_anchor_has_no_bias_tensors_and_stays_close(runner, tmp_path, tex
     assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.head_dim == width
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < (0.2 if width == 8 else 0.02), rel  # a dropped pair of 4 costs more than a per-token scale of ~1%
+
+
+def _zero_pair_source(tmp_path, pair: int = 2):
+    """A tiny Qwen2 (q/k/v biases, head_dim 8, no near-constant direction) whose query rows and bias of RoPE pair
+    `pair` are zero in every head: that pair adds nothing to any logit, so giving it up is exact."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_source(tmp_path, "qwen2", biases=True, head_dim=8)
+    weights = load_file(str(src / "model.safetensors"))
+    for name in list(weights):
+        if "q_proj" in name:
+            t = weights[name].clone().view(8, 8, -1) if name.endswith("weight") else weights[name].clone().view(8, 8)
+            t[:, [pair, pair + 4]] = 0.0
+            weights[name] = t.reshape(weights[name].shape).contiguous()
+    save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
+    return src
+
+
+def test_qknorm_bias_method_keeps_the_head_size_and_is_exact_but_for_the_pair_it_gives_up(runner, tmp_path, text):
+    """--method bias: head_dim 8 kept, the weakest pair (here one that carries nothing) holds the pad bias through
+    the q/k bias tensors; q/k/v/o biases written (o zero); logits equal the source's."""
+    src = _zero_pair_source(tmp_path)
+    out = tmp_path / "out"
+    calib = ("--calib", text, "--calib-tokens", "512", "--calib-seq-len", "64")
+    res, doc = _run(runner, "qknorm", src, out, "--method", "bias", *calib, "-f", "json")
+    assert res.exit_code == 0, res.output
+    assert doc["method"] == "bias" and doc["head_dim_after"] == 8 and doc["attention_bias"]
+    assert all(row["dropped_pair"] == 2 for row in doc["layers"])
+    assert any("transformers and vLLM only" in w for w in doc["warnings"])
+    ids = torch.randint(3, 100, (2, 40), generator=torch.Generator().manual_seed(0))
+    want, _ = _logits(src, ids)
+    got, model = _logits(out, ids)
+    attn = model.model.layers[0].self_attn
+    assert type(model).__name__ == "Qwen3ForCausalLM" and attn.o_proj.bias.abs().max() == 0
+    assert float(attn.q_proj.bias.view(8, 8)[0, 2]) == doc["layers"][0]["pad_bias_q"]
+    assert (got - want).abs().max() < 1e-4 * max(1.0, float(want.abs().max()))
+
+
+@pytest.mark.parametrize("method", ["pad", "bias"])
+def test_qknorm_exact_methods_on_qwen_shapes(runner, tmp_path, text, method):
+    """Qwen2.5's layout (q/k/v biases, 14 heads over 2 KV heads of 64, theta 1e6): pad is exact; bias is exact but
+    for the pair it gives up, here one whose query rows and bias are zero."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_source(
+        tmp_path, "qwen2", True, num_attention_heads=14, num_key_value_heads=2, head_dim=64, rope_theta=1e6
+    )
+    weights = load_file(str(src / "model.safetensors"))
+    for name in [n for n in weights if "q_proj" in n]:
+        t = weights[name].clone().view(14, 64, -1) if name.endswith("weight") else weights[name].clone().view(14, 64, 1)
+        t[:, [31, 63]] = 0.0  # the slowest pair
+        weights[name] = t.reshape(weights[name].shape).contiguous()
+    save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "out"
+    calib = ("--calib", text, "--calib-tokens", "512", "--calib-seq-len", "64")
+    res, doc = _run(runner, "qknorm", src, out, "--method", method, *calib, "--no-check", "-f", "json")
+    assert res.exit_code == 0, res.output
+    assert doc["head_dim_after"] == (66 if method == "pad" else 64)
+    if method == "bias":
+        assert all(row["dropped_pair"] == 31 for row in doc["layers"])
+    ids = torch.randint(3, 100, (2, 40), generator=torch.Generator().manual_seed(0))
+    want, _ = _logits(src, ids)
+    got, _ = _logits(out, ids)
+    assert (got - want).abs().max() < 1e-4 * max(1.0, float(want.abs().max()))
+
+
+def test_qknorm_auto_takes_the_anchor_where_it_holds(runner, tmp_path, text):
+    src = _anchored_source(tmp_path, "llama_gqa")
+    calib = ("--calib", text, "--calib-tokens", "512", "--calib-seq-len", "64", "--head-dim", "32")
+    res, doc = _run(runner, "qknorm", src, tmp_path / "out", *calib, "-f", "json")
+    assert res.exit_code == 0, res.output
+    assert doc["method"] == "anchor" and [t["method"] for t in doc["tried"]] == ["anchor"]
+    assert doc["tried"][0]["verdict"] == "ok" and doc["check"]["verdict"] == "ok"
+
+
+def test_qknorm_auto_passes_over_an_anchor_that_does_not_hold(runner, tmp_path, text):
+    """No near-constant direction: a random tiny Qwen2 calibrated on as few tokens as its width, so the anchor fits
+    them all and misses held-out ones. The anchor's held-out error is measured, the anchor is not written, the bias
+    method is, and both say why."""
+    src = _zero_pair_source(tmp_path)
+    calib = ("--calib", text, "--calib-tokens", "128", "--calib-seq-len", "64")
+    res, doc = _run(runner, "qknorm", src, tmp_path / "out", *calib, "-f", "json")
+    assert res.exit_code == 0, res.output
+    tried = doc["tried"]
+    assert doc["method"] == "bias" and [t["method"] for t in tried] == ["anchor", "bias"]
+    assert tried[0]["verdict"] == "not tried" and "on held-out calibration tokens" in tried[0]["why"]
+    assert "--method auto passed over anchor: not tried" in " ".join(res.stderr.split())
+
+
+def test_qknorm_auto_moves_on_when_the_self_check_rejects_the_anchor(runner, tmp_path, text, monkeypatch):
+    from attnkit.scoring import selfcheck
+
+    monkeypatch.setitem(selfcheck.LIMITS, "retrofit qknorm", selfcheck.Limit(1.0, 1.0, "exact"))
+    src = _anchored_source(tmp_path, "llama_gqa")
+    out = tmp_path / "out"
+    calib = ("--calib", text, "--calib-tokens", "512", "--calib-seq-len", "64", "--head-dim", "32")
+    res, doc = _run(runner, "qknorm", src, out, *calib, "-f", "json")
+    assert res.exit_code == 0, res.output
+    assert [(t["method"], t["verdict"]) for t in doc["tried"]][0] == ("anchor", "worse than its limit")
+    assert doc["method"] == "bias" and json.loads((out / "attnkit.json").read_text())["parameters"]["method"] == "bias"
+    assert not list(tmp_path.glob(".out*"))  # the rejected anchor output left nothing behind
 
 
 def test_qknorm_fitted_methods_keep_head_dim_and_kl_improves_on_unit(runner, tiny, text, tmp_path):
@@ -263,7 +366,7 @@ def test_qknorm_refusals(runner, tiny, tmp_path):
     ):
         res, _ = _run(runner, "qknorm", tiny(family), tmp_path / "o", "--method", "pad")
         assert res.exit_code == code and words in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.output
-    for method in ("lsq", "anchor"):
+    for method in ("lsq", "anchor", "auto", "bias"):
         res, _ = _run(runner, "qknorm", tiny("llama"), tmp_path / "o", "--method", method)
         assert res.exit_code == 2 and "--calib" in res.stderr
     res, _ = _run(runner, "qknorm", tiny("llama"), tmp_path / "o", "--method", "pad", "--head-dim", "12")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 
 from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, log_sink, print_notes
-from attnkit.cli.output import Column, eval_caption, render, render_rewrite_scores
-from attnkit.cli.shared import CALIB, CAPABILITY, DEVICE, EVAL, SAMPLES, calib_group, request_fields, writes
+from attnkit.cli.output import Column, eval_caption, finish_check, render, render_rewrite_scores
+from attnkit.cli.shared import CALIB, CAPABILITY, CHECK, DEVICE, EVAL, SAMPLES, calib_group, request_fields, writes
 from attnkit.commands.rewrite import MLA_CALIB_TOKENS
 from attnkit.units import human_bytes
 
@@ -81,6 +81,7 @@ def _gqa(
     ]
     render(report["layers"], columns, fmt, title=f"convert gqa: {shared['model']}", json_obj=report, caption=caption)
     render_rewrite_scores(report["eval"], fmt)
+    finish_check(report, "convert gqa" if kv_heads > 1 else "convert mqa")
 
 
 @app.command(
@@ -91,7 +92,7 @@ def _gqa(
     ),
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY)
+@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY, CHECK)
 def gqa(
     kv_heads: int = typer.Option(
         ..., "--kv-heads", "-g", help="KV heads after conversion; must divide the current count."
@@ -116,7 +117,7 @@ def gqa(
     ),
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY)
+@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY, CHECK)
 def mqa(
     method: str = _GQA["method"],
     sequential: bool = _GQA["sequential"],
@@ -138,7 +139,7 @@ def mqa(
     ),
 )
 @handle_errors
-@writes(DEVICE, calib_group(MLA_CALIB_TOKENS), EVAL, SAMPLES, CAPABILITY)
+@writes(DEVICE, calib_group(MLA_CALIB_TOKENS), EVAL, SAMPLES, CAPABILITY, CHECK)
 def mla(
     kv_lora_rank: int = typer.Option(
         None, "--kv-lora-rank", "-R", help="R: latent values cached per token and layer (one is the norm constant)."
@@ -253,6 +254,7 @@ def mla(
     ]
     render(report["layers"], columns, fmt, title=f"convert mla: {shared['model']}", json_obj=report, caption=caption)
     render_rewrite_scores(report["eval"], fmt)
+    finish_check(report, "convert mla")
 
 
 def register(root: typer.Typer) -> None:

@@ -8,8 +8,8 @@ from typing import List, Optional
 import typer
 
 from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, log_sink, print_notes
-from attnkit.cli.output import Column, render, render_capability, render_rewrite_scores
-from attnkit.cli.shared import CAPABILITY, DEVICE, EVAL, SAMPLES, request_fields, writes
+from attnkit.cli.output import Column, finish_check, render, render_capability, render_rewrite_scores
+from attnkit.cli.shared import CAPABILITY, CHECK, DEVICE, EVAL, SAMPLES, request_fields, writes
 from attnkit.units import human_bytes
 
 
@@ -46,7 +46,12 @@ def register(app: typer.Typer) -> None:
     )
     @handle_errors
     @writes(
-        EVAL, SAMPLES, CAPABILITY, DEVICE, model_help="The rewritten model (e.g. a convert or retrofit output folder)."
+        EVAL,
+        SAMPLES,
+        CAPABILITY,
+        CHECK,
+        DEVICE,
+        model_help="The rewritten model (e.g. a convert or retrofit output folder).",
     )
     def heal_(
         teacher: str = typer.Option(..., "--teacher", "-t", help="The source model the student was rewritten from."),
@@ -214,6 +219,7 @@ def register(app: typer.Typer) -> None:
         if report["eval"]:  # greedy samples, tasks and pass keys against the teacher; what training changed
             render_rewrite_scores(report["eval"], fmt)
             render_capability(report["eval"]["change"], fmt, ("after", "before"))
+        finish_check(report, "heal")
 
 
 def _teacher_tokens(given: str | None, old: str | None) -> str | None:

@@ -265,3 +265,32 @@ def render_rewrite_scores(evaluation: dict | None, fmt: OutputFormat) -> None:
     render_samples(evaluation, fmt)
     render_distance(((evaluation or {}).get("long_context") or {}).get("by_distance"), fmt, ("result", "source"))
     render_capability(evaluation, fmt, ("result", "source"))
+
+
+def finish_check(report: dict, operation: str) -> None:
+    """The self-check's verdict as the last line on stderr (a warning when the output is worse than the rewrite's
+    limit or was not checked); exit 3 when it crossed --max-loss. Nothing without a check (--no-check, --dry-run,
+    nothing written)."""
+    import typer
+    from rich.text import Text
+
+    from attnkit.cli.common import stderr
+    from attnkit.errors import EXIT_THRESHOLD
+    from attnkit.scoring.selfcheck import summary
+
+    block = report.get("check")
+    if not block:
+        return
+    line = summary(block, operation)
+    if block["verdict"] == "ok":
+        stderr.print(Text(line), soft_wrap=True)
+    else:
+        stderr.print(Text.assemble(("warning: ", "bold yellow"), line), soft_wrap=True)
+    if block["over_max_loss"]:
+        worst = block["worst"]
+        crossed = f"x{worst['ratio']:.3f} at {worst['where']}" if worst else "not checked"
+        stderr.print(
+            Text.assemble(("error:", "bold red"), f" self-check {crossed}, above --max-loss {block['max_loss']:g}"),
+            soft_wrap=True,
+        )
+        raise typer.Exit(EXIT_THRESHOLD)

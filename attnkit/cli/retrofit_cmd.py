@@ -7,8 +7,8 @@ from typing import Optional
 import typer
 
 from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, print_notes
-from attnkit.cli.output import Column, eval_caption, render, render_rewrite_scores
-from attnkit.cli.shared import CALIB, CAPABILITY, DEVICE, EVAL, SAMPLES, request_fields, writes
+from attnkit.cli.output import Column, eval_caption, finish_check, render, render_rewrite_scores
+from attnkit.cli.shared import CALIB, CAPABILITY, CHECK, DEVICE, EVAL, SAMPLES, request_fields, writes
 
 app = typer.Typer(
     name="retrofit",
@@ -22,7 +22,8 @@ def _num(v, fmt: str = "{:.4g}") -> str:
 
 
 def _finish(report: dict, rows: list, columns: list, fmt: OutputFormat, title: str, caption: str) -> None:
-    """Print the warnings (stderr), the main table and, outside JSON/CSV, the probe summary table."""
+    """Print the warnings (stderr), the main table and, outside JSON/CSV, the probe summary table; the self-check's
+    verdict last."""
     print_notes(warnings=report.get("warnings", []))
     if report["dry_run"]:
         caption += " (dry run, nothing written)"
@@ -46,6 +47,7 @@ def _finish(report: dict, rows: list, columns: list, fmt: OutputFormat, title: s
             caption="final logits: "
             + ", ".join(f"{k} {_num(v['before'])} -> {_num(v['after'])}" for k, v in final.items()),
         )
+    finish_check(report, f"retrofit {report['retrofit']}")
 
 
 def _cap(text: Optional[str], name: str):
@@ -67,7 +69,7 @@ def _cap(text: Optional[str], name: str):
     ),
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY)
+@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY, CHECK)
 def softcap(
     attn_cap: Optional[str] = typer.Option(
         None, "--attn-cap", help="Attention logit cap C (cap * tanh(z / cap)), or auto."
@@ -124,14 +126,15 @@ def softcap(
     "qknorm", epilog=examples("attnkit retrofit qknorm ./my-model ./qknormed --calib calib.txt --eval heldout.txt")
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY)
+@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY, CHECK)
 def qknorm(
     method: str = typer.Option(
-        "anchor",
+        "auto",
         "--method",
         "-m",
-        help="anchor (no bias tensors, a head size engines run; needs --calib), pad (exact, "
-        "head_dim + 2, bias tensors: transformers only), kl, lsq, scalar or unit "
+        help="auto (anchor where it holds and passes the self-check, else bias; needs --calib), anchor (no bias "
+        "tensors, a head size engines run), bias (head_dim kept, q/k/v/o bias tensors: transformers and vLLM), "
+        "pad (exact, head_dim + 2, bias tensors: transformers only), kl, lsq, scalar or unit "
         "(keep head_dim, fitted on --calib).",
     ),
     head_dim: int = typer.Option(
@@ -154,10 +157,16 @@ def qknorm(
         Column("pad_bias_k", "pad bias k", _num),
         Column("max_rel_error", "max rel. error", _num),
         Column("attention_kl", "attention KL (calib)", _num),
+        Column("anchor_heldout_error", "anchor held-out error", _num),
     ]
     caption = (
         f"{report['model_type']} -> qwen3, method {report['method']}, head_dim {report['head_dim_before']} -> "
         f"{report['head_dim_after']}, attention_bias {report['attention_bias']}"
+    )
+    passed_over = report["tried"][:-1]  # the last one tried is what was written
+    print_notes(
+        [f"--method auto passed over {t['method']}: {t['verdict']} ({t['why']})" for t in passed_over]
+        + ([f"--method auto wrote {report['method']}"] if passed_over else [])
     )
     _finish(report, report["layers"], columns, fmt, f"retrofit qknorm: {shared['model']}", caption)
 
@@ -167,7 +176,7 @@ def qknorm(
     epilog=examples("attnkit retrofit qkclip ./my-model ./clipped --tau 100 --calib calib.txt --eval heldout.txt"),
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY)
+@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY, CHECK)
 def qkclip(
     tau: float = typer.Option(100.0, "--tau", help="Largest attention logit a head may reach on the --calib text."),
     fmt: OutputFormat = FORMAT_OPTION,

@@ -2,7 +2,8 @@
 
 Every command that writes a checkpoint (convert, retrofit, heal, export) gets MODEL and OUT first and the
 output options last (--max-shard-size, --overwrite, --dry-run), plus the groups it asks for: DEVICE,
-CALIB (calibration text), EVAL (evaluation text), SAMPLES (greedy samples) and CAPABILITY (tasks, pass keys). The
+CALIB (calibration text), EVAL (evaluation text), SAMPLES (greedy samples), CAPABILITY (tasks, pass keys) and
+CHECK (the self-check of the output). The
 decorator `writes` adds them to the command's signature and hands their values to it as one mapping, `shared`;
 `request_fields` turns that mapping into the keyword arguments of attnkit.commands.rewrite's requests (the scoring
 groups into one attnkit.scoring.options.EvalOptions).
@@ -78,6 +79,27 @@ SAMPLES = {
     ),
 }
 
+
+#: The self-check every rewrite runs on its output (attnkit.scoring.selfcheck).
+CHECK = {
+    "no_check": (
+        bool,
+        typer.Option(
+            False,
+            "--no-check",
+            help="Skip the self-check of the output against the source (held-out text, short and long windows, "
+            "pass keys; docs/check.md).",
+        ),
+    ),
+    "max_loss": (
+        Optional[float],
+        typer.Option(
+            None,
+            "--max-loss",
+            help="Exit 3 when the self-check's worst perplexity ratio to the source is above this (e.g. 1.2).",
+        ),
+    ),
+}
 
 #: What a rewrite's report scores besides --eval text: task accuracy and pass-key retrieval, source beside result.
 CAPABILITY = {
@@ -189,6 +211,10 @@ def request_fields(shared: dict) -> dict:
         )
     if "eval_files" in shared:
         fields["scoring"] = eval_options(shared)
+    if "no_check" in shared:
+        from attnkit.scoring.selfcheck import CheckOptions
+
+        fields["check"] = CheckOptions(enabled=not shared["no_check"], max_loss=shared["max_loss"])
     return fields
 
 

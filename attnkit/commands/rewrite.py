@@ -13,6 +13,7 @@ from attnkit.runtime.loader import resolve_device
 from attnkit.runtime.texts import check_text_files, check_window_options, make_windows, read_texts
 from attnkit.scoring.capability import check_capability
 from attnkit.scoring.options import EvalOptions, check_eval_options
+from attnkit.scoring.selfcheck import LIMITS, CheckOptions, CheckText, SelfCheck, check_options
 from attnkit.units import MAX_TOKENS, check_bounds
 
 #: convert mla's default calibration tokens: at 2048 (every other rewrite's default) its results kept less pass-key
@@ -43,6 +44,7 @@ class RewriteRequest(WriteRequest):
     calib_tokens: int = 2048
     calib_seq_len: int = 512
     scoring: EvalOptions = field(default_factory=EvalOptions)
+    check: CheckOptions = field(default_factory=CheckOptions)
 
 
 def local_sources(ref: str) -> list[Path]:
@@ -74,8 +76,59 @@ def check_rewrite(req: RewriteRequest) -> None:
     check_window_options(req.calib_seq_len, req.calib_tokens if req.calib else None, CALIB_FLAGS)
     check_bounds("--calib-tokens", req.calib_tokens, 1, MAX_TOKENS)
     check_eval_options(req.scoring)
+    check_options(req.check)
     check_write(req)
     check_capability(req.scoring.capability, [req.model])
+
+
+def check_texts(req: RewriteRequest, src, calibrates: bool) -> None:
+    """Counted with the source's tokenizer, before any model loads: the --calib text holds the --calib-tokens the
+    rewrite calibrates on (when it does: `calibrates`), and the --eval text one window of --eval-seq-len tokens."""
+    from attnkit.errors import AttnkitError
+    from attnkit.runtime.loader import load_tokenizer
+
+    calib = bool(req.calib) and calibrates
+    if not calib and not req.scoring.files:
+        return
+    tokenizer = load_tokenizer(src.root)
+    if tokenizer is None:
+        raise AttnkitError(f"{req.model}: the checkpoint has no tokenizer to turn --calib or --eval text into tokens")
+    if calib:
+        try:
+            windows = calib_windows(tokenizer, req)
+        except AttnkitError as exc:
+            raise UsageError(f"--calib: {exc}") from None
+        need = req.calib_tokens // req.calib_seq_len
+        if windows.shape[0] < need:
+            held = windows.numel()
+            raise UsageError(
+                f"--calib holds {held:,} tokens in windows of {req.calib_seq_len}, fewer than the "
+                f"{need * req.calib_seq_len:,} this rewrite calibrates on (--calib-tokens {req.calib_tokens}): give "
+                f"more --calib text, or --calib-tokens {held} to calibrate on what there is (less text fits the model "
+                "less well: docs/check.md)"
+            )
+    if req.scoring.files:
+        seq_len = req.scoring.seq_len
+        try:
+            make_windows(tokenizer, read_texts(list(req.scoring.files)), seq_len, seq_len)
+        except AttnkitError as exc:
+            raise UsageError(f"--eval: {exc}") from None
+
+
+def self_check(req: RewriteRequest, operation: str, calibration: dict | None) -> SelfCheck | None:
+    """What the rewrite's output is checked on (attnkit.scoring.selfcheck; None with --no-check): the --eval text,
+    else the --calib text past the tokens the rewrite calibrated on (`calibration`: its report entry, None when it
+    read none), held to the limit of `operation`."""
+    if not req.check.enabled:
+        return None
+    if req.scoring.files:
+        text = CheckText(tuple(req.scoring.files), 0, "--eval")
+    elif req.calib:
+        used = calibration["tokens"] if calibration else 0
+        text = CheckText(tuple(req.calib), used, "held-out --calib text" if used else "--calib text")
+    else:
+        text = None  # attnkit's sample text (attnkit.scoring.selfcheck.windows)
+    return SelfCheck(text, LIMITS[operation], req.check)
 
 
 def calib_windows(tokenizer, req: RewriteRequest):

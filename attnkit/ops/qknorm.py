@@ -7,8 +7,10 @@ What is left to fit: the shared post-norm weights g_q, g_k [D] and per-head, per
 scales a_q [H, D], a_k [Hkv, D] (folded into W_q/W_k rows), which change what the RMS measures.
 
 Methods (`fit_layer`): unit (g = 1), scalar (one g per layer), lsq (per RoPE pair, least squares on
-logits), kl (lsq, then gradient descent of a and g on the attention KL). `pad_layer` is exact up to
-|q|^2 / (2 B^2): two extra dims per head carry a large constant bias B that dominates the RMS.
+logits), kl (lsq, then gradient descent of a and g on the attention KL). The pad method is exact up to
+|q|^2 / (4 B^2): two extra dims per head carry a large constant bias B that dominates the RMS; the bias method
+puts B in one dim of the weakest RoPE pair instead (head size kept, that pair given up); the anchor method
+carries B a.x on no bias tensor (a.x ~ 1 fitted, attnkit.ops.anchor).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-METHODS = ("anchor", "pad", "kl", "lsq", "scalar", "unit")
+METHODS = ("auto", "anchor", "bias", "pad", "kl", "lsq", "scalar", "unit")
 
 
 @dataclass
@@ -255,6 +257,15 @@ def weakest_pair(wq: torch.Tensor, wk: torch.Tensor, cov: torch.Tensor, heads: i
     eq, ek = pair_energy(wq.double(), heads), pair_energy(wk.double(), kv_heads)
     ek = ek.repeat_interleave(heads // kv_heads, dim=0)
     return int((eq * ek).sum(0).argmin())
+
+
+def slot_norm_weight(dim: int, zero: list[int], bias: float, eps: float) -> torch.Tensor:
+    """Norm weight [D] of a head whose dim zero[0] holds the constant `bias` B (from a bias tensor) and zero[1]
+    nothing: 0 at `zero`, sqrt(B^2 / D + eps) elsewhere. The RMS is sqrt((|x|^2 + B^2) / D + eps), so a real dim
+    comes out as x / sqrt(1 + |x|^2 / (B^2 + D eps)): relative error about |x|^2 / (2 B^2)."""
+    w = torch.full((dim,), (bias * bias / dim + eps) ** 0.5, dtype=torch.float64)
+    w[zero] = 0.0
+    return w
 
 
 def anchor_norm_weight(new_dim: int, zero: list[int], pad: float, gain: float, scale: float) -> torch.Tensor:

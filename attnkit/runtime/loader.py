@@ -67,6 +67,24 @@ def resolve_device(device: str):
     return dev
 
 
+def cpu_has_bf16() -> bool:
+    """Whether torch's CPU kernels (oneDNN) have bf16 instructions here: avx512_bf16 or AMX."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def native_dtype(device, config: dict) -> str:
+    """The dtype to run a checkpoint in where speed matters more than the last digit: its stored 16-bit dtype where
+    the device computes it natively (a CUDA GPU; bfloat16 on a CPU with bf16 instructions), else float32."""
+    stored = config.get("dtype") or config.get("torch_dtype")
+    if stored not in ("bfloat16", "float16") or device.type == "mps":
+        return "float32"
+    if device.type == "cpu" and (stored != "bfloat16" or not cpu_has_bf16()):
+        return "float32"
+    return stored
+
+
 def resolve_dtype(dtype: str, device, config: dict):
     """auto: float32 on CPU, the stored 16-bit dtype (else float32) on accelerators."""
     import torch

@@ -212,22 +212,25 @@ def token_windows(
     eos: int | None,
     seq_len: int,
     max_windows: int | None = None,
+    skip: int = 0,
 ):
     """LongTensor [N, seq_len] from tokenized pieces (ids, starts a document): each window is `prefix` and then
-    seq_len - len(prefix) tokens of the stream of documents joined by EOS + `prefix`; at most `max_windows`
-    full windows, reading no further than they need. Returns (windows, tokens of the stream read)."""
+    seq_len - len(prefix) tokens of the stream of documents joined by EOS + `prefix`, past its first `skip` tokens
+    (what another set of windows of the same text used); at most `max_windows` full windows, reading no further
+    than they need. Returns (windows, tokens of the stream read after the skipped ones)."""
     import torch
 
     body = seq_len - len(prefix)
     separator = ([eos] if eos is not None else []) + prefix
     stream: list[int] = []
-    need = None if max_windows is None else max_windows * body
+    need = None if max_windows is None else skip + max_windows * body
     for ids, starts in pieces:
         if starts and stream:
             stream.extend(separator)
         stream.extend(ids)
         if need is not None and len(stream) >= need:
             break
+    del stream[:skip]
     n = len(stream) // body
     if max_windows is not None:
         n = min(n, max_windows)
@@ -263,10 +266,12 @@ def make_windows(
     max_tokens: int | None = None,
     *,
     flags: tuple[str, str] = ("--seq-len", "--max-tokens"),
+    skip: int = 0,
 ):
     """LongTensor [N, seq_len] of `texts` (Texts or document strings), <= max_tokens in all: every window starts
-    as the tokenizer starts a text (see text_prefix) and holds seq_len tokens in all. `flags` name the options
-    that set seq_len and max_tokens, for the messages."""
+    as the tokenizer starts a text (see text_prefix) and holds seq_len tokens in all; the first `skip` tokens of
+    the text's stream are passed over (token_windows). `flags` name the options that set seq_len and max_tokens,
+    for the messages."""
     seq_flag, _ = flags
     check_window_options(seq_len, max_tokens, flags)
     if tokenizer is None:
@@ -282,11 +287,13 @@ def make_windows(
         tokenizer.eos_token_id,
         seq_len,
         None if max_tokens is None else max_tokens // seq_len,
+        skip,
     )
     if windows.shape[0] == 0:
         after = f" after the tokenizer's {len(prefix)} start token(s)" if prefix else ""
+        past = f" past the {skip:,} tokens used before" if skip else ""
         raise AttnkitError(
-            f"the text has {read} tokens, shorter than one window of {seq_len}{after}; "
+            f"the text has {read} tokens{past}, shorter than one window of {seq_len}{after}; "
             f"give more text or a smaller {seq_flag}"
         )
     return windows

@@ -17,10 +17,12 @@ from pathlib import Path
 
 from attnkit.runtime import load_model
 from attnkit.runtime.generate import greedy
+from attnkit.runtime.layerwise import LayerStreamed, open_model
 from attnkit.scoring import attention_stats
 from attnkit.scoring.capability import check_capability, run_capability, side_by_side
 from attnkit.scoring.options import EvalOptions
 from attnkit.scoring.perplexity import evaluate
+from attnkit.scoring.selfcheck import SelfCheck, run_check
 
 #: The fields of the "eval" block of a report; null when not asked for (the text ones without --eval text, tasks
 #: and passkey without them).
@@ -135,17 +137,37 @@ def compare_checkpoints(
     result_root: Path,
     device: str,
     *,
+    check: SelfCheck | None = None,
     probe: bool = False,
     extra: Callable[[object], dict] | None = None,
 ) -> dict:
-    """Load source and result (fp32, on `device`) and compare them: {"eval": the Comparison's block, "probe":
-    with `probe` both models' attention statistics (null without it or without --eval text)}. `extra(result)`
-    may check the loaded result (raising on what is wrong) and returns more "eval" entries."""
-    source = load_model(str(source_root), device=device, dtype="float32")
-    result = load_model(str(result_root), device=device, dtype="float32")
-    more = extra(result) if extra is not None else {}
-    comparison = Comparison(options, options.windows(source.tokenizer) if options.files else None)
-    return {
-        "eval": {**comparison(source, result), **more},
-        "probe": comparison.probe(source, result) if probe else None,
-    }
+    """Load source and result (fp32, on `device`) and compare them: {"eval": the Comparison's block (null when
+    `options` score nothing), "probe": with `probe` both models' attention statistics (null without it or without
+    --eval text), "check": the self-check's block (null without `check`)}. `extra(result)` may check the loaded
+    result (raising on what is wrong) and returns more "eval" entries. Without --eval, tasks or pass keys the models
+    are opened as the self-check needs them: in the source's 16-bit dtype where the device computes it natively
+    (attnkit.runtime.loader.native_dtype), whole where they fit, else layer by layer (bounded memory)."""
+    if options or probe:
+        source = load_model(str(source_root), device=device, dtype="float32")
+        result = load_model(str(result_root), device=device, dtype="float32")
+    else:
+        source = open_model(str(source_root), device=device, dtype=_check_dtype(source_root, device))
+        result = open_model(str(result_root), device=device, dtype=str(source.dtype).removeprefix("torch."))
+    out = {"eval": None, "probe": None, "check": None}
+    if options:
+        more = extra(result) if extra is not None else {}
+        comparison = Comparison(options, options.windows(source.tokenizer) if options.files else None)
+        out["eval"] = {**comparison(source, result), **more}
+        out["probe"] = comparison.probe(source, result) if probe else None
+    if check is not None:
+        both_whole = not isinstance(source, LayerStreamed) and not isinstance(result, LayerStreamed)
+        out["check"] = run_check(source, result, check.text, check.limit, check.options, passkeys=both_whole)
+    return out
+
+
+def _check_dtype(root: Path, device: str) -> str:
+    """The dtype the self-check runs both models in: the source's native one on this device (native_dtype)."""
+    from attnkit.io.config import read_config
+    from attnkit.runtime.loader import native_dtype, resolve_device
+
+    return native_dtype(resolve_device(device), read_config(Path(root) / "config.json"))

@@ -19,7 +19,14 @@ from attnkit.archs.tensors import role_shape
 from attnkit.commands.convert.gqa_layer import attention_key_covariance, reference_attention_ok, refit_output
 from attnkit.commands.convert.layer_spill import LayerSpill
 from attnkit.commands.report_head import report_head, timed
-from attnkit.commands.rewrite import RewriteRequest, calib_info, calib_windows, check_rewrite
+from attnkit.commands.rewrite import (
+    RewriteRequest,
+    calib_info,
+    calib_windows,
+    check_rewrite,
+    check_texts,
+    self_check,
+)
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.reader import LazyReader
@@ -80,6 +87,7 @@ def check_request(req: ConvertRequest) -> GQASource:
         _check_heads(spec, req.kv_heads)
 
     src = open_source(req.model, "convert", check)
+    check_texts(req, src, calibrates=bool(req.calib))
     spec, arch, prefix = src.spec, src.arch, src.prefix
     rotary = int(spec.head_dim * spec.partial_rotary_factor)
     shape = LayerShape(
@@ -319,6 +327,7 @@ def convert_gqa(req: ConvertRequest, log: Callable[[str], None] | None = None) -
         "calibration": None,
         "layers": [],
         "eval": None,
+        "check": None,
     }
     if req.dry_run:
         return timed(report, started)
@@ -342,12 +351,15 @@ def _calibrate_and_write(req: ConvertRequest, src: GQASource, report: dict, spil
         report["layers"] = _layer_rows(plans)
         return expected
 
+    check = self_check(req, "convert gqa", report["calibration"])
+
     def score(folder) -> dict:
-        log("evaluating source and result")
-        report["eval"] = compare_checkpoints(
-            req.scoring, src.root, folder, req.device, extra=_loads_with_kv_heads(req.kv_heads)
-        )["eval"]
-        return {"eval": report["eval"]}
+        log("checking the result against the source" + (" and scoring --eval" if req.scoring else ""))
+        scores = compare_checkpoints(
+            req.scoring, src.root, folder, req.device, check=check, extra=_loads_with_kv_heads(req.kv_heads)
+        )
+        report["eval"], report["check"] = scores["eval"], scores["check"]
+        return {"eval": report["eval"], "check": report["check"]}
 
     write_checkpoint(
         req,
@@ -356,5 +368,5 @@ def _calibrate_and_write(req: ConvertRequest, src: GQASource, report: dict, spil
         config=_config(src, req.kv_heads),
         weights=weights,
         body=lambda: {k: report[k] for k in ("method", "parameters", "calibration", "error_basis", "layers")},
-        score=score if req.scoring else None,
+        score=score if req.scoring or check is not None else None,
     )

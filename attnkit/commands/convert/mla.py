@@ -32,18 +32,22 @@ from attnkit.commands.convert.mla_layer import (
     without_o_bias,
 )
 from attnkit.commands.convert.mla_report import kv_bytes, notes, parameters
-from attnkit.commands.convert.mla_request import MLARequest, MLASource, check_request
+from attnkit.commands.convert.mla_request import MLARequest, MLASource, Route, check_request, max_rank, with_route
 from attnkit.commands.convert.mla_target import expected_shapes, target_attention_names, target_config
 from attnkit.commands.report_head import report_head, timed
-from attnkit.commands.rewrite import MLA_CALIB_TOKENS, calib_info, calib_windows
+from attnkit.commands.rewrite import calib_info, calib_windows, self_check
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError
 from attnkit.io.reader import LazyReader
+from attnkit.ops.anchor import ANCHOR_HELDOUT_MAX, heldout_error
 from attnkit.runtime.attention import replace_output_once
-from attnkit.runtime.calibrate import attention_module_name, calibrate
+from attnkit.runtime.calibrate import attention_module_name, calibrate, token_rows
 from attnkit.runtime.generate import cache_check
 from attnkit.runtime.streaming import load_for_calibration
 from attnkit.scoring.comparison import compare_checkpoints
+
+#: Calibration windows the anchor of a biased source is measured on before its route is chosen.
+ROUTE_WINDOWS = 8
 
 
 def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
@@ -52,6 +56,11 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
 
     started = time.perf_counter()
     src = check_request(req)
+    loaded = windows = None
+    if not req.dry_run:
+        loaded = load_for_calibration(src, req.device)  # decoder layers streamed when possible
+        windows = calib_windows(loaded.tokenizer, req)
+        src = choose_route(req, src, loaded, windows, log)
     rank = src.rank
     report = {
         **report_head(req, src.spec.model_type),
@@ -67,6 +76,7 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
         "calibration": None,
         "layers": [],
         "eval": None,
+        "check": None,
         "peak_rss_bytes": None,
         "notes": notes(req, src),
         "warnings": list(src.warnings),
@@ -74,28 +84,36 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
     if req.dry_run:
         return timed(report, started)
     log("calibrating and converting layer by layer ...")
-    config = target_config(src, bias_route=req.latent_norm == "bias")
+    config = target_config(src, bias_route=src.route.bias)
     expected = expected_shapes(config)
 
     def weights(writer) -> dict:
         with LayerSpill(req.out) as spill:  # converted layers wait on disk, not in the writer's shard buffer
-            report["layers"], report["calibration"] = _calibrate_and_convert(req, src, config, spill, expected)
-            report["warnings"] += few_calibration_tokens(report["calibration"]["tokens"])
+            report["layers"], report["calibration"] = _calibrate_and_convert(
+                req, src, (loaded, windows), config, spill, expected
+            )
             for layer in range(src.spec.num_layers):
                 for name, t in spill.take(layer).items():
                     writer.add(name, t)
         with LazyReader(src.ckpt.weight_files) as reader:
-            fold_input_norm = req.latent_norm not in ("bias", "none")
+            fold_input_norm = src.route.folds_input_norm
             copy_rest(reader, src, writer, expected, fold_input_norm=fold_input_norm, config=config)
         report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return expected
 
     def score(folder) -> dict:
-        log("scoring source and result on the --eval text ...")
-        report["eval"] = compare_checkpoints(
-            req.scoring, src.root, folder, req.device, extra=lambda result: {"cache": cache_check(result.model)}
-        )["eval"]
-        return {"eval": report["eval"]}
+        log("checking the result against the source" + (" and scoring --eval" if req.scoring else "") + " ...")
+        check = self_check(req, "convert mla", report["calibration"])
+        scores = compare_checkpoints(
+            req.scoring,
+            src.root,
+            folder,
+            req.device,
+            check=check,
+            extra=lambda result: {"cache": cache_check(result.model)},
+        )
+        report["eval"], report["check"] = scores["eval"], scores["check"]
+        return {"eval": report["eval"], "check": report["check"]}
 
     write_checkpoint(
         req,
@@ -106,28 +124,56 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
         body=lambda: {
             k: report[k] for k in ("parameters", "calibration", "kv_bytes_per_token", "layers", "notes", "warnings")
         },
-        score=score if req.scoring else None,
+        score=score if req.scoring or req.check.enabled else None,
     )
     return timed(report, started)
 
 
-def few_calibration_tokens(tokens: int) -> list[str]:
-    """The report's warning when the calibration text gave fewer tokens than MLA_CALIB_TOKENS."""
-    if tokens >= MLA_CALIB_TOKENS:
-        return []
-    return [
-        f"calibrated on {tokens} tokens, fewer than {MLA_CALIB_TOKENS}: results calibrated on less text kept less "
-        'pass-key retrieval at long contexts (docs/convert-mla.md, "## Long context"); give more --calib text'
-    ]
+def choose_route(req: MLARequest, src: MLASource, loaded, windows, log) -> MLASource:
+    """The engine route carries a source's q/k/v biases on the anchor a.u ~ 1 (engines have no bias slot): for a
+    biased source it is measured first, on calibration tokens the fit does not see (attnkit.ops.anchor.heldout_error,
+    on up to ROUTE_WINDOWS windows of the source's own activations). Where it does not hold and --engine and
+    --latent-norm were left to attnkit, the output takes the bias route (exact biases, transformers only) and says
+    why; where an engine was named, a warning says what to expect."""
+    if not src.augmented or src.route.latent_norm != "auto" or src.target != "deepseek-v3":
+        return src
+    log("measuring the anchor that carries the source's biases ...")
+    modules = [attention_module_name(src.arch.tensors["k"], src.prefix, i) for i in range(src.spec.num_layers)]
+    errors: list = [None] * src.spec.num_layers
+    calibrate(
+        loaded.model,
+        windows[:ROUTE_WINDOWS],
+        modules,
+        lambda layer, hidden, *_: errors.__setitem__(layer, heldout_error(token_rows(hidden, augment=False))),
+    )
+    worst = max(range(len(errors)), key=lambda i: errors[i][0])
+    low = min(range(len(errors)), key=lambda i: errors[i][1])
+    if errors[worst][0] <= ANCHOR_HELDOUT_MAX and errors[low][1] > 0:
+        return src
+    said = (
+        f"the anchor a.x ~ 1 that would carry the source's q/k/v biases is off by {errors[worst][0]:.1%} (RMS, layer "
+        f"{worst}) on held-out calibration tokens, smallest value {errors[low][1]:.2f} (layer {low})"
+    )
+    bias_most = max_rank(src.spec, augmented=True)
+    kept = f"--engine {req.engine}" if req.engine != "any" else None
+    if kept is None and src.rank > bias_most:
+        kept = f"a latent of {src.rank} (the bias route takes at most {bias_most})"
+    if kept is not None:
+        src.warnings.append(f"{said}: the biases ride on it anyway for {kept}; expect a broken output")
+        return src
+    why = f"bias route chosen: {said}, so the biases are written as bias tensors (transformers only)"
+    return with_route(req, src, Route("transformers", "bias", why))
 
 
-def _calibrate_and_convert(req: MLARequest, src: MLASource, config, spill, expected: dict) -> tuple[list, dict]:
-    """One pass over the calibration windows; each layer is converted when reached, its tensors put in `spill`
-    (attnkit.commands.convert.layer_spill) under their full names. Returns (report rows, calibration info)."""
+def _calibrate_and_convert(
+    req: MLARequest, src: MLASource, calibration: tuple, config, spill, expected: dict
+) -> tuple[list, dict]:
+    """One pass over the calibration windows (`calibration`: the model loaded for it and the windows); each layer
+    is converted when reached, its tensors put in `spill` (attnkit.commands.convert.layer_spill) under their full
+    names. Returns (report rows, calibration info)."""
     import torch
 
-    loaded = load_for_calibration(src, req.device)  # decoder layers streamed when possible
-    windows = calib_windows(loaded.tokenizer, req)
+    loaded, windows = calibration
     modules = [attention_module_name(src.arch.tensors["k"], src.prefix, i) for i in range(src.spec.num_layers)]
     written = target_attention_names(config, expected)  # model.layers.{i}.self_attn of the target
     rows: list = [None] * src.spec.num_layers
@@ -138,14 +184,23 @@ def _calibrate_and_convert(req: MLARequest, src: MLASource, config, spill, expec
             weights = {role: reader.get(name) for role, name in src.layer_names[layer].items()}
             window = getattr(loaded.model.get_submodule(modules[layer]), "sliding_window", None)  # the source's
             gamma = scale = None
-            if req.latent_norm not in ("bias", "none"):  # the engine route: no o_proj bias, the input norm folded in
+            if src.route.folds_input_norm:  # the engine route: no o_proj bias, the input norm folded in
                 weights = without_o_bias(src, weights)
                 gamma = input_gamma(src, reader.get(src.tensor("input_norm", layer)))
                 scale = (1.0 / gamma).to(torch.float32)
             weights, plain, fold = fold_qk_norm(src, weights, hidden, rope, scaling, config.rms_norm_eps, window)
             freqs = source_freqs(src, layer)
             tensors, row = convert_one(
-                src, plain, hidden, gamma, freqs, req.options, dtype, req.latent_norm, config.rms_norm_eps, scaling
+                src,
+                plain,
+                hidden,
+                gamma,
+                freqs,
+                req.options,
+                dtype,
+                src.route.latent_norm,
+                config.rms_norm_eps,
+                scaling,
             )
             if src.target == "gemma3-mla":
                 tensors = exact_qk_norm(tensors, weights, fold, src.shape)

@@ -42,18 +42,19 @@ def parameters(req: MLARequest, src: MLASource) -> dict:
         "o_refit": o.o_refit,
         "whiten": o.whiten,
         "shrink": o.shrink,
-        "latent_norm": req.latent_norm,
-        "engine": req.engine,
+        "latent_norm": src.route.latent_norm,
+        "engine": src.route.engine,
+        "route_why": src.route.why,
         "target": req.target,
-        "q_lora_rank": (src.spec.hidden_size + int(req.latent_norm == "bias")) if src.q_lora else None,
+        "q_lora_rank": (src.spec.hidden_size + int(src.route.bias)) if src.q_lora else None,
         "max_shard_bytes": req.max_shard_bytes,
     }
 
 
 def notes(req: MLARequest, src: MLASource) -> list[str]:
     """What the result does differently from the source, one sentence each."""
-    notes = []
-    if req.latent_norm == "bias":
+    notes = [src.route.why] if src.route.why else []
+    if src.route.bias:
         if src.q_lora:
             notes.append(
                 "q bias carried through the q_lora path (q_lora_rank = hidden + 1, RMSNorm made linear "

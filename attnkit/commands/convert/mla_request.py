@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from attnkit.commands.rewrite import MLA_CALIB_TOKENS, RewriteRequest, check_rewrite
+from attnkit.commands.rewrite import MLA_CALIB_TOKENS, RewriteRequest, check_rewrite, check_texts
 from attnkit.engines.targets import TARGETS, engine_safe, mla_shapes, needs_q_lora
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.source import Source, open_source
@@ -50,6 +50,27 @@ class MLARequest(RewriteRequest):
 LATENT_NORMS = ("auto", "anchor", "span", "bias")  # and "none", which --target gemma3-mla sets
 
 
+@dataclass(frozen=True)
+class Route:
+    """How the output is written, chosen once from the request (and, where `why` says so, from measuring this
+    model): the engines it must load in (attnkit.engines.targets) and its latent norm (LATENT_NORMS, or none for
+    --target gemma3-mla, which has none)."""
+
+    engine: str
+    latent_norm: str
+    why: str | None = None
+
+    @property
+    def bias(self) -> bool:
+        """The bias route: exact constants through bias tensors, transformers only."""
+        return self.latent_norm == "bias"
+
+    @property
+    def folds_input_norm(self) -> bool:
+        """The engine route: no bias tensors, input_layernorm's weight folded into the projections."""
+        return self.latent_norm not in ("bias", "none")
+
+
 @dataclass
 class MLASource(Source):
     """The checked source, its layer shape and RoPE parameters, and the route the conversion takes."""
@@ -59,6 +80,7 @@ class MLASource(Source):
     rope: dict  # the source's rope_parameters (rope_type, rope_theta, ...), or per layer type (Gemma 3)
     q_lora: bool  # the query goes through q_a_proj / q_b_proj
     warnings: list[str]
+    route: Route
     target: str = "deepseek-v3"
     layer_types: list[str] | None = None  # per layer (sliding_attention / full_attention) where the config has them
 
@@ -97,12 +119,12 @@ def max_rank(spec, augmented: bool) -> int:
     return min(2 * spec.num_kv_heads * spec.head_dim, spec.hidden_size + int(augmented)) + 1
 
 
-def _ranks(req: MLARequest, spec, augmented: bool) -> tuple[int, int]:
+def _ranks(req: MLARequest, route: Route, spec, augmented: bool) -> tuple[int, int]:
     """(R, P) from --kv-budget (snapped to a shape the --engine kernels take) or --kv-lora-rank/--rope-dim."""
 
     d = spec.head_dim
     source = 2 * spec.num_kv_heads * d
-    shapes = mla_shapes(req.engine)
+    shapes = mla_shapes(route.engine)
     if req.kv_budget is not None:
         if req.kv_lora_rank is not None or req.rope_dim is not None:
             raise UsageError("give either --kv-budget or --kv-lora-rank with --rope-dim, not both")
@@ -119,7 +141,7 @@ def _ranks(req: MLARequest, spec, augmented: bool) -> tuple[int, int]:
             if not fitting:
                 smallest = min(shapes, key=sum)
                 raise UsageError(
-                    f"--engine {req.engine}: its MLA kernels take only "
+                    f"--engine {route.engine}: its MLA kernels take only "
                     f"{', '.join(f'{r}+{p}' for r, p in shapes)} cached values per token, and "
                     f"--kv-budget {req.kv_budget} allows {total} of the source's {source}; the "
                     f"smallest needs --kv-budget {sum(smallest) / source:.3g}"
@@ -131,11 +153,11 @@ def _ranks(req: MLARequest, spec, augmented: bool) -> tuple[int, int]:
         rank, rope = req.kv_lora_rank, req.rope_dim
         if shapes is not None and (rank, rope) not in shapes:
             raise UsageError(
-                f"--engine {req.engine}: its MLA kernels take "
+                f"--engine {route.engine}: its MLA kernels take "
                 f"{', '.join(f'--kv-lora-rank {r} --rope-dim {p}' for r, p in shapes)}, "
                 f"not {rank}+{rope}"
             )
-    bias_route = req.latent_norm == "bias"
+    bias_route = route.bias
     top_rope = d if bias_route else max(d, 64)
     if rope < 2 or rope % 2 or rope > top_rope:
         raise UsageError(
@@ -177,7 +199,7 @@ def check_request(req: MLARequest) -> MLASource:
     if not req.calib and not req.dry_run:
         raise UsageError("convert mla needs calibration text: pass --calib FILE")
     _check_options(req.options)
-    _check_route(req)
+    route = _check_route(req)
     check_rewrite(req)
 
     def check(arch, spec, config) -> None:  # on a GGUF file's header config: before dequantizing
@@ -196,9 +218,10 @@ def check_request(req: MLARequest) -> MLASource:
             )
         if spec.partial_rotary_factor != 1.0:
             raise AttnkitError(f"{req.model}: partial rotary embeddings are not converted")
-        _ranks(req, spec, augmented=True)  # the loosest bounds; checked again below once the biases are known
+        _ranks(req, route, spec, augmented=True)  # the loosest bounds; checked again below once the biases are known
 
     src = open_source(req.model, "convert", check)
+    check_texts(req, src, calibrates=True)
     spec, arch, prefix = src.spec, src.arch, src.prefix
     rope, layer_types = _rope_parameters(src.ckpt)
     layer_names = []
@@ -210,7 +233,7 @@ def check_request(req: MLARequest) -> MLASource:
             raise AttnkitError(f"{req.model}: tensor {arch.tensor_name(missing[0], layer, prefix)!r} not found")
         layer_names.append(roles)
     augmented = any(r in layer_names[0] for r in ("q_bias", "k_bias", "v_bias"))
-    rank, rope_dim = _ranks(req, spec, augmented)
+    rank, rope_dim = _ranks(req, route, spec, augmented)
     extra = spec.num_kv_heads if req.target == "gemma3-mla" else 1  # cached besides the latent proper
     if req.target == "gemma3-mla" and rope_dim > spec.head_dim:
         raise UsageError(f"--target gemma3-mla: --rope-dim {rope_dim} is past the head dim {spec.head_dim}")
@@ -227,11 +250,22 @@ def check_request(req: MLARequest) -> MLASource:
         rope=rope,
         q_lora=False,
         warnings=[],
+        route=route,
         target=req.target,
         layer_types=layer_types,
     )
     _check_engine(req, mla_src)
     return mla_src
+
+
+def with_route(req: MLARequest, src: MLASource, route: Route) -> MLASource:
+    """The source converted by another route (chosen by measuring it: attnkit.commands.convert.mla), with that
+    route's q_lora choice and warnings."""
+    import dataclasses
+
+    out = dataclasses.replace(src, route=route, q_lora=False, warnings=[])
+    _check_engine(req, out)
+    return out
 
 
 def _unsupported_reason(arch) -> str:
@@ -248,40 +282,41 @@ def _unsupported_reason(arch) -> str:
     )
 
 
-def _check_route(req: MLARequest) -> None:
-    """--target, --engine and --latent-norm, and whether they go together (a target other than deepseek-v3 runs in
-    transformers only: --engine becomes transformers)."""
+def _check_route(req: MLARequest) -> Route:
+    """The Route of --target, --engine and --latent-norm, and whether they go together (a target other than
+    deepseek-v3 runs in transformers only and has no latent norm)."""
     if req.target not in TARGET_FAMILIES:
         raise UsageError(f"--target must be one of {', '.join(TARGET_FAMILIES)}, got {req.target!r}")
     if req.target != "deepseek-v3":
         if req.engine not in ("any", "transformers"):
             raise UsageError(f"--target {req.target} runs in transformers only, not in {req.engine}")
-        if req.latent_norm not in ("auto", "none"):  # "none": what this check sets (a request checked again)
+        if req.latent_norm != "auto":
             raise UsageError(f"--target {req.target} has no latent norm; leave --latent-norm {req.latent_norm} out")
-        req.engine, req.latent_norm = "transformers", "none"
+        return Route("transformers", "none")
     if req.engine not in TARGETS:
         raise UsageError(f"--engine must be one of {', '.join(TARGETS)}, got {req.engine!r}")
-    if req.latent_norm not in LATENT_NORMS and not (req.target != "deepseek-v3" and req.latent_norm == "none"):
+    if req.latent_norm not in LATENT_NORMS:
         raise UsageError(f"--latent-norm must be one of {', '.join(LATENT_NORMS)}, got {req.latent_norm!r}")
     if req.latent_norm == "bias" and req.engine not in ("any", "transformers"):
         raise UsageError(
             f"--latent-norm bias writes bias tensors that {req.engine} has no slot for; use --latent-norm auto"
         )
+    return Route(req.engine, req.latent_norm)
 
 
 def _check_engine(req: MLARequest, src: MLASource) -> None:
     """What the --engine target needs of the source (one-line refusals), its q_lora choice and its warnings."""
 
-    spec = src.spec
-    if req.latent_norm == "bias":
+    spec, route = src.spec, src.route
+    if route.bias:
         src.q_lora = "q_bias" in src.layer_names[0]
         src.warnings.append(
             "--latent-norm bias: kv_a_proj_with_mqa and o_proj get bias tensors that llama.cpp, "
             "vLLM and SGLang drop (vLLM without a word): this output is right in transformers only"
         )
         return
-    src.q_lora = needs_q_lora(req.engine, spec.num_layers)
-    if engine_safe(req.engine):
+    src.q_lora = needs_q_lora(route.engine, spec.num_layers)
+    if engine_safe(route.engine):
         act = _activation(src.config)
         if act != "silu":
             raise AttnkitError(

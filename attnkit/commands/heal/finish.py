@@ -7,26 +7,32 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from attnkit.commands.heal.models import as_loaded
 from attnkit.commands.heal.output import healed_tensors
 from attnkit.commands.heal.scores import eval_report, score
 from attnkit.commands.write import write_checkpoint
 from attnkit.runtime import load_model
 from attnkit.scoring.comparison import Comparison
+from attnkit.scoring.selfcheck import LIMITS, CheckText, run_check
 
 #: The report's entries that attnkit.json carries besides parameters, warnings and eval.
 MANIFEST_KEYS = ("data", "budget", "seed", "trainable", "training", "validation")
 
 
 def write_healed(run, model, teacher, comparison: Comparison | None, before: dict | None) -> None:
-    """Write OUT from the healed `model`; with a comparison (`before`: the student's block) the written folder is
-    scored against `teacher` into report["eval"] (None without one)."""
+    """Write OUT from the healed `model`; the written folder is self-checked against `teacher` (report["check"],
+    unless --no-check) and, with a comparison (`before`: the student's block), scored into report["eval"]."""
     req, pair, report = run.req, run.pair, run.report
-    report["eval"] = None
+    report["eval"] = report["check"] = None
 
     def scored(folder: Path) -> dict:
         healed = load_model(str(folder), device=str(run.acc.device), dtype="float32")
-        report["eval"] = eval_report(comparison, before, score(comparison, run, teacher, healed))
-        return {"eval": report["eval"]}
+        if comparison is not None:
+            report["eval"] = eval_report(comparison, before, score(comparison, run, teacher, healed))
+        if req.check.enabled:
+            text = CheckText(tuple(req.scoring.files), 0, "--eval") if req.scoring.files else None
+            report["check"] = run_check(as_loaded(teacher, run), healed, text, LIMITS["heal"], req.check)
+        return {"eval": report["eval"], "check": report["check"]}
 
     write_checkpoint(
         req,
@@ -35,7 +41,7 @@ def write_healed(run, model, teacher, comparison: Comparison | None, before: dic
         config=pair.student.root / "config.json",
         weights=lambda writer: healed_tensors(model, pair.student.ckpt, writer),
         body=lambda: _manifest(run),
-        score=scored if comparison is not None else None,
+        score=scored if comparison is not None or req.check.enabled else None,
         inputs=[pair.teacher.root],
     )
     _remove_checkpoint(req.checkpoint_folder)

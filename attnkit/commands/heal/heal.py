@@ -87,6 +87,8 @@ def _train_and_write(run: HealRun) -> dict | None:
     if run.plan.train is None:
         teacher_windows(run, teacher)
     comparison = scores.comparison_for(run)
+    # the check compares the written folder with the teacher: a top-k run (teacher freed) loads it again
+    needs_teacher = comparison is not None or req.check.enabled
     before = None
     if comparison is not None:
         if req.scoring.capability:
@@ -103,7 +105,7 @@ def _train_and_write(run: HealRun) -> dict | None:
     if not run.main:
         return None
     run.log(f"writing {req.out}")
-    if teacher is None and comparison is not None:  # top-k: the teacher comes back to score the result
+    if teacher is None and needs_teacher:  # top-k: the teacher comes back to score the result
         teacher, _ = models.load_models(run, student=False)
     healed = training.trained_model(run, trainer, trained, chosen.names)
     finish.write_healed(run, healed, teacher, comparison, before)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from attnkit.commands.heal.output import check_names, stored_layout
 from attnkit.errors import UsageError
 from attnkit.runtime import load_model
-from attnkit.runtime.loader import LoadedModel
+from attnkit.runtime.loader import LoadedModel, cpu_has_bf16
 
 
 def precision_for(device, precision: str) -> str:
@@ -19,13 +19,6 @@ def precision_for(device, precision: str) -> str:
     if device.type not in ("cpu", "cuda"):
         raise UsageError(f"--precision bf16 runs on a CUDA GPU or the CPU, not {device.type}; use fp32")
     return "bf16"
-
-
-def cpu_has_bf16() -> bool:
-    """Whether torch's CPU kernels (oneDNN) have bf16 instructions here: avx512_bf16 or AMX."""
-    import torch
-
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def accelerator_for(device, mixed_precision: str):

@@ -10,6 +10,8 @@ from attnkit.commands.rewrite import WriteRequest
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.runtime.texts import check_text_files
 from attnkit.scoring.options import EvalOptions, check_eval_options
+from attnkit.scoring.selfcheck import CheckOptions
+from attnkit.scoring.selfcheck import check_options as check_self_check
 from attnkit.units import MAX_COUNT, MAX_TOKENS, check_bounds
 
 TRAIN_CHOICES = ("rewritten", "all")
@@ -37,6 +39,7 @@ class HealRequest(WriteRequest):
     tokens: int | None = None
     max_time: float | None = None  # seconds for the whole command (loading, data, training, scoring)
     scoring: EvalOptions = field(default_factory=EvalOptions)  # --eval text, samples, tasks, pass keys
+    check: CheckOptions = field(default_factory=CheckOptions)  # the self-check of OUT against the teacher
     eval_curve: bool = False  # also score --eval at every validation (reported only)
     train: str = "rewritten"
     lora_rank: int = 0
@@ -148,6 +151,7 @@ def check_options(req: HealRequest) -> None:
         _check_number(flag, getattr(req, name), low, high)
     _check_combinations(req)
     check_eval_options(req.scoring)
+    check_self_check(req.check)
     for path in req.data:
         check_data_path(Path(path))
     check_text_files([p for p in req.data if Path(p).suffix.lower() in (".txt", ".jsonl")])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from attnkit.commands.rewrite import RewriteRequest, check_rewrite
+from attnkit.commands.rewrite import RewriteRequest, check_rewrite, check_texts, self_check
 from attnkit.io.reader import LazyReader
 from attnkit.io.source import Source, open_source
 from attnkit.progress import phase
@@ -17,22 +17,27 @@ from attnkit.runtime import load_model
 from attnkit.scoring.comparison import compare_checkpoints
 
 
-def check_source(req: RewriteRequest, check: Callable | None = None) -> Source:
-    """The request's options and OUT (attnkit.commands.rewrite.check_rewrite), then the opened source;
-    `check(arch, spec, config)` refuses families the retrofit does not apply to, before any dequantization."""
+def check_source(req: RewriteRequest, calibrates: bool, check: Callable | None = None) -> Source:
+    """The request's options and OUT (attnkit.commands.rewrite.check_rewrite), then the opened source and the
+    --calib (when the retrofit `calibrates`) and --eval texts against its tokenizer; `check(arch, spec, config)`
+    refuses families the retrofit does not apply to, before any dequantization."""
     check_rewrite(req)
-    return open_source(req.model, "retrofit", check)
+    src = open_source(req.model, "retrofit", check)
+    check_texts(req, src, calibrates)
+    return src
 
 
-def scorer(req: RewriteRequest, src: Source, report: dict) -> Callable | None:
-    """With --eval, write_checkpoint's score(folder): the eval scores and both models' probe summaries, put in
-    the report and the manifest; None without --eval."""
-    if not req.scoring:
+def scorer(req: RewriteRequest, src: Source, report: dict, operation: str, calibration: dict | None) -> Callable | None:
+    """write_checkpoint's score(folder): the self-check of the written folder (unless --no-check; `calibration`:
+    the report's entry of the text the retrofit calibrated on, None when it read none) and, with --eval, the eval
+    scores and both models' probe summaries, put in the report and the manifest; None when nothing is scored."""
+    check = self_check(req, operation, calibration)
+    if not req.scoring and check is None:
         return None
 
     def score(folder) -> dict:
-        report.update(compare_checkpoints(req.scoring, src.root, folder, req.device, probe=True))
-        return {"eval": report["eval"], "probe": report["probe"]}
+        report.update(compare_checkpoints(req.scoring, src.root, folder, req.device, check=check, probe=True))
+        return {"eval": report["eval"], "probe": report["probe"], "check": report["check"]}
 
     return score
 

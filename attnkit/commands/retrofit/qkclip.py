@@ -53,7 +53,7 @@ def check_request(req: QKClipRequest):
         if "sinks" in arch.tensors:
             raise AttnkitError(f"{mt}: attention sinks are not supported by retrofit qkclip")
 
-    return check_source(req, check)
+    return check_source(req, True, check)
 
 
 def _head_max(module, hidden, position_embeddings, window, qk_norm: str):
@@ -209,6 +209,7 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
         "warnings": [],
         "eval": None,
         "probe": None,
+        "check": None,
     }
     if req.dry_run:
         return timed(report, started)
@@ -229,7 +230,7 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
         weights=lambda writer: stream_weights(src, writer, _rewriter(src, factors)),
         body=lambda: _manifest_body(req, report),
         check=lambda folder: _measure_after(folder, req, rows),
-        score=scorer(req, src, report),
+        score=scorer(req, src, report, "retrofit qkclip", report["calibration"]),
     )
     return timed(report, started)
 

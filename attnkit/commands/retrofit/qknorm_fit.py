@@ -10,7 +10,7 @@ from attnkit.commands.retrofit.common import load
 from attnkit.commands.retrofit.qknorm_request import QKNormRequest
 from attnkit.commands.rewrite import calib_info, calib_windows
 from attnkit.io.reader import LazyReader
-from attnkit.ops.anchor import anchor_row, scale_error
+from attnkit.ops.anchor import ANCHOR_HELDOUT_MAX, anchor_row, heldout_error, scale_error
 from attnkit.ops.qknorm import fit_layer, weakest_pair
 from attnkit.runtime.calibrate import OutputCapture, attention_module_name, calibrate, token_rows
 from attnkit.runtime.streaming import load_for_calibration
@@ -87,16 +87,20 @@ def pad_biases(src, reader_get) -> list[tuple[float, float, float]]:
 
 @dataclass
 class AnchorFit:
-    """One layer's anchor: a.x ~ 1 on its attention input, the read-out gain that undoes 1/|a.x| on average,
-    the relative mean-square scale error left, and (a head that keeps its size) the RoPE pair it replaces."""
+    """One layer's anchor: a.x ~ 1 on its attention input, the read-out gain that undoes 1/|a.x| on average, the
+    relative mean-square scale error left on the calibration tokens, how the anchor holds on calibration tokens it
+    was not fitted on (attnkit.ops.anchor.heldout_error: RMS of a.x - 1, smallest a.x), and the RoPE pair with the
+    least logit energy (what a head that keeps its size gives up: the anchor and bias methods)."""
 
     anchor: object  # torch.Tensor [n]
     gain: float
     scale_error: float
-    dropped_pair: int | None
+    heldout_error: float
+    heldout_min: float
+    dropped_pair: int
 
 
-def anchor_fits(req: QKNormRequest, src, new_dim: int) -> tuple[list[AnchorFit], dict]:
+def anchor_fits(req: QKNormRequest, src) -> tuple[list[AnchorFit], dict]:
     """Per-layer AnchorFit from one pass of the calibration text (decoder layers streamed when possible)."""
 
     spec = src.spec
@@ -110,17 +114,28 @@ def anchor_fits(req: QKNormRequest, src, new_dim: int) -> tuple[list[AnchorFit],
             x = token_rows(hidden, augment=False)  # [N, n] float64
             a = anchor_row(x)
             gain, err = scale_error(1.0 / (x @ a).abs().clamp_min(1e-12))
-            pair = None
-            if new_dim == spec.head_dim:
-                pair = weakest_pair(
-                    reader.get(src.tensor("q", layer)),
-                    reader.get(src.tensor("k", layer)),
-                    x.T @ x / x.shape[0],
-                    spec.num_heads,
-                    spec.num_kv_heads,
-                    spec.head_dim,
-                )
-            fits[layer] = AnchorFit(a, gain, err, pair)
+            held, low = heldout_error(x)
+            pair = weakest_pair(
+                reader.get(src.tensor("q", layer)),
+                reader.get(src.tensor("k", layer)),
+                x.T @ x / x.shape[0],
+                spec.num_heads,
+                spec.num_kv_heads,
+                spec.head_dim,
+            )
+            fits[layer] = AnchorFit(a, gain, err, held, low, pair)
 
         calibrate(loaded.model, wins, modules, on_layer)
     return fits, calib_info(req, wins)
+
+
+def anchor_holds(fits: list[AnchorFit]) -> tuple[bool, str]:
+    """(whether the anchor's assumption holds on held-out calibration tokens, what was measured)."""
+    worst = max(range(len(fits)), key=lambda i: fits[i].heldout_error)
+    low = min(range(len(fits)), key=lambda i: fits[i].heldout_min)
+    said = (
+        f"the anchor a.x ~ 1 is off by {fits[worst].heldout_error:.1%} (RMS, layer {worst}) on held-out calibration "
+        f"tokens, its smallest value {fits[low].heldout_min:.2f} (layer {low})"
+    )
+    holds = fits[worst].heldout_error <= ANCHOR_HELDOUT_MAX and fits[low].heldout_min > 0
+    return holds, said

@@ -22,7 +22,7 @@ MAX_STEPS = 100_000
 class QKNormRequest(RewriteRequest):
     """retrofit qknorm: how the norm is made (attnkit.ops.qknorm.METHODS) and the anchor method's head size."""
 
-    method: str = "anchor"
+    method: str = "auto"
     steps: int = 150
     head_dim: int | None = None  # anchor: the new head size (default: default_head_dim)
 
@@ -42,10 +42,10 @@ def default_head_dim(dim: int) -> int:
 def check_request(req: QKNormRequest):
     if req.method not in METHODS:
         raise UsageError(f"unknown --method {req.method!r}; choose from {', '.join(METHODS)}")
-    if req.method in ("anchor", "kl", "lsq", "scalar") and not req.calib:
-        raise UsageError(f"--method {req.method} fits the norm weights on activations: pass --calib FILE")
-    if req.head_dim is not None and req.method != "anchor":
-        raise UsageError("--head-dim applies to --method anchor")
+    if req.method in ("auto", "anchor", "bias", "kl", "lsq", "scalar") and not req.calib:
+        raise UsageError(f"--method {req.method} fits on the model's activations: pass --calib FILE")
+    if req.head_dim is not None and req.method not in ("auto", "anchor"):
+        raise UsageError("--head-dim applies to --method anchor (and auto, when it chooses the anchor)")
     check_bounds("--steps", req.steps, 0, MAX_STEPS)
 
     def check(arch, spec, config) -> None:
@@ -68,12 +68,13 @@ def check_request(req: QKNormRequest):
                 f"{4 * spec.head_dim}, got {req.head_dim}"
             )
 
-    return check_source(req, check)
+    return check_source(req, req.method != "pad", check)
 
 
-def new_head_dim(req: QKNormRequest, dim: int) -> int:
-    if req.method == "pad":
+def new_head_dim(req: QKNormRequest, method: str, dim: int) -> int:
+    """The result's head size for `method` (auto chooses one of the others)."""
+    if method == "pad":
         return dim + 2
-    if req.method == "anchor":
+    if method == "anchor":
         return req.head_dim or default_head_dim(dim)
     return dim

@@ -13,6 +13,7 @@ from attnkit.ops.qknorm import (
     pad_columns,
     pad_norm_weight,
     pad_rows,
+    slot_norm_weight,
     widen_columns,
     widen_rows,
 )
@@ -42,21 +43,30 @@ def _attention_roles(src) -> dict:
     return roles
 
 
-def _unbiased_rows(src, layer: int, role: str, t, biases: dict, anchor):
-    """role's weight [rows, n] with its bias folded in as b a^T (the constant 1 ~ a.x); v takes o_proj's bias
-    too (attention weights sum to 1), when o_proj's range holds it."""
+def _value_bias(src, layer: int, biases: dict):
+    """The layer's v bias (float64, or None) with o_proj's bias folded in (attention weights sum to 1, so a value
+    bias reaches the output as o_proj of it), when o_proj's range holds it: engines read no o_proj bias."""
     import torch
 
     spec = src.spec
+    bias = biases.get((layer, "v"))
+    if (layer, "o") not in biases:
+        return None if bias is None else bias.to(torch.float64)
+    delta, residual = fold_o_bias(
+        biases[(layer, "o_weight")], biases[(layer, "o")], spec.num_heads, spec.num_kv_heads, spec.head_dim
+    )
+    if residual > 1e-4:
+        raise AttnkitError(f"{src.ref}: o_proj's bias is not in the range of o_proj; use --method pad")
+    return delta if bias is None else bias.to(torch.float64) + delta
+
+
+def _unbiased_rows(src, layer: int, role: str, t, biases: dict, anchor):
+    """role's weight [rows, n] with its bias folded in as b a^T (the constant 1 ~ a.x); v takes o_proj's bias
+    too (_value_bias)."""
+    import torch
+
     w = t.to(torch.float64)
-    bias = biases.get((layer, role))
-    if role == "v" and (layer, "o") in biases:
-        delta, residual = fold_o_bias(
-            biases[(layer, "o_weight")], biases[(layer, "o")], spec.num_heads, spec.num_kv_heads, spec.head_dim
-        )
-        if residual > 1e-4:
-            raise AttnkitError(f"{src.ref}: o_proj's bias is not in the range of o_proj; use --method pad")
-        bias = delta if bias is None else bias.to(torch.float64) + delta
+    bias = _value_bias(src, layer, biases) if role == "v" else biases.get((layer, role))
     if bias is None:
         return w
     return substitute_constant(torch.cat([w, bias.to(torch.float64)[:, None]], dim=1), anchor)
@@ -93,6 +103,48 @@ def anchor_rewriter(src, fits: list[AnchorFit], pads: list, biases: dict, new_di
             w[:, zero] = 0.0
             w[:, slot] = (pads[i][0] if role == "q" else pads[i][1]) * fit.anchor
         return {name: w.reshape(heads * new_dim, -1).to(t.dtype)}
+
+    return rewrite
+
+
+def bias_rewriter(src, pairs: list[int], pads: list, biases: dict):
+    """rewrite(name, tensor) for the bias method: head size D, every layer gives up its weakest RoPE pair
+    (`pairs`), whose first dim carries the pad bias B through the q and k bias tensors (its rows zero); the v bias
+    takes o_proj's (_value_bias), and o_proj's own bias is written zero (Qwen3's attention_bias has one; vLLM reads
+    none); q_norm/k_norm are 0 on the pair (slot_norm_weight)."""
+    import torch
+
+    spec = src.spec
+    h, hkv, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    eps = float(src.config.get("rms_norm_eps", 1e-6))
+    roles = _attention_roles(src)
+
+    def rewrite(name, t):
+        if name not in roles:
+            return {name: t}
+        i, role = roles[name]
+        slot, zero = anchor_slots(dim, dim, pairs[i])
+        if role.endswith("_bias"):
+            return {}  # every bias of the layer is written with its o_proj weight (below)
+        if role in ("q", "k"):
+            w = t.clone().view(h if role == "q" else hkv, dim, -1)
+            w[:, zero] = 0.0
+            return {name: w.reshape(t.shape)}
+        if role == "v":
+            return {name: t}
+        out = {name: t}
+        for which, heads, pad in (("q", h, pads[i][0]), ("k", hkv, pads[i][1])):
+            b = biases.get((i, which))
+            b = torch.zeros(heads * dim, dtype=torch.float64) if b is None else b.to(torch.float64).clone()
+            b = b.view(heads, dim)
+            b[:, zero] = 0.0
+            b[:, slot] = pad
+            out[qwen3_name(src, f"{which}_bias", i)] = b.reshape(-1).to(t.dtype)
+            out[qwen3_name(src, f"{which}_norm", i)] = slot_norm_weight(dim, zero, pad, eps).to(t.dtype)
+        v = _value_bias(src, i, biases)
+        out[qwen3_name(src, "v_bias", i)] = (torch.zeros(hkv * dim) if v is None else v).to(t.dtype)
+        out[qwen3_name(src, "o_bias", i)] = torch.zeros(spec.hidden_size, dtype=t.dtype)
+        return out
 
     return rewrite
 

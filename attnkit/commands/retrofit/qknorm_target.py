@@ -28,10 +28,10 @@ DROP_KEYS = (
 
 
 def attention_bias(src, method: str) -> bool:
-    """Whether the result has q/k/v/o biases: pad writes them always, anchor never (it folds the source's into the
-    weights), the fitted methods where the source has any."""
+    """Whether the result has q/k/v/o biases: pad and bias write them always, anchor never (it folds the source's
+    into the weights), the fitted methods where the source has any."""
     has_bias = any(src.tensor(r, 0) for r in ("q_bias", "k_bias", "v_bias", "o_bias"))
-    return (has_bias and method != "anchor") or method == "pad"
+    return (has_bias and method != "anchor") or method in ("pad", "bias")
 
 
 def qwen3_config(src, bias: bool, dim: int) -> dict:

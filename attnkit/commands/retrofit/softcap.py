@@ -77,7 +77,7 @@ def check_request(req: SoftcapRequest):
                 + " and ".join(f"{key} = {have:g}" for key, _, have in asked)
             )
 
-    return check_source(req, check)
+    return check_source(req, AUTO in (req.attn_cap, req.final_cap), check)
 
 
 def _attention_histogram(model, wins):
@@ -233,6 +233,7 @@ def retrofit_softcap(req: SoftcapRequest) -> dict:
         "warnings": [],
         "eval": None,
         "probe": None,
+        "check": None,
     }
     if req.dry_run:
         report["warnings"] = warnings_for(src.spec.model_type, req.attn_cap, req.final_cap)
@@ -266,6 +267,6 @@ def retrofit_softcap(req: SoftcapRequest) -> dict:
         config=_patched_config(src, attn_cap, final_cap),
         weights=lambda writer: _copy_weights(src, writer),
         body=lambda: body,
-        score=scorer(req, src, report),
+        score=scorer(req, src, report, "retrofit softcap", (report["auto"] or {}).get("calibration")),
     )
     return timed(report, started)
