@@ -108,6 +108,22 @@ def test_lossless_bias_route_on_qwen_shapes(runner, tmp_path):
     assert (want - _logits(out, ids)).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
 
 
+def test_a_slow_rope_base_keeps_its_rotating_pairs_in_the_rope_key():
+    """--kv-budget's split: the pairs that turn a radian or more within 4,096 tokens stay in the RoPE key as far as a
+    third of the budget allows (Qwen2.5's theta 1e6 at D 128: 39 pairs, P 80 at 50%); a fast base (SmolLM2's 1e5 at
+    D 64: 24 pairs) keeps the power-of-two split it had."""
+    from attnkit.commands.convert.mla_request import budget_split, rotating_pairs
+
+    def pairs(theta: float, d: int) -> int:
+        return rotating_pairs(theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d))
+
+    assert pairs(1e6, 128) == 39 and pairs(1e5, 64) == 24 and pairs(1e6, 64) == 20
+    assert budget_split(256, 128, pairs(1e6, 128)) == (176, 80)  # Qwen2.5-Coder-1.5B at 50%
+    assert budget_split(128, 64, pairs(1e6, 64)) == (86, 42)  # two KV heads of 64 at 50%: a third of the budget
+    assert budget_split(192, 64, pairs(1e5, 64)) == budget_split(192, 64) == (128, 64)  # SmolLM2 at 50%
+    assert budget_split(96, 64, pairs(1e5, 64)) == (64, 32)
+
+
 def test_engine_route_carries_biases_without_bias_tensors(runner, tmp_path):
     """Qwen2 (q/k/v biases): the latent's constants come out of the norm exactly, q and RoPE-key biases ride on
     the anchor; the output has no bias tensor and stays close to the source."""

@@ -26,18 +26,24 @@ if TYPE_CHECKING:
 def source_freqs(src: MLASource, layer: int):
     """The source layer's rotary frequencies [D/2] (radians per token), as its transformers class computes them
     (Gemma 3: the layer type's own rope parameters)."""
+    rope = layer_rope(src, layer)
+    per_type = rope is not src.rope  # rope parameters per layer type (Gemma 3): the init function picks by type
+    return pair_frequencies(src.root, rope, src.shape.head_dim, src.layer_types[layer] if per_type else None)
+
+
+def pair_frequencies(root, rope: dict, head_dim: int, layer_type: str | None = None):
+    """Rotary frequencies [D/2] (radians per token, fastest first) of rope parameters `rope` (rope_type, rope_theta,
+    scaling keys) at `head_dim`, as transformers computes them for the checkpoint at `root` (`layer_type`: where
+    its rope parameters are per layer type)."""
     import torch
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    d = src.shape.head_dim
-    rope = layer_rope(src, layer)
     if rope["rope_type"] == "default":
-        return float(rope["rope_theta"]) ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    cfg = AutoConfig.from_pretrained(str(src.root))
-    cfg.head_dim = d
-    per_type = rope is not src.rope  # rope parameters per layer type (Gemma 3): the init function picks by type
-    kwargs = {"layer_type": src.layer_types[layer]} if per_type else {}
+        return float(rope["rope_theta"]) ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    cfg = AutoConfig.from_pretrained(str(root))
+    cfg.head_dim = head_dim
+    kwargs = {"layer_type": layer_type} if layer_type else {}
     inv_freq, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, "cpu", **kwargs)
     return inv_freq.to(torch.float64)
 

@@ -96,13 +96,32 @@ class MLASource(Source):
         return any(r in self.layer_names[0] for r in ("q_bias", "k_bias", "v_bias"))
 
 
-def budget_split(total: int, head_dim: int) -> tuple[int, int]:
+#: A RoPE pair that turns by at least ROTATION_RADIANS within ROTATION_CONTEXT tokens keeps its rotation in the
+#: shared RoPE key where the budget allows (budget_split): made position-free, it would be wrong at the distances the
+#: self-check and the long-context benchmarks hold a rewrite to (docs/convert-mla.md, "RoPE dims for slow bases").
+ROTATION_RADIANS = 1.0
+ROTATION_CONTEXT = 4096
+#: budget_split rounds the RoPE key of the rotating pairs up to a multiple of this.
+ROPE_STEP = 16
+
+
+def rotating_pairs(freqs) -> int:
+    """How many of the source's RoPE pairs (frequencies [D/2], radians per token, fastest first) turn by at least
+    ROTATION_RADIANS within ROTATION_CONTEXT tokens."""
+    return int((freqs * ROTATION_CONTEXT >= ROTATION_RADIANS).sum())
+
+
+def budget_split(total: int, head_dim: int, rotating: int = 0) -> tuple[int, int]:
     """(R, P) for `total` cached values per token per layer: P = the largest power of two <= total / 3 and
-    <= D (at least 2), R = total - P (measured on SmolLM2, docs/benchmarks.md: RoPE dims help while the
-    latent keeps about two thirds of the budget)."""
+    <= D (at least 2; measured on SmolLM2, docs/benchmarks.md: RoPE dims help while the latent keeps about two
+    thirds of the budget), widened to hold the `rotating` fastest pairs (rotating_pairs; 2 dims each, rounded up to
+    ROPE_STEP) as far as total / 3 allows; R = total - P."""
+    third = min(head_dim, total // 3)
     rope = 2
-    while rope * 2 <= min(head_dim, total // 3):
+    while rope * 2 <= third:
         rope *= 2
+    need = min(head_dim, -(-2 * rotating // ROPE_STEP) * ROPE_STEP)
+    rope = max(rope, min(need, third - third % 2))
     return total - rope, rope
 
 
@@ -119,8 +138,9 @@ def max_rank(spec, augmented: bool) -> int:
     return min(2 * spec.num_kv_heads * spec.head_dim, spec.hidden_size + int(augmented)) + 1
 
 
-def _ranks(req: MLARequest, route: Route, spec, augmented: bool) -> tuple[int, int]:
-    """(R, P) from --kv-budget (snapped to a shape the --engine kernels take) or --kv-lora-rank/--rope-dim."""
+def _ranks(req: MLARequest, route: Route, spec, augmented: bool, rotating: int = 0) -> tuple[int, int]:
+    """(R, P) from --kv-budget (snapped to a shape the --engine kernels take; `rotating`: budget_split's) or
+    --kv-lora-rank/--rope-dim."""
 
     d = spec.head_dim
     source = 2 * spec.num_kv_heads * d
@@ -135,7 +155,7 @@ def _ranks(req: MLARequest, route: Route, spec, augmented: bool) -> tuple[int, i
             raise UsageError(f"--kv-budget {req.kv_budget} leaves {total} cached values per token; need at least 4")
         if shapes is None:
             exact_keys = req.target == "gemma3-mla" and spec.num_kv_heads == 1
-            rank, rope = (exact_keys and exact_key_split(total, d)) or budget_split(total, d)
+            rank, rope = (exact_keys and exact_key_split(total, d)) or budget_split(total, d, rotating)
         else:
             fitting = [s for s in shapes if sum(s) <= total]
             if not fitting:
@@ -233,7 +253,12 @@ def check_request(req: MLARequest) -> MLASource:
             raise AttnkitError(f"{req.model}: tensor {arch.tensor_name(missing[0], layer, prefix)!r} not found")
         layer_names.append(roles)
     augmented = any(r in layer_names[0] for r in ("q_bias", "k_bias", "v_bias"))
-    rank, rope_dim = _ranks(req, route, spec, augmented)
+    rotating = 0
+    if req.target == "deepseek-v3":  # one RoPE base for every layer (Gemma 3's layer types have their own)
+        from attnkit.commands.convert.mla_layer import pair_frequencies
+
+        rotating = rotating_pairs(pair_frequencies(src.root, rope, spec.head_dim))
+    rank, rope_dim = _ranks(req, route, spec, augmented, rotating)
     extra = spec.num_kv_heads if req.target == "gemma3-mla" else 1  # cached besides the latent proper
     if req.target == "gemma3-mla" and rope_dim > spec.head_dim:
         raise UsageError(f"--target gemma3-mla: --rope-dim {rope_dim} is past the head dim {spec.head_dim}")

@@ -1,0 +1,229 @@
+"""Every rewrite at its defaults on every real model: what a user of each family can expect.
+
+Usage: python benchmarks/bench_families.py run --work DIR [--family smollm2|gemma3|qwen ...] [--only NAME ...]
+       python benchmarks/bench_families.py render [--write]
+  run: for each family (SmolLM2-135M, Gemma 3 270M, Qwen2.5-Coder-1.5B; tests/realmodel.py's folders), writes each
+       rewrite with attnkit's own command at its defaults (calibration: tests/data/prose/calib.txt, the docs' own
+       sample text; REWRITES), keeping its report (the self-check's verdict, what it cost), then scores the source and
+       each result with `attnkit eval`: by distance on WINDOWS windows of 4,096 tokens of two held-out texts
+       (bench_long_context.prepare: the last Wikipedia articles of benchmarks/wiki_corpus.py's excerpt and Python's
+       language reference) and pass keys at 1k, 2k and 4k (both variants, 3 depths, TRIALS keys each). Qwen runs in
+       bf16 (its checkpoint's dtype), the others in fp32. Rows go to DIR/families.jsonl and
+       benchmarks/results/families.jsonl.
+  render: "## families" of docs/benchmarks.md from benchmarks/results/families.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_long_context import VARIANTS, attnkit, portable, prepare  # noqa: E402
+
+from benchmarks.docsection import publish, run_render_parser  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "families.jsonl"
+CALIB = str(ROOT / "tests/data/prose/calib.txt")
+WINDOWS = 2
+LENGTH = 4096
+PASSKEY = "1k,2k,4k"
+DEPTHS, TRIALS = 3, 2
+#: name -> attnkit command line after "attnkit" ({src} {out}), each rewrite at its defaults.
+QKNORM = "retrofit qknorm {src} {out} --calib " + CALIB
+MLA = "convert mla {src} {out} --kv-budget 0.5 --calib " + CALIB
+MQA = "convert mqa {src} {out} --method merge --calib " + CALIB
+#: family -> (tests/realmodel.py's folder function, the dtype eval runs it in, its rewrites). Gemma 3 has QK-norm
+#: already (no qknorm) and one KV head (no MQA merge); its MLA is --target gemma3-mla.
+FAMILIES = {
+    "smollm2": ("smollm2_folder", "float32", {"qknorm": QKNORM, "mla-50": MLA, "mqa-merge": MQA}),
+    "gemma3": ("gemma3_folder", "float32", {"mla-50": MLA + " --target gemma3-mla"}),
+    "qwen": ("qwen_folder", "bfloat16", {"qknorm": QKNORM, "mla-50": MLA, "mqa-merge": MQA}),
+}
+NAMES = {"smollm2": "SmolLM2-135M", "gemma3": "Gemma 3 270M", "qwen": "Qwen2.5-Coder-1.5B"}
+
+
+def rewrite(command: str, source: Path, out: Path) -> dict:
+    """Write one rewrite and return its JSON report (kept beside OUT as OUT.report.json: a second run reuses both)."""
+    saved = out.with_name(out.name + ".report.json")
+    if saved.is_file() and (out / "attnkit.json").is_file():
+        return json.loads(saved.read_text())
+    started = time.perf_counter()
+    args = command.format(src=source, out=out).split()
+    done = subprocess.run([sys.executable, "-m", "attnkit", *args, "--format", "json"], capture_output=True, text=True)
+    if done.returncode not in (0, 3):
+        raise SystemExit(f"attnkit {' '.join(args)} failed:\n{done.stderr[-2000:]}")
+    report = json.loads(done.stdout)
+    report["wall_seconds"] = time.perf_counter() - started
+    saved.write_text(json.dumps(report))
+    return report
+
+
+def scores(path: Path, source: Path, texts: dict, dtype: str, work: Path) -> list[dict]:
+    """By-distance rows of both texts and pass-key rows of both variants of one model (the source: reference None)."""
+    rows = []
+    common = ["--device", "cpu", "--dtype", dtype]
+    for text, file in texts.items():
+        args = [str(path), str(file), "--reference", str(source), "--seq-len", str(LENGTH)]
+        args += ["--max-tokens", str(LENGTH * WINDOWS), *common]
+        doc = attnkit("eval", *args)
+        rows.append(
+            {
+                "kind": "distance",
+                "text": text,
+                "perplexity": doc["perplexity"],
+                "source_perplexity": doc["reference_perplexity"],
+                "by_distance": doc["by_distance"],
+                "command": portable("attnkit eval " + " ".join(args), work, source),
+            }
+        )
+    for variant in VARIANTS:
+        args = [str(path), "--passkey", PASSKEY, "--passkey-variant", variant, "--depths", str(DEPTHS)]
+        doc = attnkit("eval", *args, "--trials", str(TRIALS), *common)
+        found = {r["length"]: r["accuracy"] for r in doc["passkey"]["model"]["by_length"]}
+        rows.append({"kind": "passkey", "variant": variant, "by_length": found})
+    return rows
+
+
+def run(work: Path, families: list[str], only: list[str]) -> None:
+    import tests.realmodel
+
+    work.mkdir(parents=True, exist_ok=True)
+    texts = prepare(work)
+    for family in families:
+        folder, dtype, rewrites = FAMILIES[family]
+        source = getattr(tests.realmodel, folder)()
+        for name in only or ["source", *rewrites]:
+            if name != "source" and name not in rewrites:
+                continue
+            head = {"family": family, "model": name}
+            if name == "source":
+                path, report = source, None
+            else:
+                path = work / family / name
+                report = rewrite(rewrites[name], source, path)
+                head.update(
+                    command=portable("attnkit " + rewrites[name].format(src=source, out=path), work, source),
+                    check=report.get("check"),
+                    method=report.get("method") or (report.get("parameters") or {}).get("method"),
+                    route=(report.get("parameters") or {}).get("latent_norm"),
+                    split=[report.get("kv_lora_rank"), report.get("rope_dim")] if "rope_dim" in report else None,
+                    seconds=report.get("wall_seconds") or report.get("seconds"),
+                )
+            rows = [{**head, **row} for row in scores(path, source, texts, dtype, work)]
+            for target in (work / "families.jsonl", RESULTS):
+                with target.open("a") as fh:
+                    fh.writelines(json.dumps(row) + "\n" for row in rows)
+            print(f"{family} {name}: scored", file=sys.stderr)
+
+
+def _latest(rows: list[dict]) -> dict:
+    out = {}
+    for row in rows:
+        out[(row["family"], row["model"], row["kind"], row.get("text") or row.get("variant"))] = row
+    return out
+
+
+def _keys(rows: dict, family: str, model: str) -> str:
+    cells = []
+    for variant in VARIANTS:
+        row = rows.get((family, model, "passkey", variant))
+        if row is None:
+            return "-"
+        cells.append("/".join(f"{v:.0%}" for v in row["by_length"].values()))
+    return " ; ".join(cells)
+
+
+def _verdict(check: dict | None) -> str:
+    if not check:
+        return "-"
+    if check["verdict"] == "ok":
+        return f"ok (worst x{check['worst']['ratio']:.2f})"
+    return f"**{check['verdict']}**: " + "; ".join(check["problems"])
+
+
+def render(write: bool) -> None:
+    rows = _latest([json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()])
+    lines = [
+        "## families",
+        "",
+        "`python benchmarks/bench_families.py run --work DIR`, then `render --write`: every rewrite at its defaults "
+        f"(calibration: tests/data/prose/calib.txt) on each real model, scored by `attnkit eval --reference SRC` on "
+        f"{WINDOWS} windows of {LENGTH:,} tokens of two held-out texts (prose: the last 30 articles of the Wikipedia "
+        "excerpt; technical: Python's language reference), by distance of the predicted token: perplexity of the "
+        "result over the source's (the source's own perplexity in its row). Pass keys: accuracy at 1k/2k/4k, repeat "
+        f"; distractors ({DEPTHS} depths x {TRIALS} keys; distractors: chance 25%). Self-check: the rewrite's own "
+        "verdict ([check.md](check.md)). SmolLM2 and Gemma 3 in fp32, Qwen2.5-Coder in bf16 (its checkpoint's dtype).",
+        "",
+    ]
+    for family in FAMILIES:
+        models = list(dict.fromkeys(key[1] for key in rows if key[0] == family))
+        if not models:
+            continue
+        lines += [f"### {NAMES[family]}", ""]
+        for text in ("prose", "technical"):
+            source = rows.get((family, "source", "distance", text))
+            if source is None:
+                continue
+            buckets = [(r["start"], r["end"]) for r in source["by_distance"]]
+            lines += [
+                f"**{text}**",
+                "",
+                "| rewrite | written as | " + " | ".join(f"{a:,}-{b:,}" for a, b in buckets) + " | all |",
+                "|---|---|" + "---:|" * (len(buckets) + 1),
+                "| source (perplexity) | | "
+                + " | ".join(f"{r['reference_perplexity']:.2f}" for r in source["by_distance"])
+                + f" | {source['source_perplexity']:.2f} |",
+            ]
+            for model in models:
+                row = rows.get((family, model, "distance", text))
+                if model == "source" or row is None:
+                    continue
+                cells = " | ".join(f"{r['ratio']:.2f}x" for r in row["by_distance"])
+                lines.append(
+                    f"| {model} | {_written(row)} | {cells} | {row['perplexity'] / row['source_perplexity']:.2f}x |"
+                )
+            lines.append("")
+        lines += [
+            "| rewrite | pass keys 1k/2k/4k (repeat ; distractors) | self-check | seconds |",
+            "|---|---|---|---:|",
+        ]
+        for model in models:
+            first = next((r for k, r in rows.items() if k[:2] == (family, model)), {})
+            seconds = f"{first['seconds']:.0f}" if first.get("seconds") else ""
+            lines.append(f"| {model} | {_keys(rows, family, model)} | {_verdict(first.get('check'))} | {seconds} |")
+        lines += ["", "Commands (SRC: the source folder, DIR: --work):", ""]
+        for model in models:
+            first = next((r for k, r in rows.items() if k[:2] == (family, model)), {})
+            if first.get("command"):
+                lines.append(f"- {model}: `{first['command']}`")
+        lines.append("")
+    publish("\n".join(lines), write)
+
+
+def _written(row: dict) -> str:
+    """What the defaults wrote: retrofit qknorm's method, convert mla's route and split."""
+    if row.get("split"):
+        route = "bias tensors" if row.get("route") == "bias" else "engine route"
+        return f"{row['split'][0]} + {row['split'][1]}, {route}"
+    return row.get("method") or ""
+
+
+def main() -> None:
+    parser, r = run_render_parser(__doc__)
+    r.add_argument("--family", nargs="*", choices=sorted(FAMILIES), default=list(FAMILIES))
+    args = parser.parse_args()
+    if args.cmd == "run":
+        run(args.work, args.family, args.only)
+    else:
+        render(args.write)
+
+
+if __name__ == "__main__":
+    main()
