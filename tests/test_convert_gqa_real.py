@@ -11,7 +11,7 @@ from attnkit.cli import app
 from tests.realmodel import smollm2_folder, smollm2_gguf
 
 PROSE = Path(__file__).parent / "data" / "prose"
-SHORT = ["--eval", str(PROSE / "heldout.txt"), "--eval-tokens", "1024", "--eval-seq-len", "256"]
+SHORT = ["--eval", str(PROSE / "heldout.txt"), "--eval-tokens", "1024", "--eval-seq-len", "256", "--no-check"]
 
 
 def _convert(runner, *args: str) -> dict:

@@ -10,6 +10,7 @@ from attnkit.commands.convert.mla import MLARequest, convert_mla
 from attnkit.ops.mla import MLAOptions
 from attnkit.runtime.generate import cache_check
 from attnkit.scoring.options import EvalOptions
+from attnkit.scoring.selfcheck import CheckOptions
 from tests.realmodel import smollm2_folder
 
 PROSE = Path(__file__).parent / "data" / "prose"
@@ -27,6 +28,7 @@ def _convert(out: Path, options: MLAOptions, sequential: bool = True) -> dict:
         sequential=sequential,
         options=options,
         device="cpu",
+        check=CheckOptions(enabled=False),
     )
     return convert_mla(req)
 

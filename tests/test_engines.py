@@ -42,7 +42,7 @@ def sources(tmp_path_factory):
                 made[name] = gemma3_gguf()
             else:
                 out = tmp_path_factory.mktemp("qwen3") / "qwen3"
-                args = ["retrofit", "qknorm", str(get("smollm2")), str(out), *FAST_CALIB]
+                args = ["retrofit", "qknorm", str(get("smollm2")), str(out), *FAST_CALIB, "--no-check"]
                 result = CliRunner().invoke(app, args)
                 assert result.exit_code == 0, result.output
                 made[name] = out
@@ -58,6 +58,8 @@ def test_output_serves_in_llama_cpp_and_vllm(runner, tmp_path, name, monkeypatch
     source, args, native = OUTPUTS[name]
     out = tmp_path / name
     command = [a.format(src=sources(source), out=out) for a in args]
+    if command[0] != "export":
+        command.append("--no-check")  # this tier checks serving; quality is the rewrites' own tests (docs/check.md)
     result = runner.invoke(app, [*command, "--format", "json"])
     assert result.exit_code == 0, result.output
     result = runner.invoke(

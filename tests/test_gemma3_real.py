@@ -38,7 +38,8 @@ def clipped(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("gemma3") / "clipped"
     result = CliRunner().invoke(
-        app, ["retrofit", "qkclip", str(gemma3_folder()), str(out), "--tau", "20", *CALIB, "--format", "json"]
+        app,
+        ["retrofit", "qkclip", str(gemma3_folder()), str(out), "--tau", "20", *CALIB, "--no-check", "--format", "json"],
     )
     assert result.exit_code == 0, result.output
     return out, json.loads(result.stdout)
@@ -89,7 +90,9 @@ def test_qkclip_is_layer_wise_and_meets_tau(clipped):
 
 
 def test_softcap_writes_and_names_llama_cpp(runner, tmp_path):
-    doc = _json(runner, ["retrofit", "softcap", str(gemma3_folder()), str(tmp_path / "o"), "--attn-cap", "50"])
+    doc = _json(
+        runner, ["retrofit", "softcap", str(gemma3_folder()), str(tmp_path / "o"), "--attn-cap", "50", "--no-check"]
+    )
     warnings = " ".join(doc["warnings"])
     assert "llama.cpp's converter (convert_hf_to_gguf.py) refuses" in warnings and "vLLM" in warnings
 
@@ -98,7 +101,7 @@ def test_heal_a_clipped_student(runner, tmp_path, clipped):
     student, _ = clipped
     args = ["heal", str(student), str(tmp_path / "healed"), "--teacher", str(gemma3_folder())]
     args += ["--data", str(PROSE / "calib.txt"), "--tokens", "256", "--seq-len", "64", "--batch-size", "2"]
-    args += ["--micro-batch-size", "2", "--val-tokens", "128", "--lr", "1e-3", "--device", "cpu"]
+    args += ["--micro-batch-size", "2", "--val-tokens", "128", "--lr", "1e-3", "--device", "cpu", "--no-check"]
     report = _json(runner, args)
     assert report["training"]["steps"] == 2
     assert report["validation"]["after"]["kl_mean"] < report["validation"]["before"]["kl_mean"]
@@ -120,7 +123,7 @@ def test_convert_mla_target_gemma3_mla_halves_the_cache(runner, tmp_path):
     out = tmp_path / "mla"
     args = ["convert", "mla", str(gemma3_gguf()), str(out), "--target", "gemma3-mla", "--kv-budget", "0.5", *CALIB]
     args += ["--eval", HELDOUT, "--eval-tokens", "512", "--eval-seq-len", "256", "--eval-long-seq-len", "0"]
-    report = _json(runner, [*args, "--device", "cpu"])
+    report = _json(runner, [*args, "--device", "cpu", "--no-check"])
     assert report["kv_bytes_per_token"]["elements_after"] == 256 and report["target_model_type"] == "attnkit_gemma3_mla"
     assert report["eval"]["cache"]["values_per_token_layer"] == 256
     assert all(row["qk_norm"] == "exact" and row["latent_norm"] == "none" for row in report["layers"])

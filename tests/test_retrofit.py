@@ -464,13 +464,18 @@ def test_smollm2_through_all_three_retrofits(runner, tmp_path):
     prose = "tests/data/prose/"
     calib = ("--calib", prose + "calib.txt", "--calib-tokens", "128", "--calib-seq-len", "64")
     ev = ("--eval", prose + "heldout.txt", "--eval-tokens", "64", "--eval-seq-len", "64", "-f", "json")
-    res, soft = _run(runner, "softcap", src, tmp_path / "s", "--attn-cap", "50", "--final-cap", "30", *ev)
+    res, soft = _run(runner, "softcap", src, tmp_path / "s", "--attn-cap", "50", "--final-cap", "30", *ev, "--no-check")
     assert res.exit_code == 0, res.output
-    res, norm = _run(runner, "qknorm", src, tmp_path / "n", "--method", "pad", *ev)
+    res, norm = _run(runner, "qknorm", src, tmp_path / "n", "--method", "pad", *ev)  # the default self-check
     assert res.exit_code == 0, res.output
-    res, clip = _run(runner, "qkclip", src, tmp_path / "c", "--tau", "8", *calib, *ev)
+    res, clip = _run(runner, "qkclip", src, tmp_path / "c", "--tau", "8", *calib, *ev, "--no-check")
     assert res.exit_code == 0, res.output
     assert norm["eval"]["kl_mean"] < 1e-4  # pad is exact up to fp32 rounding
+    check = norm["check"]  # on heldout.txt (the --eval text): 4 windows of 512, one of 4,096 by distance, pass keys
+    assert check["verdict"] == "ok" and check["text"]["origin"] == "--eval", check
+    assert check["short"]["windows"] == 4 and abs(check["short"]["ratio"] - 1) < 1e-3
+    assert check["long"]["seq_len"] == 4096 and all(abs(r["ratio"] - 1) < 1e-3 for r in check["long"]["by_distance"])
+    assert check["passkey"]["result"] == check["passkey"]["source"] and not check["passkey"]["lost"]
     assert 0 < clip["clipped_heads"] < len(clip["heads"])
     assert all(r["max_logit_after"] <= 8 * (1 + 1e-4) for r in clip["heads"] if r["clipped"])
     for doc in (soft, norm, clip):
@@ -490,7 +495,7 @@ def test_softcap_that_changes_nothing_is_refused(runner, tiny, tmp_path):
 def test_a_gguf_source_is_recorded_as_gguf(runner, tmp_path):
     from tests.realmodel import smollm2_gguf
 
-    res, doc = _run(runner, "softcap", smollm2_gguf(), tmp_path / "s", "--attn-cap", "50", "-f", "json")
+    res, doc = _run(runner, "softcap", smollm2_gguf(), tmp_path / "s", "--attn-cap", "50", "--no-check", "-f", "json")
     assert res.exit_code == 0, res.output
     source = json.loads((tmp_path / "s" / "attnkit.json").read_text())["source"]
     assert source["kind"] == "gguf" and source["ref"] == str(smollm2_gguf()) and source["dequantized"]

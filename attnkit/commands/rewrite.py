@@ -115,6 +115,15 @@ def check_texts(req: RewriteRequest, src, calibrates: bool) -> None:
             raise UsageError(f"--eval: {exc}") from None
 
 
+class Rejected(Exception):
+    """A candidate output failed its self-check (retrofit qknorm --method auto, convert mla's engine route of a
+    biased source); write_checkpoint removes it and the next candidate is written."""
+
+    def __init__(self, check: dict):
+        super().__init__("rejected by the self-check")
+        self.check = check
+
+
 def self_check(req: RewriteRequest, operation: str, calibration: dict | None) -> SelfCheck | None:
     """What the rewrite's output is checked on (attnkit.scoring.selfcheck; None with --no-check): the --eval text,
     else the --calib text past the tokens the rewrite calibrated on (`calibration`: its report entry, None when it

@@ -35,7 +35,7 @@ from attnkit.commands.convert.mla_report import kv_bytes, notes, parameters
 from attnkit.commands.convert.mla_request import MLARequest, MLASource, Route, check_request, max_rank, with_route
 from attnkit.commands.convert.mla_target import expected_shapes, target_attention_names, target_config
 from attnkit.commands.report_head import report_head, timed
-from attnkit.commands.rewrite import calib_info, calib_windows, self_check
+from attnkit.commands.rewrite import Rejected, calib_info, calib_windows, self_check
 from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError
 from attnkit.io.reader import LazyReader
@@ -61,8 +61,30 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
         loaded = load_for_calibration(src, req.device)  # decoder layers streamed when possible
         windows = calib_windows(loaded.tokenizer, req)
         src = choose_route(req, src, loaded, windows, log)
+    report = _report(req, src)
+    if req.dry_run:
+        return timed(report, started)
+    try:
+        _write(req, src, (loaded, windows), report, log, reject=_bias_route_left(req, src))
+    except Rejected as rejected:
+        problems = "; ".join(rejected.check["problems"])
+        why = (
+            "bias route chosen: the engine route's output, which carries the source's q/k/v biases on the anchor "
+            f"a.x ~ 1, failed its self-check ({problems}), so the biases are written as bias tensors "
+            "(transformers only)"
+        )
+        log("the engine route failed its self-check; converting again by the bias route ...")
+        src = with_route(req, src, Route("transformers", "bias", why))
+        report = _report(req, src)
+        report["tried"] = [{"route": "engine", "verdict": rejected.check["verdict"], "why": problems}]
+        _write(req, src, (loaded, windows), report, log, reject=False)
+    return timed(report, started)
+
+
+def _report(req: MLARequest, src: MLASource) -> dict:
+    """The report of converting `src` by its route, before any layer is converted."""
     rank = src.rank
-    report = {
+    return {
         **report_head(req, src.spec.model_type),
         "target_model_type": "attnkit_gemma3_mla" if src.target == "gemma3-mla" else "deepseek_v3",
         "num_layers": src.spec.num_layers,
@@ -73,6 +95,7 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
         "rope_dim": src.shape.rope_dim,
         "kv_bytes_per_token": kv_bytes(src, rank),
         "parameters": parameters(req, src),
+        "tried": [],
         "calibration": None,
         "layers": [],
         "eval": None,
@@ -81,17 +104,33 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
         "notes": notes(req, src),
         "warnings": list(src.warnings),
     }
-    if req.dry_run:
-        return timed(report, started)
+
+
+def _bias_route_left(req: MLARequest, src: MLASource) -> bool:
+    """Whether the bias route is still open should the engine route's output fail its self-check: a biased source
+    whose route attnkit chooses (no --engine, no --latent-norm) kept the engine route, and the bias route takes the
+    rank."""
+    return (
+        req.check.enabled
+        and src.augmented
+        and src.target == "deepseek-v3"
+        and src.route.latent_norm == "auto"
+        and req.engine == "any"
+        and src.rank <= max_rank(src.spec, augmented=True)
+    )
+
+
+def _write(req: MLARequest, src: MLASource, calibration: tuple, report: dict, log, reject: bool) -> None:
+    """Calibrate, convert and write OUT by `src`'s route, filling `report`; with `reject`, raise Rejected (nothing
+    written) when the output fails its self-check."""
     log("calibrating and converting layer by layer ...")
     config = target_config(src, bias_route=src.route.bias)
     expected = expected_shapes(config)
 
     def weights(writer) -> dict:
         with LayerSpill(req.out) as spill:  # converted layers wait on disk, not in the writer's shard buffer
-            report["layers"], report["calibration"] = _calibrate_and_convert(
-                req, src, (loaded, windows), config, spill, expected
-            )
+            converted = _calibrate_and_convert(req, src, calibration, config, spill, expected)
+            report["layers"], report["calibration"] = converted
             for layer in range(src.spec.num_layers):
                 for name, t in spill.take(layer).items():
                     writer.add(name, t)
@@ -112,6 +151,8 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
             check=check,
             extra=lambda result: {"cache": cache_check(result.model)},
         )
+        if reject and scores["check"]["verdict"] == "worse than its limit":
+            raise Rejected(scores["check"])
         report["eval"], report["check"] = scores["eval"], scores["check"]
         return {"eval": report["eval"], "check": report["check"]}
 
@@ -126,7 +167,6 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
         },
         score=score if req.scoring or req.check.enabled else None,
     )
-    return timed(report, started)
 
 
 def choose_route(req: MLARequest, src: MLASource, loaded, windows, log) -> MLASource:

@@ -115,13 +115,14 @@ def budget_split(total: int, head_dim: int, rotating: int = 0) -> tuple[int, int
     """(R, P) for `total` cached values per token per layer: P = the largest power of two <= total / 3 and
     <= D (at least 2; measured on SmolLM2, docs/benchmarks.md: RoPE dims help while the latent keeps about two
     thirds of the budget), widened to hold the `rotating` fastest pairs (rotating_pairs; 2 dims each, rounded up to
-    ROPE_STEP) as far as total / 3 allows; R = total - P."""
+    ROPE_STEP, at most total / 3) where total / 3 holds them all (a partial widening is not measured); R = total - P."""
     third = min(head_dim, total // 3)
     rope = 2
     while rope * 2 <= third:
         rope *= 2
-    need = min(head_dim, -(-2 * rotating // ROPE_STEP) * ROPE_STEP)
-    rope = max(rope, min(need, third - third % 2))
+    if 2 * rotating <= third:
+        need = min(head_dim, -(-2 * rotating // ROPE_STEP) * ROPE_STEP)
+        rope = max(rope, min(need, third - third % 2))
     return total - rope, rope
 
 

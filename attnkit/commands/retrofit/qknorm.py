@@ -38,19 +38,12 @@ from attnkit.commands.retrofit.qknorm_fit import anchor_fits, anchor_holds, cali
 from attnkit.commands.retrofit.qknorm_request import QKNormRequest, check_request, new_head_dim
 from attnkit.commands.retrofit.qknorm_rewrite import anchor_rewriter, bias_rewriter, read_biases, rewriter
 from attnkit.commands.retrofit.qknorm_target import attention_bias, check_loads, check_rope, qwen3_config
+from attnkit.commands.rewrite import Rejected
 from attnkit.commands.write import write_checkpoint
 from attnkit.io.reader import LazyReader
 from attnkit.ops.qknorm import unit_fit
 
 OPERATION = "retrofit qknorm"
-
-
-class Rejected(Exception):
-    """An auto candidate's output failed its self-check; write_checkpoint removes it and the next is written."""
-
-    def __init__(self, check: dict):
-        super().__init__("rejected by the self-check")
-        self.check = check
 
 
 def retrofit_qknorm(req: QKNormRequest) -> dict:
