@@ -113,7 +113,6 @@ def run(work: Path, families: list[str], only: list[str]) -> None:
                 path = work / family / name
                 report = rewrite(rewrites[name], source, path)
                 head.update(
-                    command=portable("attnkit " + rewrites[name].format(src=source, out=path), work, source),
                     check=report.get("check"),
                     method=report.get("method") or (report.get("parameters") or {}).get("method"),
                     route=(report.get("parameters") or {}).get("latent_norm"),
@@ -207,11 +206,15 @@ def render(write: bool) -> None:
             if seconds and first.get("check"):
                 seconds += f" ({first['check']['seconds']:.0f})"
             lines.append(f"| {model} | {_keys(rows, family, model)} | {_verdict(first.get('check'))} | {seconds} |")
-        lines += ["", "Commands (SRC: the source folder, DIR: --work):", ""]
+        lines += ["", "Commands (SRC: the source folder, DIR: --work; each output scored as the source is):", ""]
+        rewrites = FAMILIES[family][2]
         for model in models:
-            first = next((r for k, r in rows.items() if k[:2] == (family, model)), {})
-            if first.get("command"):
-                lines.append(f"- {model}: `{first['command']}`")
+            if model == "source":
+                first = next((r for k, r in rows.items() if k[:2] == (family, model)), {})
+                lines.append(f"- source: `{first['command']}`")
+            elif model in rewrites:
+                line = rewrites[model].format(src="SRC", out=f"DIR/{family}/{model}").replace(f"{ROOT}/", "")
+                lines.append(f"- {model}: `attnkit {line}`")
         lines.append("")
     publish("\n".join(lines), write)
 
