@@ -110,7 +110,7 @@ def test_values_that_kvmem_would_turn_into_negative_bytes_never_reach_it():
 
 def test_hidden_smaller_than_heads_without_head_dim(tmp_path):
     config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 4}
-    with pytest.raises(AttnkitError, match="hidden_size 4 is smaller than its 8 heads"):
+    with pytest.raises(AttnkitError, match="hidden_size 4 is not a multiple of its 8 heads"):
         attention_spec(config)
 
 

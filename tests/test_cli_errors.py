@@ -91,7 +91,7 @@ def test_calibration_window_errors_name_the_calibration_options(runner, src, tmp
     base = ["convert", "mqa", str(src), str(tmp_path / "out"), "--method", "merge", "--calib"]
     result = runner.invoke(app, [*base, _text(tmp_path), "--calib-tokens", "100", "--calib-seq-len", "512"])
     one_line_error(result, 2, "--calib-tokens 100 is shorter than one window (--calib-seq-len 512)")
-    result = runner.invoke(app, [*base, _text(tmp_path, copies=1), "--calib-tokens", "4096", "--calib-seq-len", "2048"])
+    result = runner.invoke(app, [*base, _text(tmp_path, copies=1), "--calib-tokens", "512", "--calib-seq-len", "256"])
     one_line_error(result, 2, "give more text or a smaller --calib-seq-len")
     assert not (tmp_path / "out").exists()
 

@@ -119,11 +119,12 @@ def attention_spec(config: dict) -> AttentionSpec:
     num_heads = _int(arch, config, "num_heads")
     hidden = _int(arch, config, "hidden_size")
     num_kv_heads = _int(arch, config, "num_kv_heads", num_heads)
-    head_dim = _int(arch, config, "head_dim") or hidden // num_heads
-    if head_dim < 1:
+    head_dim = _int(arch, config, "head_dim")
+    if not head_dim and hidden % num_heads and arch.qkv_layout != "mla":  # MLA's head dims are its own keys
         raise AttnkitError(
-            f"config: hidden_size {hidden} is smaller than its {num_heads} heads and no head_dim is given"
+            f"config: hidden_size {hidden} is not a multiple of its {num_heads} heads and no head_dim is given"
         )
+    head_dim = head_dim or max(hidden // num_heads, 1)
     v_head_dim = head_dim
     mla = None
     if arch.qkv_layout == "mla":

@@ -53,6 +53,22 @@ RULES: dict[str, tuple[str, float | None, float | None]] = {
     "tie_word_embeddings": ("bool", None, None),
     "attention_bias": ("bool", None, None),
 }
+#: The dtype names transformers turns a config's dtype (torch_dtype) into (torch's own attribute names).
+DTYPES = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "float",
+    "half",
+    "double",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "int8",
+    "uint8",
+)
 #: Roles every config must give (MLA configs also their latent and head dims).
 REQUIRED = ("num_layers", "num_heads", "hidden_size")
 REQUIRED_MLA = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
@@ -110,6 +126,7 @@ def check_config(arch: Arch, config: dict) -> None:
     """Every role `arch` maps must hold a value of the right type within RULES' bounds, and RoPE parameters must
     make sense (check_rope); one-line AttnkitError."""
     check_rope(config)
+    _check_dtype(config)
     required = REQUIRED + (REQUIRED_MLA if arch.qkv_layout == "mla" else ())
     for role in arch.data["config"]:
         key, value = arch.config_item(config, role)
@@ -124,6 +141,18 @@ def check_config(arch: Arch, config: dict) -> None:
     layer_types = arch.config_value(config, "layer_types")
     if layer_types is not None and len(layer_types) != layers:
         raise AttnkitError(f"layer_types has {len(layer_types)} entries for {layers} layers")
+
+
+def _check_dtype(config: dict) -> None:
+    """A dtype (torch_dtype) the config names is one transformers can turn into a torch dtype: else its tokenizer
+    and config would not load later, after the weights had."""
+    for key in ("dtype", "torch_dtype"):
+        value = config.get(key)
+        if value is not None and value not in DTYPES:
+            raise AttnkitError(
+                f"config value {key} = {reprlib.repr(value)} is not a dtype torch knows (float32, bfloat16, "
+                "float16, float8_e4m3fn, ...)"
+            )
 
 
 def _problem(value, kind: str, low, high) -> str | None:

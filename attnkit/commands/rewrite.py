@@ -82,12 +82,19 @@ def check_rewrite(req: RewriteRequest) -> None:
 
 
 def check_texts(req: RewriteRequest, src, calibrates: bool) -> None:
-    """Counted with the source's tokenizer, before any model loads: the --calib text holds the --calib-tokens the
-    rewrite calibrates on (when it does: `calibrates`), and the --eval text one window of --eval-seq-len tokens."""
+    """Counted with the source's tokenizer, before any model loads: --calib-seq-len within the model's positions,
+    the --calib text holds the --calib-tokens the rewrite calibrates on (when it does: `calibrates`), and the
+    --eval text one window of --eval-seq-len tokens."""
     from attnkit.errors import AttnkitError
     from attnkit.runtime.loader import load_tokenizer
 
     calib = bool(req.calib) and calibrates
+    limit = src.arch.config_value(src.config, "max_positions") if src.arch is not None else None
+    if calib and limit is not None and req.calib_seq_len > int(limit):
+        raise UsageError(
+            f"--calib-seq-len {req.calib_seq_len:,} is past {req.model}'s {int(limit):,} positions "
+            "(max_position_embeddings)"
+        )
     if not calib and not req.scoring.files:
         return
     tokenizer = load_tokenizer(src.root)

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
+from attnkit.io.gguf_meta import check_gguf_tokenizer
 from attnkit.io.tempdirs import clean_stale, follow_umask, make_temp_dir, remove_tree, unmark
 
 
@@ -131,6 +132,7 @@ def materialize_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> 
     if (out_dir / "config.json").is_file():
         return out_dir
     check_cache_folder(out_dir.parent)
+    check_gguf_tokenizer(gguf_path)
     model, tokenizer = load_gguf_model(gguf_path, dtype)
     clean_stale(out_dir.parent)
     tmp = make_temp_dir(out_dir.parent, out_dir.name)

@@ -165,3 +165,34 @@ def _tensors(path: Path, header: GGUFHeader) -> list[GGUFTensor]:
             raise AttnkitError(f"{path}: tensor {name!r} runs past the end of the file (truncated GGUF)")
         tensors.append(GGUFTensor(name, tuple(dims), numel, nbytes, qtype.name))
     return tensors
+
+
+#: tokenizer.ggml.model values transformers builds a tokenizer from, and the GGUF architectures whose
+#: sentencepiece vocabulary it orders by file position (no scores needed).
+TOKENIZER_MODELS = ("gpt2", "llama", "t5", "gemma4")
+POSITION_ORDERED = ("gemma", "gemma2", "gemma3")
+
+
+def check_gguf_tokenizer(path: str | Path) -> None:
+    """The GGUF file holds what transformers builds its tokenizer from (checked on the header, before anything is
+    dequantized): tokenizer.ggml.model of a kind it knows, the token list, and merges or the scores that order
+    them (sentencepiece and unigram vocabularies; Gemma's are ordered by position)."""
+    path = Path(path)
+    header = parse_gguf_header(path)
+    fields, arrays = header.fields, header.array_lengths
+    kind = fields.get("tokenizer.ggml.model")
+    if kind not in TOKENIZER_MODELS:
+        raise AttnkitError(
+            f"{path}: its tokenizer.ggml.model is {kind!r}; transformers builds a tokenizer from "
+            f"{', '.join(TOKENIZER_MODELS)}"
+        )
+    if "tokenizer.ggml.tokens" not in arrays:
+        raise AttnkitError(f"{path}: has no token list (tokenizer.ggml.tokens): its tokenizer cannot be built")
+    if kind == "t5" and "tokenizer.ggml.scores" not in arrays:
+        raise AttnkitError(f"{path}: its unigram (t5) tokenizer has no tokenizer.ggml.scores: it cannot be built")
+    by_position = kind == "llama" and fields.get("general.architecture") in POSITION_ORDERED
+    if not ({"tokenizer.ggml.merges", "tokenizer.ggml.scores"} & set(arrays) or by_position):
+        raise AttnkitError(
+            f"{path}: has neither tokenizer.ggml.merges nor tokenizer.ggml.scores: its {kind} tokenizer's merges "
+            "cannot be built"
+        )

@@ -43,7 +43,8 @@ def _hub_error(repo_id: str, revision: str | None, exc: Exception) -> AttnkitErr
     if isinstance(exc, errors.HFValidationError):
         return AttnkitError(f"{name!r} is not a valid hub id or revision ({str(exc).splitlines()[0].rstrip('.')})")
     if isinstance(exc, OSError):
-        return AttnkitError(f"hub model {name!r}: download failed ({exc.strerror or exc})")
+        what = "reading the local cache failed" if hub_offline() else "download failed"
+        return AttnkitError(f"hub model {name!r}: {what} ({exc.strerror or exc})")
     return AttnkitError(
         f"hub model {name!r}: download failed ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
     )
@@ -61,6 +62,19 @@ def _http_status(exc: BaseException) -> int | None:
     return None
 
 
+#: The environment variables that place huggingface_hub's cache, most specific first.
+CACHE_VARIABLES = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
+
+
+def _check_hub_cache() -> None:
+    """Each variable that places the hub cache names a folder (or nothing yet): a file there would fail deep
+    inside huggingface_hub as a 'download' error."""
+    for name in CACHE_VARIABLES:
+        value = os.environ.get(name)
+        if value and Path(value).expanduser().exists() and not Path(value).expanduser().is_dir():
+            raise AttnkitError(f"{name}={value} is a file, not a folder: huggingface_hub keeps its cache there")
+
+
 def hub_offline() -> bool:
     """HF_HUB_OFFLINE read at call time (huggingface_hub reads it once, at import)."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
@@ -72,6 +86,7 @@ def resolve_hub(ref: str, *, need_weights: bool) -> Checkpoint:
 
     repo_id, revision = split_revision(ref)
     offline = hub_offline()
+    _check_hub_cache()
     try:
         if need_weights:
             root = Path(

@@ -108,6 +108,11 @@ class OutputDir:
         self._check_target()
 
     def _check_target(self) -> None:
+        if self.target.is_symlink() and not self.target.exists():
+            raise AttnkitError(
+                f"{self.target}: a symlink that leads nowhere ({os.readlink(self.target)}); remove it or choose "
+                "another folder"
+            )
         if self.target.exists() and not self.target.is_dir():
             raise AttnkitError(f"{self.target}: exists and is not a folder")
         if self.target.is_dir() and any(self.target.iterdir()) and not self.overwrite:

@@ -9,7 +9,9 @@ memory does not grow with the size of a file when a token budget is given.
 
 from __future__ import annotations
 
+import io
 import json
+import stat
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -27,14 +29,30 @@ FIRST_PIECE_CHARS = 1 << 16
 PIECE_CHARS = 1 << 20
 
 
+#: What a path that exists but is neither a file nor a folder is, by its stat mode.
+SPECIAL = (
+    (stat.S_ISFIFO, "a pipe (FIFO): give its text on stdin as '-' (e.g. `zcat x.gz | attnkit ... -`)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
 def _text_file(p: str) -> Path:
-    """The path of a text input that exists and is a file (an AttnkitError naming it otherwise, exit 1 like every
-    problem with an input)."""
+    """The path of a text input that exists and is a regular file (an AttnkitError naming it otherwise, exit 1 like
+    every problem with an input); a pipe or device is said to be one, never opened (it may never end)."""
     path = Path(p)
     if path.is_dir():
         raise AttnkitError(f"{p}: is a folder, not a text file")
-    if not path.is_file():
-        raise AttnkitError(f"{p}: file not found")
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        raise AttnkitError(f"{p}: file not found") from None
+    for test, what in SPECIAL:
+        if test(mode):
+            raise AttnkitError(f"{p}: is {what}, not a text file")
+    if not stat.S_ISREG(mode):
+        raise AttnkitError(f"{p}: not a regular text file")
     return path
 
 
@@ -47,15 +65,16 @@ def _binary(p: str) -> AttnkitError:
 
 
 def check_text_files(paths: list[str]) -> None:
-    """Check, streaming and without keeping the text, that every path (not "-") is a UTF-8 text file, and that
-    every line of a .jsonl file is a JSON object with a string field 'text'."""
+    """Check, streaming and without keeping the text, that every path (not "-") is a UTF-8 text file that holds
+    more than whitespace, and that every line of a .jsonl file is a JSON object with a string field 'text' (no
+    NUL in it)."""
     import codecs
 
     for p in paths:
         if p == "-":
             continue
         decoder = codecs.getincrementaldecoder("utf-8")()
-        offset = 0
+        offset, blank = 0, True
         try:
             with _text_file(p).open("rb") as fh:
                 while chunk := fh.read(CHECK_CHUNK):
@@ -63,15 +82,19 @@ def check_text_files(paths: list[str]) -> None:
                         raise _binary(p)
                     decoder.decode(chunk)
                     offset += len(chunk)
+                    blank = blank and not chunk.strip()
                 decoder.decode(b"", final=True)
             if p.lower().endswith(".jsonl"):
+                blank = True
                 with open(p, encoding="utf-8") as fh:
-                    for _ in _jsonl(p, fh):
-                        pass
+                    for doc in _jsonl(p, fh):  # every line checked, none kept
+                        blank = blank and not doc.strip()
         except UnicodeDecodeError as exc:
             raise _undecodable(p, exc, offset) from None
         except OSError as exc:
             raise AttnkitError(f"{p}: cannot read ({exc.strerror or exc})") from None
+        if blank:
+            raise AttnkitError(f"{p}: holds no text (it is empty or only whitespace)")
 
 
 def _pieces(fh) -> Iterator[str]:
@@ -105,6 +128,8 @@ def _jsonl(path: str, lines) -> Iterator[str]:
             raise AttnkitError(f"{path}:{n}: not valid JSON") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise AttnkitError(f"{path}:{n}: no string field 'text'")
+        if "\0" in record["text"]:
+            raise AttnkitError(f"{path}:{n}: the text holds a NUL character (\\u0000): binary data, not text")
         yield record["text"]
 
 
@@ -144,8 +169,8 @@ def _file_pieces(p: str) -> Iterator[tuple[str, bool]]:
         path = _text_file(p)
         with path.open(encoding="utf-8") as fh:
             if path.suffix.lower() == ".jsonl":
-                for doc in _jsonl(p, fh):
-                    yield from _document(p, iter([doc]))
+                for doc in _jsonl(p, fh):  # each document tokenized in bounded pieces, as a .txt file is
+                    yield from _document(p, _pieces(io.StringIO(doc)))
             else:
                 yield from _document(p, _pieces(fh))
     except UnicodeDecodeError as exc:
@@ -183,6 +208,8 @@ def read_texts(paths: list[str], text: str | None = None) -> Texts:
             stdin = sys.stdin.read()
         except UnicodeDecodeError as exc:
             raise _undecodable("stdin", exc) from None
+        if "\0" in stdin:
+            raise _binary("stdin")
     return Texts(tuple(paths), text, stdin)
 
 

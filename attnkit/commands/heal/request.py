@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,8 +156,26 @@ def check_options(req: HealRequest) -> None:
     for path in req.data:
         check_data_path(Path(path))
     check_text_files([p for p in req.data if Path(p).suffix.lower() in (".txt", ".jsonl")])
+    if req.sample_cache is not None:
+        _check_sample_cache(Path(req.sample_cache).expanduser())
     if req.resume and not (req.checkpoint_folder / "run.json").is_file():
         raise UsageError(f"--resume: {req.checkpoint_folder} holds no heal checkpoint (run.json)")
+
+
+def _check_sample_cache(folder: Path) -> None:
+    """--sample-cache is a folder this process can write in, or can be made one."""
+    from attnkit.io.writer import check_writable_parent
+
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--sample-cache {folder}: is a file, not a folder")
+    if folder.is_dir():
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise UsageError(f"--sample-cache {folder}: cannot write into it (permission denied)")
+        return
+    try:
+        check_writable_parent(folder)
+    except AttnkitError as exc:
+        raise UsageError(f"--sample-cache {exc}") from None
 
 
 def _check_number(flag: str, value, low, high) -> None:
