@@ -220,3 +220,23 @@ def test_a_budget_puts_every_key_dimension_in_the_rope_key_where_one_kv_head_lea
     )
     checked = check_request(req)
     assert (checked.rank, checked.shape.rope_dim) == split
+
+
+def test_each_target_is_one_object_and_its_layout_lives_outside_commands():
+    """--target names one MLATarget (attnkit.commands.convert.mla_target.TARGETS); the layouts' tensors are written
+    in attnkit.ops and their classes live in transformers or attnkit.modeling, so no module under attnkit/commands
+    spells an MLA layout's attention tensor names."""
+    from pathlib import Path
+
+    from attnkit.commands.convert.mla_target import TARGETS
+
+    for name, target in TARGETS.items():
+        assert target.name == name
+        assert target.model_class().__module__.split(".")[0] in ("transformers", "attnkit")
+        assert not target.model_class().__module__.startswith("attnkit.commands")
+    commands = Path(__file__).resolve().parent.parent / "attnkit" / "commands"
+    layout_names = ("kv_a_proj_with_mqa.weight", "kv_b_proj.weight", "q_rms_proj.weight", "k_rms_proj.weight")
+    spelled = [str(p) for p in commands.rglob("*.py") if any(n in p.read_text() for n in layout_names)]
+    assert spelled == []
+    targets_tested = [p for p in commands.rglob("*.py") if '== "gemma3-mla"' in p.read_text()]
+    assert targets_tested == []

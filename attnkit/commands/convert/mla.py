@@ -1,5 +1,6 @@
-"""`convert mla`: rewrite an MHA/GQA checkpoint as a stock DeepseekV3 (MLA) checkpoint, layer by layer (or, with
---target gemma3-mla, a Gemma 3 one as attnkit's Gemma 3 MLA layout, attnkit.modeling.gemma3_mla).
+"""`convert mla`: rewrite an MHA/GQA checkpoint as a stock DeepseekV3 (MLA) checkpoint, layer by layer (or in
+another layout --target names: attnkit.commands.convert.mla_target.TARGETS; --target gemma3-mla writes a Gemma 3
+as attnkit's Gemma 3 MLA layout, attnkit.modeling.gemma3_mla).
 
 Flow: check the source and the ranks (mla_request.py) -> load it once (fp32) and run the calibration text through
 it; when the pass reaches layer l, l's input covariance gives its MLA tensors (mla_layer.py, attnkit.ops.mla),
@@ -23,7 +24,6 @@ from attnkit.commands.convert.layer_spill import LayerSpill
 from attnkit.commands.convert.mla_copy import copy_rest
 from attnkit.commands.convert.mla_layer import (
     convert_one,
-    exact_qk_norm,
     fold_qk_norm,
     fold_row,
     input_gamma,
@@ -40,6 +40,7 @@ from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError
 from attnkit.io.reader import LazyReader
 from attnkit.ops.anchor import ANCHOR_HELDOUT_MAX, heldout_error
+from attnkit.ops.mla_gemma3 import exact_qk_norm
 from attnkit.runtime.attention import replace_output_once
 from attnkit.runtime.calibrate import attention_module_name, calibrate, token_rows
 from attnkit.runtime.generate import cache_check
@@ -86,7 +87,7 @@ def _report(req: MLARequest, src: MLASource) -> dict:
     rank = src.rank
     return {
         **report_head(req, src.spec.model_type),
-        "target_model_type": "attnkit_gemma3_mla" if src.target == "gemma3-mla" else "deepseek_v3",
+        "target_model_type": src.target.model_type,
         "num_layers": src.spec.num_layers,
         "num_heads": src.spec.num_heads,
         "kv_heads": src.spec.num_kv_heads,
@@ -113,7 +114,7 @@ def _bias_route_left(req: MLARequest, src: MLASource) -> bool:
     return (
         req.check.enabled
         and src.augmented
-        and src.target == "deepseek-v3"
+        and src.target.engines
         and src.route.latent_norm == "auto"
         and req.engine == "any"
         and src.rank <= max_rank(src.spec, augmented=True)
@@ -125,7 +126,7 @@ def _write(req: MLARequest, src: MLASource, calibration: tuple, report: dict, lo
     written) when the output fails its self-check."""
     log("calibrating and converting layer by layer ...")
     config = target_config(src, bias_route=src.route.bias)
-    expected = expected_shapes(config)
+    expected = expected_shapes(src.target, config)
 
     def weights(writer) -> dict:
         with LayerSpill(req.out) as spill:  # converted layers wait on disk, not in the writer's shard buffer
@@ -175,7 +176,7 @@ def choose_route(req: MLARequest, src: MLASource, loaded, windows, log) -> MLASo
     on up to ROUTE_WINDOWS windows of the source's own activations). Where it does not hold and --engine and
     --latent-norm were left to attnkit, the output takes the bias route (exact biases, transformers only) and says
     why; where an engine was named, a warning says what to expect."""
-    if not src.augmented or src.route.latent_norm != "auto" or src.target != "deepseek-v3":
+    if not src.augmented or src.route.latent_norm != "auto" or not src.target.engines:
         return src
     log("measuring the anchor that carries the source's biases ...")
     modules = [attention_module_name(src.arch.tensors["k"], src.prefix, i) for i in range(src.spec.num_layers)]
@@ -242,7 +243,7 @@ def _calibrate_and_convert(
                 config.rms_norm_eps,
                 scaling,
             )
-            if src.target == "gemma3-mla":
+            if src.target.exact_qk_norm:
                 tensors = exact_qk_norm(tensors, weights, fold, src.shape)
                 row |= {"qk_norm": "exact", "qk_norm_rms_spread": [fold.spread_q, fold.spread_k]}
             elif fold is not None:

@@ -13,7 +13,8 @@ from attnkit.ops.anchor import anchor_row, fold_o_bias, substitute_constant
 from attnkit.ops.gqa import augmented_rows, is_biased, stored_rows
 from attnkit.ops.latent_norm import anchor_plan, fold_gamma, span_plan
 from attnkit.ops.mla import MLAOptions, MLAShape, convert_layer
-from attnkit.ops.mla_deepseek import attention_tensors, engine_tensors, per_query_head, q_lora_readout, query_rows
+from attnkit.ops.mla_deepseek import attention_tensors, engine_tensors, q_lora_readout
+from attnkit.ops.mla_gemma3 import plain_tensors
 from attnkit.ops.orefit import refit_o
 from attnkit.ops.qknorm_fold import fit_fold, folded_weights, mean_fold
 from attnkit.runtime.attention import run_attention, source_attention_inputs, target_attention
@@ -82,25 +83,11 @@ def fold_qk_norm(
     gains = {role: weights[role].to(torch.float64) + src.arch.norm_offset for role in ("q_norm", "k_norm")}
     weights = {**weights, **gains}
     pair = (weights["q_norm"], weights["k_norm"])
-    if src.target == "gemma3-mla":  # the layout applies the exact factors: the constants only set the scale
+    if src.target.exact_qk_norm:  # the layout applies the exact factors: the constants only set the scale
         fold = mean_fold(hidden, weights, norm_eps, src.shape.head_dim)
     else:
         fold = fit_fold(hidden, weights, pair, norm_eps, rope, scaling, src.shape.head_dim, window)
     return weights, folded_weights(weights, fold, pair, src.shape.head_dim), fold
-
-
-def exact_qk_norm(tensors: dict, source: dict, fold, s: MLAShape) -> dict:
-    """The tensors of attnkit.modeling.gemma3_mla's exact QK-norm: q_rms_proj and k_rms_proj are the source's W_q
-    and W_k (the layer takes 1 / RMS of each head of them, per token), and each query head's rows are divided by
-    its constant c_q and its KV group's c_k (the latent was fitted to keys and queries times those constants)."""
-    import torch
-
-    group = s.num_heads // s.num_kv
-    per_head = fold.c_q * fold.c_k.repeat_interleave(group)  # [H]
-    q = tensors["q_proj.weight"].to(torch.float64)
-    q = (q.reshape(s.num_heads, -1, q.shape[1]) / per_head[:, None, None]).reshape(q.shape)
-    dtype = tensors["o_proj.weight"].dtype
-    return {**tensors, "q_proj.weight": q.to(dtype), "q_rms_proj.weight": source["q"], "k_rms_proj.weight": source["k"]}
 
 
 def fold_row(fold) -> dict:
@@ -134,8 +121,8 @@ def convert_one(
     cov, mean = input_moments(hidden, augmented)  # [n(+1), n(+1)], [n(+1)]
     source_scale = s.head_dim**-0.5 if scaling is None else scaling
     q_scale = source_scale * math.sqrt(s.head_dim + s.rope_dim)  # softmax-scale fold: source's -> (D + P)^-1/2
-    if latent_norm == "none":  # attnkit.modeling.gemma3_mla: rows on the layer input, a latent without norm
-        tensors, row = _plain_layer(weights, (cov, mean), s, freqs, options, q_scale)
+    if latent_norm == "none":  # attnkit.ops.mla_gemma3: rows on the layer input, a latent without norm
+        tensors, row = plain_tensors(weights, (cov, mean), s, freqs, options, q_scale)
     elif latent_norm == "bias":
         q, k, v = (augmented_rows(weights, r, augmented) for r in ("q", "k", "v"))
         layer = convert_layer(q, k, v, weights["o"], cov, s, freqs, options, mean)
@@ -162,31 +149,6 @@ def convert_one(
             src, weights, hidden, (cov, mean), gamma, freqs, options, latent_norm, norm_eps, q_scale, dtype
         )
     return {name: t.to(dtype) for name, t in tensors.items()}, row
-
-
-def _plain_layer(weights: dict, moments: tuple, s: MLAShape, freqs, options: MLAOptions, q_scale: float):
-    """(tensors, report row) of one layer for a latent without norm (attnkit.modeling.gemma3_mla): R latent rows
-    on the layer's input (zero rows past the rank of the keys and values), the RoPE key, the read-out and the query
-    rows. `moments`: (E[x x^T], E[x]) of the calibration inputs."""
-    import dataclasses
-
-    import torch
-
-    cov, mean = moments
-    q, k, v = stored_rows(weights, "q", False), augmented_rows(weights, "k", False), augmented_rows(weights, "v", False)
-    info = min(s.latent_rank, 2 * s.num_kv * s.head_dim, cov.shape[0])
-    layer = convert_layer(q, k, v, weights["o"], cov, dataclasses.replace(s, latent_rank=info), freqs, options, mean)
-    pad = s.latent_rank - info
-    down = torch.cat([layer.down, layer.down.new_zeros(pad, layer.down.shape[1])])  # [R, n]
-    up = torch.cat([layer.up, layer.up.new_zeros(layer.up.shape[0], pad)], dim=1)  # [Hkv*2D, R]
-    tensors = {
-        "q_proj.weight": query_rows(layer, s, q_scale),  # [H*(D+P), n]
-        "kv_a_proj_with_mqa.weight": torch.cat([down, layer.rope]),  # [R + P, n]
-        "kv_b_proj.weight": per_query_head(up, s),  # [H*2D, R]
-        "o_proj.weight": weights["o"],
-    }
-    row = {"k_err": layer.k_err, "v_err": layer.v_err, "position_free": layer.position_free, "latent_norm": "none"}
-    return tensors, row
 
 
 def _engine_layer(

@@ -71,19 +71,14 @@ def notes(req: MLARequest, src: MLASource) -> list[str]:
                 "q and RoPE-key biases ride on the anchor a.x ~ 1 (engines have no bias slot); the "
                 "latent's own constants come out exact"
             )
-    if src.target == "gemma3-mla":
-        notes.append(
-            "attnkit's Gemma 3 MLA layout (model_type attnkit_gemma3_mla): Gemma 3's decoder layers, sliding windows "
-            "and per-layer-type RoPE kept, each RoPE key at its layer type's fastest frequencies, no latent norm, "
-            "QK-norm exact (each key's RMS factor cached per KV head beside the latent: kv_lora_rank counts them); "
-            "transformers runs it with attnkit.modeling imported, no serving engine does"
-        )
-    elif any(w is not None for w in src.spec.layer_windows):
+    if src.target.note:
+        notes.append(src.target.note)
+    if not src.target.keeps_windows and any(w is not None for w in src.spec.layer_windows):
         notes.append(
             "the source's sliding window is dropped: DeepseekV3 attends to the full context "
             "(identical up to the window length)"
         )
-    if src.spec.qk_norm == "per_head" and src.target != "gemma3-mla":
+    if src.spec.qk_norm == "per_head" and not src.target.exact_qk_norm:
         notes.append(
             "per-head QK-norm approximated: each head's 1/rms(q) and 1/rms(k) per token replaced by constants "
             "fitted on the calibration text (least attention KL; qk_norm_fold_kl per layer), the norm gains "

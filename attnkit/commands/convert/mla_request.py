@@ -7,18 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from attnkit.commands.convert.mla_target import DEFAULT_TARGET, SUPPORTED, TARGETS, MLATarget
 from attnkit.commands.rewrite import MLA_CALIB_TOKENS, RewriteRequest, check_rewrite, check_texts
-from attnkit.engines.targets import TARGETS, engine_safe, mla_shapes, needs_q_lora
+from attnkit.engines.targets import TARGETS as ENGINE_TARGETS
+from attnkit.engines.targets import engine_safe, mla_shapes, needs_q_lora
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.source import Source, open_source
 from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, VALUE_WEIGHTS, MLAOptions, MLAShape
 from attnkit.units import check_bounds
 
-#: Families whose attention maps onto DeepseekV3 (the rest are refused with the reason in REFUSED).
-SUPPORTED = ("llama", "mistral", "qwen2", "gemma", "qwen3")
-#: --target: the stock DeepseekV3 checkpoint (engines), or attnkit's Gemma 3 layout with MLA attention
-#: (attnkit.modeling.gemma3_mla; transformers with attnkit imported) and the families it takes.
-TARGET_FAMILIES = {"deepseek-v3": SUPPORTED, "gemma3-mla": ("gemma3",)}
+#: Families outside SUPPORTED (attnkit.commands.convert.mla_target) are refused with the reason in REFUSED.
 #: What a refused family can do instead: convert gqa|mqa keeps the family's own stock architecture.
 INSTEAD = "`attnkit convert gqa|mqa` shrinks its cache in its own stock architecture"
 REFUSED = {
@@ -44,17 +42,17 @@ class MLARequest(RewriteRequest):
     options: MLAOptions = field(default_factory=MLAOptions)
     latent_norm: str = "auto"  # auto | anchor | span (engine-safe, attnkit.ops.latent_norm) | bias (transformers)
     engine: str = "any"  # serving engines the output must run in (attnkit.engines.targets)
-    target: str = "deepseek-v3"  # the output's architecture (TARGET_FAMILIES)
+    target: str = DEFAULT_TARGET  # the output's layout (attnkit.commands.convert.mla_target.TARGETS)
 
 
-LATENT_NORMS = ("auto", "anchor", "span", "bias")  # and "none", which --target gemma3-mla sets
+LATENT_NORMS = ("auto", "anchor", "span", "bias")  # and "none", which a target no engine serves sets
 
 
 @dataclass(frozen=True)
 class Route:
     """How the output is written, chosen once from the request (and, where `why` says so, from measuring this
     model): the engines it must load in (attnkit.engines.targets) and its latent norm (LATENT_NORMS, or none for
-    --target gemma3-mla, which has none)."""
+    a target no engine serves, which has none)."""
 
     engine: str
     latent_norm: str
@@ -75,20 +73,20 @@ class Route:
 class MLASource(Source):
     """The checked source, its layer shape and RoPE parameters, and the route the conversion takes."""
 
-    shape: MLAShape  # latent_rank = R - 1, or R - Hkv for gemma3-mla (R: cached latent values per token), rope_dim = P
+    shape: MLAShape  # latent_rank = R - target.besides_latent (R: cached latent values per token), rope_dim = P
     layer_names: list[dict]  # per layer: role -> tensor name
     rope: dict  # the source's rope_parameters (rope_type, rope_theta, ...), or per layer type (Gemma 3)
     q_lora: bool  # the query goes through q_a_proj / q_b_proj
     warnings: list[str]
     route: Route
-    target: str = "deepseek-v3"
+    target: MLATarget = TARGETS[DEFAULT_TARGET]
     layer_types: list[str] | None = None  # per layer (sliding_attention / full_attention) where the config has them
 
     @property
     def rank(self) -> int:
-        """Cached latent values per token and layer: the latent and its norm channel, or for --target gemma3-mla
-        the latent and one key RMS factor per KV head."""
-        return self.shape.latent_rank + (self.spec.num_kv_heads if self.target == "gemma3-mla" else 1)
+        """Cached latent values per token and layer: the latent and what the target caches beside it (its norm
+        channel, or one key RMS factor per KV head)."""
+        return self.shape.latent_rank + self.target.besides_latent(self.spec)
 
     @property
     def augmented(self) -> bool:
@@ -128,7 +126,7 @@ def budget_split(total: int, head_dim: int, rotating: int = 0) -> tuple[int, int
 
 def exact_key_split(total: int, head_dim: int) -> tuple[int, int] | None:
     """(R, P) with every key dimension in the RoPE key (P = D) where `total` leaves the latent at least D/2; None
-    where it does not. For one KV head (--target gemma3-mla of an MQA source): the keys are then exact and the
+    where it does not. For one KV head (a target with exact_keys_mqa, of an MQA source): the keys are then exact and the
     latent holds the values (measured on Gemma 3 270M at 75%, docs/convert-mla.md)."""
     rank = total - head_dim
     return (rank, head_dim) if rank >= head_dim // 2 else None
@@ -139,7 +137,9 @@ def max_rank(spec, augmented: bool) -> int:
     return min(2 * spec.num_kv_heads * spec.head_dim, spec.hidden_size + int(augmented)) + 1
 
 
-def _ranks(req: MLARequest, route: Route, spec, augmented: bool, rotating: int = 0) -> tuple[int, int]:
+def _ranks(
+    req: MLARequest, target: MLATarget, route: Route, spec, augmented: bool, rotating: int = 0
+) -> tuple[int, int]:
     """(R, P) from --kv-budget (snapped to a shape the --engine kernels take; `rotating`: budget_split's) or
     --kv-lora-rank/--rope-dim."""
 
@@ -155,7 +155,7 @@ def _ranks(req: MLARequest, route: Route, spec, augmented: bool, rotating: int =
         if total < 4:
             raise UsageError(f"--kv-budget {req.kv_budget} leaves {total} cached values per token; need at least 4")
         if shapes is None:
-            exact_keys = req.target == "gemma3-mla" and spec.num_kv_heads == 1
+            exact_keys = target.exact_keys_mqa and spec.num_kv_heads == 1
             rank, rope = (exact_keys and exact_key_split(total, d)) or budget_split(total, d, rotating)
         else:
             fitting = [s for s in shapes if sum(s) <= total]
@@ -220,26 +220,25 @@ def check_request(req: MLARequest) -> MLASource:
     if not req.calib and not req.dry_run:
         raise UsageError("convert mla needs calibration text: pass --calib FILE")
     _check_options(req.options)
-    route = _check_route(req)
+    target, route = _check_route(req)
     check_rewrite(req)
 
     def check(arch, spec, config) -> None:  # on a GGUF file's header config: before dequantizing
-        families = TARGET_FAMILIES[req.target]
-        if req.target == "gemma3-mla" and "text_config" in config:
-            raise AttnkitError(f"{req.model}: a multimodal Gemma 3; --target gemma3-mla converts text models")
-        if req.target != "deepseek-v3" and arch.family not in families:
+        if target.text_only and "text_config" in config:
+            raise AttnkitError(f"{req.model}: a multimodal {arch.family}; --target {target.name} converts text models")
+        if target is not TARGETS[DEFAULT_TARGET] and arch.family not in target.families:
             raise AttnkitError(
-                f"--target {req.target} takes {', '.join(families)} sources, not {arch.family}; "
+                f"--target {target.name} takes {', '.join(target.families)} sources, not {arch.family}; "
                 "leave --target out for the stock DeepseekV3 output"
             )
-        if arch.family not in families:
+        if arch.family not in target.families:
             why = REFUSED.get(arch.family) or _unsupported_reason(arch)
             raise AttnkitError(
                 f"{arch.family} cannot be converted to MLA: {why}; supported: {', '.join(SUPPORTED)}; {INSTEAD}"
             )
         if spec.partial_rotary_factor != 1.0:
             raise AttnkitError(f"{req.model}: partial rotary embeddings are not converted")
-        _ranks(req, route, spec, augmented=True)  # the loosest bounds; checked again below once the biases are known
+        _ranks(req, target, route, spec, augmented=True)  # the loosest bounds; checked again once biases are known
 
     src = open_source(req.model, "convert", check)
     check_texts(req, src, calibrates=True)
@@ -255,19 +254,14 @@ def check_request(req: MLARequest) -> MLASource:
         layer_names.append(roles)
     augmented = any(r in layer_names[0] for r in ("q_bias", "k_bias", "v_bias"))
     rotating = 0
-    if req.target == "deepseek-v3":  # one RoPE base for every layer (Gemma 3's layer types have their own)
+    if target.widens_rope:
         from attnkit.commands.convert.mla_layer import pair_frequencies
 
         rotating = rotating_pairs(pair_frequencies(src.root, rope, spec.head_dim))
-    rank, rope_dim = _ranks(req, route, spec, augmented, rotating)
-    extra = spec.num_kv_heads if req.target == "gemma3-mla" else 1  # cached besides the latent proper
-    if req.target == "gemma3-mla" and rope_dim > spec.head_dim:
-        raise UsageError(f"--target gemma3-mla: --rope-dim {rope_dim} is past the head dim {spec.head_dim}")
-    if req.target == "gemma3-mla" and (augmented or rank <= extra):
-        raise UsageError(
-            f"--target gemma3-mla: {'q/k/v biases are not written' if augmented else ''}"
-            f"{'' if augmented else f'--kv-lora-rank {rank} leaves no latent beside the {extra} key RMS factors'}"
-        )
+    rank, rope_dim = _ranks(req, target, route, spec, augmented, rotating)
+    extra = target.besides_latent(spec)  # cached besides the latent proper
+    if not target.engines:
+        _check_plain_layout(target, spec, rank, rope_dim, augmented, extra)
     shape = MLAShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, rank - extra, rope_dim)
     mla_src = MLASource(
         **src.fields(),
@@ -277,7 +271,7 @@ def check_request(req: MLARequest) -> MLASource:
         q_lora=False,
         warnings=[],
         route=route,
-        target=req.target,
+        target=target,
         layer_types=layer_types,
     )
     _check_engine(req, mla_src)
@@ -308,26 +302,40 @@ def _unsupported_reason(arch) -> str:
     )
 
 
-def _check_route(req: MLARequest) -> Route:
-    """The Route of --target, --engine and --latent-norm, and whether they go together (a target other than
-    deepseek-v3 runs in transformers only and has no latent norm)."""
-    if req.target not in TARGET_FAMILIES:
-        raise UsageError(f"--target must be one of {', '.join(TARGET_FAMILIES)}, got {req.target!r}")
-    if req.target != "deepseek-v3":
+def _check_route(req: MLARequest) -> tuple[MLATarget, Route]:
+    """The MLATarget --target names and the Route of --engine and --latent-norm, and whether they go together (a
+    target no engine serves runs in transformers only and has no latent norm)."""
+    target = TARGETS.get(req.target)
+    if target is None:
+        raise UsageError(f"--target must be one of {', '.join(TARGETS)}, got {req.target!r}")
+    if not target.engines:
         if req.engine not in ("any", "transformers"):
-            raise UsageError(f"--target {req.target} runs in transformers only, not in {req.engine}")
+            raise UsageError(f"--target {target.name} runs in transformers only, not in {req.engine}")
         if req.latent_norm != "auto":
-            raise UsageError(f"--target {req.target} has no latent norm; leave --latent-norm {req.latent_norm} out")
-        return Route("transformers", "none")
-    if req.engine not in TARGETS:
-        raise UsageError(f"--engine must be one of {', '.join(TARGETS)}, got {req.engine!r}")
+            raise UsageError(f"--target {target.name} has no latent norm; leave --latent-norm {req.latent_norm} out")
+        return target, Route("transformers", "none")
+    if req.engine not in ENGINE_TARGETS:
+        raise UsageError(f"--engine must be one of {', '.join(ENGINE_TARGETS)}, got {req.engine!r}")
     if req.latent_norm not in LATENT_NORMS:
         raise UsageError(f"--latent-norm must be one of {', '.join(LATENT_NORMS)}, got {req.latent_norm!r}")
     if req.latent_norm == "bias" and req.engine not in ("any", "transformers"):
         raise UsageError(
             f"--latent-norm bias writes bias tensors that {req.engine} has no slot for; use --latent-norm auto"
         )
-    return Route(req.engine, req.latent_norm)
+    return target, Route(req.engine, req.latent_norm)
+
+
+def _check_plain_layout(target: MLATarget, spec, rank: int, rope_dim: int, augmented: bool, extra: int) -> None:
+    """What a layout no engine serves cannot write: a RoPE key past the head dim (no padding), q/k/v biases (no
+    bias route), a latent with no room beside the values cached besides it."""
+    if rope_dim > spec.head_dim:
+        raise UsageError(f"--target {target.name}: --rope-dim {rope_dim} is past the head dim {spec.head_dim}")
+    if augmented:
+        raise UsageError(f"--target {target.name}: q/k/v biases are not written")
+    if rank <= extra:
+        raise UsageError(
+            f"--target {target.name}: --kv-lora-rank {rank} leaves no latent beside the {extra} key RMS factors"
+        )
 
 
 def _check_engine(req: MLARequest, src: MLASource) -> None:
@@ -365,8 +373,10 @@ def _check_engine(req: MLARequest, src: MLASource) -> None:
         )
     kv_rank = max_rank(spec, src.augmented) - 1  # of the stacked keys and values
     if src.shape.latent_rank > kv_rank:
-        why = "are zero" if src.target == "gemma3-mla" else "steady the latent norm"
-        src.warnings.append(f"latent padded: the source's keys and values have rank {kv_rank}; extra channels {why}")
+        src.warnings.append(
+            f"latent padded: the source's keys and values have rank {kv_rank}; extra channels "
+            f"{src.target.padded_latent()}"
+        )
 
 
 def _activation(config: dict) -> str | None:

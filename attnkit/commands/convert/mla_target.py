@@ -1,8 +1,12 @@
-"""The checkpoint `convert mla` writes: its config (a stock DeepseekV3, or with --target gemma3-mla attnkit's Gemma 3
-MLA layout, attnkit.modeling.gemma3_mla) and the tensor names and shapes it must hold."""
+"""The checkpoints `convert mla` writes, one MLATarget per output layout (TARGETS, what --target names): which
+sources it takes, which engines serve it, what it caches beside the latent, its config and model class, and the
+tensor names and shapes it must hold. The layouts' tensors are in attnkit.ops (mla_deepseek, mla_gemma3); adding
+a layout is its ops module, its config builder here and one TARGETS entry."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from attnkit.archs import get_arch
@@ -12,6 +16,47 @@ from attnkit.runtime.calibrate import attention_module_name
 if TYPE_CHECKING:
     from attnkit.commands.convert.mla_request import MLASource
 
+#: Families whose attention maps onto DeepseekV3 (the stock target's; the others name their own).
+SUPPORTED = ("llama", "mistral", "qwen2", "gemma", "qwen3")
+#: The target convert mla writes without --target: the stock DeepseekV3 checkpoint the engines serve.
+DEFAULT_TARGET = "deepseek-v3"
+
+
+@dataclass(frozen=True)
+class MLATarget:
+    """One output layout of convert mla, chosen once from --target.
+
+    engines: the serving engines load it (else transformers only, with attnkit imported, and it has no latent norm
+    and no bias route); exact_qk_norm: the layout applies a source's per-head QK-norm exactly and caches one key RMS
+    factor per KV head beside the latent (else one latent-norm channel is cached there and QK-norm is folded into
+    constants); widens_rope: one RoPE base serves every layer, so the budget split may widen the RoPE key to the
+    source's rotating pairs (attnkit.commands.convert.mla_request.budget_split); exact_keys_mqa: with one KV head
+    a budget puts every key dimension in the RoPE key where the latent keeps half a head; text_only: a multimodal
+    config is refused; keeps_windows: sliding windows are kept (else a note says they are dropped);
+    config(src, bias_route): the result's transformers config; model_class(): its class; note: what the report's
+    notes say of the layout."""
+
+    name: str
+    model_type: str
+    families: tuple[str, ...]
+    engines: bool
+    exact_qk_norm: bool
+    widens_rope: bool
+    exact_keys_mqa: bool
+    text_only: bool
+    keeps_windows: bool
+    config: Callable
+    model_class: Callable
+    note: str | None = None
+
+    def besides_latent(self, spec) -> int:
+        """Values cached per token and layer besides the latent proper (counted in kv_lora_rank)."""
+        return spec.num_kv_heads if self.exact_qk_norm else 1
+
+    def padded_latent(self) -> str:
+        """What the channels past the rank of the source's keys and values hold, for a warning."""
+        return "are zero" if not self.engines else "steady the latent norm"
+
 
 def target_arch(config):
     """The registry entry of the result's architecture (attnkit/archs/data/deepseek_v3.json or gemma3_mla.json):
@@ -20,12 +65,13 @@ def target_arch(config):
 
 
 def target_config(src: MLASource, bias_route: bool):
-    """The config of the result: DeepseekV3 (deepseek_config), or Gemma3MLAConfig for --target gemma3-mla."""
-    return gemma3_mla_config(src) if src.target == "gemma3-mla" else deepseek_config(src, bias_route)
+    """The config of the result, by its target's builder."""
+    return src.target.config(src, bias_route)
 
 
-def gemma3_mla_config(src: MLASource):
-    """The source's Gemma 3 text config with the MLA shape (kv_lora_rank R, qk_rope_head_dim P) added."""
+def gemma3_mla_config(src: MLASource, bias_route: bool = False):
+    """The source's Gemma 3 text config with the MLA shape (kv_lora_rank R, qk_rope_head_dim P) added (no bias
+    route: the layout writes no biases)."""
     from transformers import AutoConfig
 
     from attnkit.modeling.gemma3_mla import ARCHITECTURE, Gemma3MLAConfig
@@ -93,15 +139,12 @@ def deepseek_config(src: MLASource, bias_route: bool):
     return config
 
 
-def expected_shapes(config) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of the target, from its model class built on the meta device."""
+def expected_shapes(target: MLATarget, config) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of the result, from its target's model class built on the meta device."""
     import torch
-    from transformers import DeepseekV3ForCausalLM
-
-    from attnkit.modeling.gemma3_mla import Gemma3MLAConfig, Gemma3MLAForCausalLM
 
     with torch.device("meta"):
-        model = (Gemma3MLAForCausalLM if isinstance(config, Gemma3MLAConfig) else DeepseekV3ForCausalLM)(config)
+        model = target.model_class()(config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         shapes.pop(target_arch(config).head_name, None)
@@ -114,3 +157,52 @@ def target_attention_names(config, expected: dict) -> list[str]:
     arch = target_arch(config)
     prefix = find_prefix(arch, expected)
     return [attention_module_name(arch.tensors["o"], prefix, layer) for layer in range(config.num_hidden_layers)]
+
+
+def _deepseek_class():
+    from transformers import DeepseekV3ForCausalLM
+
+    return DeepseekV3ForCausalLM
+
+
+def _gemma3_mla_class():
+    from attnkit.modeling.gemma3_mla import Gemma3MLAForCausalLM
+
+    return Gemma3MLAForCausalLM
+
+
+#: --target -> its layout.
+TARGETS = {
+    "deepseek-v3": MLATarget(
+        name="deepseek-v3",
+        model_type="deepseek_v3",
+        families=SUPPORTED,
+        engines=True,
+        exact_qk_norm=False,
+        widens_rope=True,
+        exact_keys_mqa=False,
+        text_only=False,
+        keeps_windows=False,
+        config=deepseek_config,
+        model_class=_deepseek_class,
+    ),
+    "gemma3-mla": MLATarget(
+        name="gemma3-mla",
+        model_type="attnkit_gemma3_mla",
+        families=("gemma3",),
+        engines=False,
+        exact_qk_norm=True,
+        widens_rope=False,  # each layer type has its own RoPE base
+        exact_keys_mqa=True,
+        text_only=True,
+        keeps_windows=True,
+        config=gemma3_mla_config,
+        model_class=_gemma3_mla_class,
+        note=(
+            "attnkit's Gemma 3 MLA layout (model_type attnkit_gemma3_mla): Gemma 3's decoder layers, sliding windows "
+            "and per-layer-type RoPE kept, each RoPE key at its layer type's fastest frequencies, no latent norm, "
+            "QK-norm exact (each key's RMS factor cached per KV head beside the latent: kv_lora_rank counts them); "
+            "transformers runs it with attnkit.modeling imported, no serving engine does"
+        ),
+    ),
+}
