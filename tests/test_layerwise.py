@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from attnkit.cli import app
 from attnkit.runtime.streaming import read_layer
-from tests.helpers import HELDOUT, tiny_source
+from tests.helpers import FAST_CALIB, HELDOUT, tiny_source
 
 TEXT = [HELDOUT, "--max-tokens", "192", "--seq-len", "64", "--batch-size", "2"]
 
@@ -118,3 +120,35 @@ def test_smollm2_layer_streamed_probe_equals_the_whole_model(runner):
     whole = _json(runner, [*args, "--layer-stream", "never"])["models"][0]
     layers = _json(runner, [*args, "--layer-stream", "always"])["models"][0]
     assert layers["heads"] == whole["heads"] and layers["final"] == whole["final"]
+
+
+@pytest.mark.parametrize(
+    "family, args",
+    [
+        ("llama_gqa", ["convert", "mqa", "--method", "mean"]),
+        ("llama_gqa", ["convert", "mla", "--kv-budget", "0.5", *FAST_CALIB]),
+        ("gemma3", ["convert", "mla", "--target", "gemma3-mla", "--kv-budget", "0.5", *FAST_CALIB]),
+        ("llama_gqa", ["retrofit", "qknorm", "--method", "pad", *FAST_CALIB]),
+        ("qwen2", ["retrofit", "qknorm", "--method", "bias", *FAST_CALIB]),
+        ("llama_gqa", ["retrofit", "softcap", "--attn-cap", "30"]),
+    ],
+)
+def test_every_layout_attnkit_writes_evaluates_the_same_layer_by_layer(runner, tmp_path, family, args):
+    """The layer-streamed and the loaded builders run attnkit's own layouts (Gemma 3 MLA, DeepseekV3 with padded
+    values, Qwen3 with q/k/v biases, soft-capped attention) alike: every eval figure equal."""
+    src = tiny_source(tmp_path, family)
+    out = tmp_path / "out"
+    command, rest = args[:2], args[2:]
+    result = runner.invoke(app, [*command, str(src), str(out), *rest, "--no-check"])
+    assert result.exit_code == 0, result.output
+    whole = _json(runner, ["eval", str(out), *TEXT, "--reference", str(src), "--layer-stream", "never"])
+    streamed = subprocess.run(  # a fresh interpreter: nothing the conversion imported registers the layout
+        [sys.executable, "-m", "attnkit", "eval", str(out), *TEXT, "--reference", str(src), "--layer-stream", "always"]
+        + ["--format", "json"],
+        capture_output=True,
+        text=True,
+    )
+    assert streamed.returncode == 0, streamed.stderr
+    layers = json.loads(streamed.stdout)
+    assert layers.pop("layer_streamed") is True and whole.pop("layer_streamed") is False
+    assert layers == whole

@@ -162,6 +162,24 @@ def free_memory(device) -> int | None:
         return None
 
 
+def register_layouts() -> None:
+    """attnkit's own model types (attnkit.modeling) known to transformers' Auto classes, before any model of a
+    checkpoint is built (whole or layer by layer)."""
+    import attnkit.modeling  # noqa: F401
+
+
+def ready(model) -> None:
+    """What every builder does to a model before it runs it (load_model, attnkit.runtime.streaming): eval mode,
+    the config's soft-caps that stock transformers ignores for its family, and MLA's narrower values through the
+    fused CPU kernel rather than the math path (the same figures both ways, bit for bit)."""
+    from attnkit.runtime.capped_attention import apply_softcaps
+    from attnkit.runtime.padded_attention import use_padded_sdpa
+
+    model.eval()
+    apply_softcaps(model)
+    use_padded_sdpa(model)
+
+
 def load_model(
     ref,
     *,
@@ -178,11 +196,9 @@ def load_model(
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    import attnkit.modeling  # noqa: F401  (registers attnkit's own model types with the Auto classes)
     from attnkit.io.finite import is_finite
-    from attnkit.runtime.capped_attention import apply_softcaps
-    from attnkit.runtime.padded_attention import use_padded_sdpa
 
+    register_layouts()
     hf_logging.disable_progress_bar()
     dev = resolve_device(device)
     src = run_source(ref)
@@ -215,9 +231,7 @@ def load_model(
     if device_map is None:
         model = model.to(dev)
     tokenizer = load_tokenizer(ckpt.root)
-    model.eval()
-    apply_softcaps(model)  # config soft-caps that stock transformers ignores for this family
-    use_padded_sdpa(model)  # MLA's narrower values: the fused CPU kernel rather than the math path
+    ready(model)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

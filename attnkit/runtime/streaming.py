@@ -25,8 +25,9 @@ def load_streaming(ref, device: str = "auto"):
     """LoadedModel (float32) whose decoder layers are streamed from the checkpoint, for calibration: the hidden
     states are what it is run for, so the output head is not loaded (an identity stands in, tied or not) and a
     plain embedding table stays in its stored dtype, its rows made float32 as they are looked up (exact:
-    widening loses nothing). Soft-caps applied as in load_model. `ref`: a reference or an opened Source (see
-    build_streamed). Raises StreamingUnsupported when parameters and checkpoint tensors do not match by name."""
+    widening loses nothing). Made ready as load_model makes a model (loader.ready). `ref`: a reference or an
+    opened Source (see build_streamed). Raises StreamingUnsupported when parameters and checkpoint tensors do not
+    match by name."""
     loaded, files, layers = build_streamed(ref, device, hidden_only=True)
     for prefix, layer in layers:
         layer.register_forward_pre_hook(_loader(files, prefix, loaded.device, loaded.dtype), with_kwargs=True)
@@ -50,8 +51,7 @@ def build_streamed(ref, device: str = "auto", dtype=None, hidden_only: bool = Fa
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from attnkit.io.reader import LazyReader
-    from attnkit.runtime.capped_attention import apply_softcaps
-    from attnkit.runtime.loader import LoadedModel, load_tokenizer, resolve_device, run_source
+    from attnkit.runtime.loader import LoadedModel, load_tokenizer, ready, register_layouts, resolve_device, run_source
     from attnkit.runtime.sliced_linear import SlicedLinear, slice_linears
 
     dtype = dtype or torch.float32
@@ -61,6 +61,7 @@ def build_streamed(ref, device: str = "auto", dtype=None, hidden_only: bool = Fa
         raise StreamingUnsupported(f"{ref}: only safetensors checkpoints can be streamed, not {ckpt.kind}")
     bound_heap()
     dev = resolve_device(device)
+    register_layouts()
     try:
         config = AutoConfig.from_pretrained(str(ckpt.root))
         with init_empty_weights(include_buffers=False):  # parameters on meta; RoPE tables etc. computed for real
@@ -96,8 +97,7 @@ def build_streamed(ref, device: str = "auto", dtype=None, hidden_only: bool = Fa
         model.tie_weights()  # a tied head follows the embeddings just loaded
     _check_names(ref, model, layers, layer_param_ids, stored)
     src.check_finite()
-    model.eval()
-    apply_softcaps(model)
+    ready(model)
     loaded = LoadedModel(model=model, tokenizer=load_tokenizer(ckpt.root), checkpoint=ckpt, device=dev, dtype=dtype)
     return loaded, files, layers
 
