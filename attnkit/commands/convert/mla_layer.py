@@ -29,20 +29,21 @@ def source_freqs(src: MLASource, layer: int):
     (Gemma 3: the layer type's own rope parameters)."""
     rope = layer_rope(src, layer)
     per_type = rope is not src.rope  # rope parameters per layer type (Gemma 3): the init function picks by type
-    return pair_frequencies(src.root, rope, src.shape.head_dim, src.layer_types[layer] if per_type else None)
+    return pair_frequencies(src.hf_config, rope, src.shape.head_dim, src.layer_types[layer] if per_type else None)
 
 
-def pair_frequencies(root, rope: dict, head_dim: int, layer_type: str | None = None):
+def pair_frequencies(hf_config, rope: dict, head_dim: int, layer_type: str | None = None):
     """Rotary frequencies [D/2] (radians per token, fastest first) of rope parameters `rope` (rope_type, rope_theta,
-    scaling keys) at `head_dim`, as transformers computes them for the checkpoint at `root` (`layer_type`: where
-    its rope parameters are per layer type)."""
+    scaling keys) at `head_dim`, as transformers computes them for the checkpoint whose transformers config is
+    `hf_config` (not changed; `layer_type`: where its rope parameters are per layer type)."""
+    import copy
+
     import torch
-    from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope["rope_type"] == "default":
         return float(rope["rope_theta"]) ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    cfg = AutoConfig.from_pretrained(str(root))
+    cfg = copy.deepcopy(hf_config)
     cfg.head_dim = head_dim
     kwargs = {"layer_type": layer_type} if layer_type else {}
     inv_freq, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, "cpu", **kwargs)

@@ -5,6 +5,7 @@ reason), the RoPE type, the ranks (R and P from --kv-budget snapped to a shape t
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from attnkit.commands.convert.mla_target import DEFAULT_TARGET, SUPPORTED, TARGETS, MLATarget
@@ -80,6 +81,7 @@ class MLASource(Source):
     warnings: list[str]
     route: Route
     target: MLATarget = TARGETS[DEFAULT_TARGET]
+    hf_config: object = None  # the source's transformers config, read once (check_request)
     layer_types: list[str] | None = None  # per layer (sliding_attention / full_attention) where the config has them
 
     @property
@@ -194,13 +196,10 @@ def _ranks(
     return rank, rope
 
 
-def _rope_parameters(ckpt) -> tuple[dict, list[str] | None]:
-    """(the source's rope parameters as transformers reads them (rope_theta, rope_type, scaling keys), or a dict of
-    them per layer type (Gemma 3); the config's layer types or None)."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(str(ckpt.root))
-    params = dict(getattr(cfg, "rope_parameters", None) or {})
+def _rope_parameters(ckpt, cfg) -> tuple[dict, list[str] | None]:
+    """(the source's rope parameters as transformers reads them (rope_theta, rope_type, scaling keys; `cfg`: its
+    transformers config), or a dict of them per layer type (Gemma 3); the config's layer types or None)."""
+    params = copy.deepcopy(dict(getattr(cfg, "rope_parameters", None) or {}))  # cfg stays as read
     layer_types = list(getattr(cfg, "layer_types", None) or []) or None
     nested = bool(layer_types) and all(isinstance(params.get(t), dict) for t in set(layer_types))
     for part in [params[t] for t in set(layer_types)] if nested else [params]:
@@ -243,7 +242,10 @@ def check_request(req: MLARequest) -> MLASource:
     src = open_source(req.model, "convert", check)
     check_texts(req, src, calibrates=True)
     spec, arch, prefix = src.spec, src.arch, src.prefix
-    rope, layer_types = _rope_parameters(src.ckpt)
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(str(src.root))  # read once: the rope, the frequencies, the target's config
+    rope, layer_types = _rope_parameters(src.ckpt, hf_config)
     layer_names = []
     for layer in range(spec.num_layers):
         roles = {r: arch.tensor_name(r, layer, prefix) for r in ATTN_ROLES}
@@ -257,7 +259,7 @@ def check_request(req: MLARequest) -> MLASource:
     if target.widens_rope:
         from attnkit.commands.convert.mla_layer import pair_frequencies
 
-        rotating = rotating_pairs(pair_frequencies(src.root, rope, spec.head_dim))
+        rotating = rotating_pairs(pair_frequencies(hf_config, rope, spec.head_dim))
     rank, rope_dim = _ranks(req, target, route, spec, augmented, rotating)
     extra = target.besides_latent(spec)  # cached besides the latent proper
     if not target.engines:
@@ -272,6 +274,7 @@ def check_request(req: MLARequest) -> MLASource:
         warnings=[],
         route=route,
         target=target,
+        hf_config=hf_config,
         layer_types=layer_types,
     )
     _check_engine(req, mla_src)

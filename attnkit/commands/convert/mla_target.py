@@ -72,11 +72,9 @@ def target_config(src: MLASource, bias_route: bool):
 def gemma3_mla_config(src: MLASource, bias_route: bool = False):
     """The source's Gemma 3 text config with the MLA shape (kv_lora_rank R, qk_rope_head_dim P) added (no bias
     route: the layout writes no biases)."""
-    from transformers import AutoConfig
-
     from attnkit.modeling.gemma3_mla import ARCHITECTURE, Gemma3MLAConfig
 
-    fields = AutoConfig.from_pretrained(str(src.root)).to_dict()
+    fields = src.hf_config.to_dict()
     for key in ("model_type", "architectures", "transformers_version", "quantization_config"):
         fields.pop(key, None)
     config = Gemma3MLAConfig(**fields, kv_lora_rank=src.shape.latent_rank, qk_rope_head_dim=src.shape.rope_dim)
@@ -92,10 +90,10 @@ def deepseek_config(src: MLASource, bias_route: bool):
     first_k_dense_replace), an untied lm_head (vLLM's DeepSeek never ties), interleaved RoPE (the only layout
     vLLM and llama.cpp apply), biases only on the bias route."""
     import torch
-    from transformers import AutoConfig, DeepseekV3Config
+    from transformers import DeepseekV3Config
 
     s, spec = src.shape, src.spec
-    cfg = AutoConfig.from_pretrained(str(src.root))
+    cfg = src.hf_config
     rope = dict(src.rope)
     rope["rope_theta"] = float(rope["rope_theta"]) ** (s.rope_dim / s.head_dim)  # same frequencies at width P
     dtype = getattr(cfg, "dtype", None) or torch.float32
