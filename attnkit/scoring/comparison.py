@@ -133,7 +133,7 @@ class Comparison:
 
 def compare_checkpoints(
     options: EvalOptions,
-    source_root: Path,
+    source,
     result_root: Path,
     device: str,
     *,
@@ -141,17 +141,18 @@ def compare_checkpoints(
     probe: bool = False,
     extra: Callable[[object], dict] | None = None,
 ) -> dict:
-    """Load source and result (fp32, on `device`) and compare them: {"eval": the Comparison's block (null when
-    `options` score nothing), "probe": with `probe` both models' attention statistics (null without it or without
-    --eval text), "check": the self-check's block (null without `check`)}. `extra(result)` may check the loaded
-    result (raising on what is wrong) and returns more "eval" entries. Without --eval, tasks or pass keys the models
-    are opened as the self-check needs them: in the source's 16-bit dtype where the device computes it natively
-    (attnkit.runtime.loader.native_dtype), whole where they fit, else layer by layer (bounded memory)."""
+    """Load source (the Source the command opened, not opened again) and result (fp32, on `device`) and compare
+    them: {"eval": the Comparison's block (null when `options` score nothing), "probe": with `probe` both models'
+    attention statistics (null without it or without --eval text), "check": the self-check's block (null without
+    `check`)}. `extra(result)` may check the loaded result (raising on what is wrong) and returns more "eval"
+    entries. Without --eval, tasks or pass keys the models are opened as the self-check needs them: in the
+    source's 16-bit dtype where the device computes it natively (attnkit.runtime.loader.native_dtype), whole where
+    they fit, else layer by layer (bounded memory)."""
     if options or probe:
-        source = load_model(str(source_root), device=device, dtype="float32")
+        source = load_model(source, device=device, dtype="float32")
         result = load_model(str(result_root), device=device, dtype="float32")
     else:
-        source = open_model(str(source_root), device=device, dtype=_check_dtype(source_root, device))
+        source = open_model(source, device=device, dtype=_check_dtype(source.config, device))
         result = open_model(str(result_root), device=device, dtype=str(source.dtype).removeprefix("torch."))
     out = {"eval": None, "probe": None, "check": None}
     if options:
@@ -165,9 +166,9 @@ def compare_checkpoints(
     return out
 
 
-def _check_dtype(root: Path, device: str) -> str:
-    """The dtype the self-check runs both models in: the source's native one on this device (native_dtype)."""
-    from attnkit.io.config import read_config
+def _check_dtype(config: dict, device: str) -> str:
+    """The dtype the self-check runs both models in: the source's native one on this device (native_dtype;
+    `config`: the source's)."""
     from attnkit.runtime.loader import native_dtype, resolve_device
 
-    return native_dtype(resolve_device(device), read_config(Path(root) / "config.json"))
+    return native_dtype(resolve_device(device), config)

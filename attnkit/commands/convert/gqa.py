@@ -356,7 +356,7 @@ def _calibrate_and_write(req: ConvertRequest, src: GQASource, report: dict, spil
     def score(folder) -> dict:
         log("checking the result against the source" + (" and scoring --eval" if req.scoring else ""))
         scores = compare_checkpoints(
-            req.scoring, src.root, folder, req.device, check=check, extra=_loads_with_kv_heads(req.kv_heads)
+            req.scoring, src, folder, req.device, check=check, extra=_loads_with_kv_heads(req.kv_heads)
         )
         report["eval"], report["check"] = scores["eval"], scores["check"]
         return {"eval": report["eval"], "check": report["check"]}

@@ -146,7 +146,7 @@ def _write(req: MLARequest, src: MLASource, calibration: tuple, report: dict, lo
         check = self_check(req, "convert mla", report["calibration"])
         scores = compare_checkpoints(
             req.scoring,
-            src.root,
+            src,
             folder,
             req.device,
             check=check,

@@ -43,12 +43,12 @@ def load_models(run, student: bool = True) -> tuple:
     acc, pair = run.acc, run.pair
     what = "the teacher and the student" if student else "the teacher"
     run.log(f"loading {what} on {acc.device} ({acc.num_processes} process(es))")
-    teacher = load_model(str(pair.teacher.root), device=str(acc.device), dtype="float32").model
+    teacher = load_model(pair.teacher, device=str(acc.device), dtype="float32").model
     for p in teacher.parameters():
         p.requires_grad_(False)
     if not student:
         return teacher, None
-    model = load_model(str(pair.student.root), device=str(acc.device), dtype="float32").model
+    model = load_model(pair.student, device=str(acc.device), dtype="float32").model
     check_names(model, stored_layout(pair.student.ckpt))
     return teacher, model
 

@@ -218,7 +218,7 @@ def trained_model(run, trainer: Trainer, trained: dict | None, names: list[str])
     if trained is not None:
         trainer.model = None
         release_memory()
-        model = load_model(str(run.pair.student.root), device=str(run.acc.device), dtype="float32").model
+        model = load_model(run.pair.student, device=str(run.acc.device), dtype="float32").model
         if req.lora_rank:
             model = trainable.add_lora(model, names, req.lora_rank, req.seed)
         for name, tensor in trained.items():

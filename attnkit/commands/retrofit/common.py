@@ -36,16 +36,17 @@ def scorer(req: RewriteRequest, src: Source, report: dict, operation: str, calib
         return None
 
     def score(folder) -> dict:
-        report.update(compare_checkpoints(req.scoring, src.root, folder, req.device, check=check, probe=True))
+        report.update(compare_checkpoints(req.scoring, src, folder, req.device, check=check, probe=True))
         return {"eval": report["eval"], "probe": report["probe"], "check": report["check"]}
 
     return score
 
 
 def load(ref, device: str):
-    """A model ready to run in float32 (LoadedModel), soft-caps applied (see attnkit.runtime.capped_attention)."""
+    """A model ready to run in float32 (LoadedModel), soft-caps applied (see attnkit.runtime.capped_attention);
+    `ref`: the Source the command opened (not opened again) or a folder it wrote."""
 
-    return load_model(str(ref), device=device, dtype="float32")
+    return load_model(ref, device=device, dtype="float32")
 
 
 def stream_weights(src: Source, writer, rewrite: Callable[[str, object], dict] | None = None) -> dict:

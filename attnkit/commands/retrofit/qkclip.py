@@ -115,7 +115,7 @@ def _clip(req: QKClipRequest, src) -> tuple[list, dict]:
     """Sequential clipping on the calibration text (attnkit.runtime.calibrate: layer l is measured on the outputs of
     the clipped layers before it); returns per-layer (factors [H], max logits seen [H]) and calibration info."""
     spec = src.spec
-    loaded = load(src.root, req.device)
+    loaded = load(src, req.device)
     model = loaded.model
     wins = calib_windows(loaded.tokenizer, req)
     modules = [attention_module_name(src.arch.tensors["q"], src.prefix, i) for i in range(spec.num_layers)]
@@ -213,7 +213,7 @@ def retrofit_qkclip(req: QKClipRequest) -> dict:
     }
     if req.dry_run:
         return timed(report, started)
-    before = _max_logits(src.root, req, "source")
+    before = _max_logits(src, req, "source")
     factors, report["calibration"] = _clip(req, src)
     rows = report["heads"] = _head_rows(factors, before)
     report["clipped_heads"] = sum(r["clipped"] for r in rows)

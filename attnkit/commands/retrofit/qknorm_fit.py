@@ -25,7 +25,7 @@ def calibrate_fits(req: QKNormRequest, src) -> tuple[list, dict]:
     import torch
 
     spec = src.spec
-    loaded = load(src.root, req.device)
+    loaded = load(src, req.device)
     model = loaded.model
     wins = calib_windows(loaded.tokenizer, req)
     attention = [

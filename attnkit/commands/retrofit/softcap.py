@@ -131,7 +131,7 @@ def _final_histogram(model, wins):
 def _auto_caps(req: SoftcapRequest, src) -> dict:
     """Pick the `auto` caps from the calibration text; returns {"attn": {...}, "final": {...}} for those chosen."""
 
-    loaded = load(src.root, req.device)
+    loaded = load(src, req.device)
     model = loaded.model  # as the source runs (any caps it already has applied); logits are counted before a cap
     wins = calib_windows(loaded.tokenizer, req)
     chosen = {}
