@@ -81,7 +81,7 @@ def scores(path: Path, source: Path, texts: dict, dtype: str, work: Path, passke
                 "kind": "distance",
                 "text": text,
                 "perplexity": doc["perplexity"],
-                "source_perplexity": doc["reference_perplexity"],
+                "source_perplexity": doc["source_perplexity"],
                 "by_distance": doc["by_distance"],
                 "command": portable("attnkit eval " + " ".join(args), work, source),
             }

@@ -233,7 +233,7 @@ def score(name: str, path: Path, source: Path, texts: dict, work: Path, windows:
                     "seq_len": length,
                     "windows": doc["windows"],
                     "perplexity": doc["perplexity"],
-                    "source_perplexity": doc["reference_perplexity"],
+                    "source_perplexity": doc["source_perplexity"],
                     "kl_mean": doc["kl_mean"],
                     "by_distance": doc["by_distance"],
                     "seconds": time.perf_counter() - started,

@@ -29,9 +29,13 @@ PERPLEXITY_KEYS = (
     "kl_max",
     "top1_agreement",
     "reference_nll_mean",
+    "source_perplexity",
     "reference_perplexity",
     "by_distance",
 )
+#: The key every writer's comparison uses for the reference's perplexity; `reference_perplexity` (the same value)
+#: is kept for one release.
+SOURCE_KEY = "source_perplexity"
 
 
 @dataclass(kw_only=True)
@@ -131,6 +135,7 @@ def run_eval(req: EvalRequest, log: Callable[[str], None] = lambda message: None
         log(f"scoring {windows.shape[0]} window(s) of {req.seq_len} tokens")
         result = evaluate(loaded, windows, reference=ref, batch_size=req.batch_size, by_distance=req.distance)
         doc.update(seq_len=req.seq_len, windows=int(windows.shape[0]), **result.to_dict())
+        doc[SOURCE_KEY] = doc["reference_perplexity"]
     scores = run_capability(loaded, req.capability, manager, req.model) if req.capability else {}
     ref_scores = run_capability(ref, req.capability, manager, req.reference) if ref is not None and scores else None
     both = (
