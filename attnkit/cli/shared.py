@@ -21,6 +21,7 @@ from typing import Callable, List, Optional
 import typer
 
 from attnkit.cli.common import DEVICE_OPTION
+from attnkit.commands.rewrite import CALIB_SEQ_LEN, CALIB_TOKENS
 
 MODEL_HELP = "Source: folder, .safetensors, .gguf (dequantized first) or hub id[@revision]."
 
@@ -36,7 +37,7 @@ OUTPUT = {
 DEVICE = {"device": (str, DEVICE_OPTION)}
 
 
-def calib_group(tokens: int = 2048) -> dict:
+def calib_group(tokens: int = CALIB_TOKENS) -> dict:
     """The calibration options, `tokens` the default of --calib-tokens (convert mla asks for more)."""
     return {
         "calib": (List[str], typer.Option([], "--calib", help="Calibration text file(s) (.txt, .jsonl).")),
@@ -44,7 +45,10 @@ def calib_group(tokens: int = 2048) -> dict:
             int,
             typer.Option(tokens, "--calib-tokens", min=2, help="Calibration tokens (whole windows, at most)."),
         ),
-        "calib_seq_len": (int, typer.Option(512, "--calib-seq-len", min=2, help="Tokens per calibration window.")),
+        "calib_seq_len": (
+            int,
+            typer.Option(CALIB_SEQ_LEN, "--calib-seq-len", min=2, help="Tokens per calibration window."),
+        ),
     }
 
 

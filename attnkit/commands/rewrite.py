@@ -16,8 +16,11 @@ from attnkit.scoring.options import EvalOptions, check_eval_options
 from attnkit.scoring.selfcheck import LIMITS, CheckOptions, CheckText, SelfCheck, check_options
 from attnkit.units import MAX_TOKENS, check_bounds
 
-#: convert mla's default calibration tokens: at 2048 (every other rewrite's default) its results kept less pass-key
-#: retrieval (docs/convert-mla.md, "## Long context").
+#: The default calibration tokens and window of every rewrite (the request's and the CLI's defaults).
+CALIB_TOKENS = 2048
+CALIB_SEQ_LEN = 512
+#: convert mla's default calibration tokens: at CALIB_TOKENS its results kept less pass-key retrieval
+#: (docs/convert-mla.md, "## Long context").
 MLA_CALIB_TOKENS = 8192
 #: The flags that set calib_seq_len and calib_tokens, for the messages.
 CALIB_FLAGS = ("--calib-seq-len", "--calib-tokens")
@@ -41,8 +44,8 @@ class RewriteRequest(WriteRequest):
     """A rewrite of the source: calibration text, and what the report scores the result on against its source."""
 
     calib: list[str] = field(default_factory=list)
-    calib_tokens: int = 2048
-    calib_seq_len: int = 512
+    calib_tokens: int = CALIB_TOKENS
+    calib_seq_len: int = CALIB_SEQ_LEN
     scoring: EvalOptions = field(default_factory=EvalOptions)
     check: CheckOptions = field(default_factory=CheckOptions)
 
