@@ -34,6 +34,8 @@ CACHE_DTYPES = {
     "int8": CacheDtype("int8", 1, 2, "int8 with one fp16 scale per token and head"),
     "int4": CacheDtype("int4", 0.5, 4, "int4 with an fp16 scale and fp16 zero-point per token and head"),
     "int2": CacheDtype("int2", 0.25, 4, "int2 with an fp16 scale and fp16 zero-point per token and head"),
+    "q8_0": CacheDtype("q8_0", 34 / 32, 0, "llama.cpp's q8_0 (-ctk/-ctv): blocks of 32 int8 with an fp16 scale"),
+    "q4_0": CacheDtype("q4_0", 18 / 32, 0, "llama.cpp's q4_0 (-ctk/-ctv): blocks of 32 int4 with an fp16 scale"),
 }
 
 
@@ -48,6 +50,8 @@ def cache_dtype(name: str) -> CacheDtype:
         "fp8_e4m3": "fp8",
         "fp8_e5m2": "fp8",
         "e4m3": "fp8",
+        "f16": "fp16",
+        "f32": "fp32",
     }
     key = aliases.get(key, key)
     if key not in CACHE_DTYPES:
@@ -119,6 +123,39 @@ def cached_tokens(spec: AttentionSpec, context: int) -> int:
 
 
 @dataclass(frozen=True)
+class LlamaCppPaging:
+    """llama.cpp's cache for one sequence of `context` tokens (`-c`), as the llama.cpp that llama-cpp-python 0.3.36
+    vendors (0c1e570) allocates it (src/llama-context.cpp, llama-kv-cache.cpp, llama-kv-cache-iswa.cpp):
+    PAD256(context) cells on each full-attention layer; a sliding layer PAD256(min(cells, window + ubatch)), or
+    every cell with `swa_full` (the CLI's --swa-full; llama-cpp-python's Llama() leaves the library default, on);
+    ubatch is min(context, n_batch, n_ubatch) (the CLI's 2048 and 512). A DeepSeek-V2/V3 MLA layer (deepseek2)
+    caches its latent and RoPE key as K and no V (V is a view of K)."""
+
+    ubatch: int = 512
+    n_batch: int = 2048
+    swa_full: bool = False
+
+    def request_bytes(self, spec: AttentionSpec, dtype: CacheDtype, context: int, tp: int = 1) -> float:
+        """Bytes of the KV buffers llama.cpp allocates for `-c context` (one sequence)."""
+        cells = _pad(context)
+        ubatch = min(context, self.n_batch, self.ubatch)
+        held = sum(
+            cells if window is None or self.swa_full else _pad(min(cells, window + ubatch))
+            for window in spec.layer_windows
+        )
+        return held * layer_bytes_per_token(spec, dtype, tp)
+
+
+def _pad(cells: int) -> int:
+    """llama.cpp's GGML_PAD(cells, LLAMACPP_PAD)."""
+    return _cdiv(cells, LLAMACPP_PAD) * LLAMACPP_PAD
+
+
+#: llama.cpp pads every cache's cell count to a multiple of this (GGML_PAD(n_ctx, 256)).
+LLAMACPP_PAD = 256
+
+
+@dataclass(frozen=True)
 class VllmPaging:
     """vLLM's paged cache: whole blocks of `block_size` tokens, layers grouped as its hybrid allocator groups them.
 
@@ -129,6 +166,9 @@ class VllmPaging:
 
     block_size: int = 16
     in_flight_tokens: int = 2 * 8192
+
+    def request_bytes(self, spec: AttentionSpec, dtype: CacheDtype, context: int, tp: int = 1) -> float:
+        return vllm_request_bytes(spec, dtype, context, self, tp)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -158,15 +198,20 @@ def vllm_request_bytes(spec: AttentionSpec, dtype: CacheDtype, context: int, pag
     return blocks * group_size * page
 
 
+#: An engine's cache accounting (kv_bytes' `paging`).
+Paging = VllmPaging | LlamaCppPaging
+
+
 def kv_bytes(
-    spec: AttentionSpec, dtype: CacheDtype, context: int, batch: int, tp: int = 1, paging: VllmPaging | None = None
+    spec: AttentionSpec, dtype: CacheDtype, context: int, batch: int, tp: int = 1, paging: Paging | None = None
 ) -> float:
     """Whole KV cache for `batch` sequences of `context` tokens (per GPU when tp > 1).
 
-    paging None: the tokens each layer keeps (a sliding layer its window); else what vLLM reserves.
+    paging None: the tokens each layer keeps (a sliding layer its window); else what the engine reserves
+    (VllmPaging, LlamaCppPaging).
     """
     if paging is not None:
-        return batch * vllm_request_bytes(spec, dtype, context, paging, tp)
+        return batch * paging.request_bytes(spec, dtype, context, tp)
     return batch * cached_tokens(spec, context) * layer_bytes_per_token(spec, dtype, tp)
 
 
@@ -181,7 +226,7 @@ def max_context(
     budget: float,
     tp: int = 1,
     limit: int = MAX_CONTEXT,
-    paging: VllmPaging | None = None,
+    paging: Paging | None = None,
 ) -> int:
     """Largest context up to `limit` whose cache fits `budget` bytes (binary search; cache size is monotone)."""
 
@@ -203,7 +248,7 @@ def max_context(
 
 
 def max_batch(
-    spec: AttentionSpec, dtype: CacheDtype, context: int, budget: float, tp: int = 1, paging: VllmPaging | None = None
+    spec: AttentionSpec, dtype: CacheDtype, context: int, budget: float, tp: int = 1, paging: Paging | None = None
 ) -> int:
     per_sequence = kv_bytes(spec, dtype, context, 1, tp, paging)
     return int(budget // per_sequence) if budget > 0 else 0

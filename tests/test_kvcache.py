@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from attnkit import kvcache
@@ -124,6 +126,51 @@ def test_vllm_paging_pads_groups_and_rounds_to_blocks():
     mixed = _windowed([128] * 3 + [1024] * 4)
     held = [-(-(w - 1 + 2048) // 16) + 1 for w in (128, 1024)]
     assert kvcache.vllm_request_bytes(mixed, FP32, 65536, paging) == sum(held) * 4 * 16 * 2048
+
+
+F16 = kvcache.cache_dtype("f16")
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    "layers, context, options, cells",
+    [
+        # Gemma 3 270M (3 full + 15 sliding of window 512), `-c 4096`: 12.00 + 15.00 MiB
+        (([512] * 5 + [None]) * 3, 4096, {}, (4096, 1024)),
+        # a 12-layer Gemma 3 geometry: -ub 100 -> PAD256(512 + 100) = 768 sliding cells; --swa-full; -c 300
+        (([512] * 5 + [None]) * 2, 4096, {"ubatch": 100}, (4096, 768)),
+        (([512] * 5 + [None]) * 2, 4096, {"swa_full": True}, (4096, 4096)),
+        (([512] * 5 + [None]) * 2, 300, {}, (512, 512)),
+        # Gemma 3 270M, -c 1000 --swa-full: 3.00 + 15.00 MiB
+        (([512] * 5 + [None]) * 3, 1000, {"swa_full": True}, (1024, 1024)),
+    ],
+)
+def test_llamacpp_paging_equals_what_llamacpp_allocated(layers, context, options, cells):
+    """The cells llama.cpp's llama-completion (the llama.cpp that llama-cpp-python 0.3.36 vendors) printed per
+    cache ("llama_kv_cache: size = ... (N cells, L layers ...)") for Gemma 3's geometry, f16: one KV head of 256,
+    1024 bytes per token and layer (tests/test_engines_kvmem.py checks the real models live)."""
+    spec = _windowed(layers)
+    full, sliding = cells
+    want = (layers.count(None) * full + (len(layers) - layers.count(None)) * sliding) * 1024
+    assert kvcache.kv_bytes(spec, F16, context, 1, paging=kvcache.LlamaCppPaging(**options)) == want
+    if layers == ([512] * 5 + [None]) * 3 and context == 4096:
+        assert want == 27 * MIB
+
+
+def test_llamacpp_paging_caches_no_v_for_mla():
+    """deepseek2 in llama.cpp caches the latent and the RoPE key as K and no V: a 3-layer MLA of 64 + 16 at
+    -c 1000 printed K (f16) 0.47 MiB = 1024 cells x 80 x 2 B x 3, V 0.00; with -ctk q8_0 -ctv q8_0 and 96 wide,
+    K (q8_0) 313,344 B; DeepSeek-V3 (61 layers, 512 + 64) at -c 4096: 274.5 MiB."""
+    base = attention_spec(
+        {"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 4, "hidden_size": 64, "head_dim": 16}
+    )
+    paging = kvcache.LlamaCppPaging()
+    mla = kvcache.apply_variant(base, "mla:64+16")
+    assert kvcache.kv_bytes(mla, F16, 1000, 1, paging=paging) == 1024 * 80 * 2 * 3 == 491_520
+    wide = kvcache.apply_variant(base, "mla:80+16")
+    assert kvcache.kv_bytes(wide, kvcache.cache_dtype("q8_0"), 1000, 1, paging=paging) == 313_344
+    v3 = kvcache.apply_variant(dataclasses.replace(base, num_layers=61, layer_windows=(None,) * 61), "mla:512+64")
+    assert kvcache.kv_bytes(v3, F16, 4096, 1, paging=paging) == 274.5 * MIB
 
 
 def test_mla_variant_attends_to_the_whole_context():

@@ -18,7 +18,30 @@ def _bytes(v) -> str:
 
 class Paging(str, Enum):
     vllm = "vllm"
+    llamacpp = "llama.cpp"
     exact = "exact"
+
+
+def _paging_doc(pages) -> dict | None:
+    """The report's `paging`: the engine and its settings, null for the tokens kept."""
+    from attnkit.kvcache import LlamaCppPaging
+
+    if pages is None:
+        return None
+    if isinstance(pages, LlamaCppPaging):
+        return {"engine": "llama.cpp", "ubatch": pages.ubatch, "swa_full": pages.swa_full, "pad": 256}
+    return {"engine": "vllm", "block_size": pages.block_size, "in_flight_tokens": pages.in_flight_tokens}
+
+
+def _paging_caption(pages) -> str:
+    from attnkit.kvcache import LlamaCppPaging
+
+    if pages is None:
+        return "; tokens kept (no paging)"
+    if isinstance(pages, LlamaCppPaging):
+        swa = "full-size sliding caches" if pages.swa_full else f"sliding caches of window + {pages.ubatch}"
+        return f"; llama.cpp's allocation for -c CONTEXT (cells padded to 256, {swa}, MLA without V)"
+    return f"; vLLM paging (blocks of {pages.block_size}, {pages.in_flight_tokens:,} tokens in flight)"
 
 
 def register(app: typer.Typer) -> None:
@@ -29,6 +52,7 @@ def register(app: typer.Typer) -> None:
             "attnkit kvmem llama-3.1-70b --context 8k,128k --dtype bf16,fp8,int4 --gpu-mem 80GiB --tp 8",
             "attnkit kvmem llama-2-7b --variant native,gqa:4,mqa,mla:512+64 --format markdown",
             "attnkit kvmem gemma-3-27b --context 32k --paging exact",
+            "attnkit kvmem ./gemma-3-270m.gguf --context 4k --dtype f16 --paging llama.cpp",
         ),
     )
     @handle_errors
@@ -43,7 +67,8 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option(
             "bf16",
             "--dtype",
-            help="Cache dtypes: fp32,bf16,fp16,fp8,fp8-token,int8,int4,int2 (bfloat16 etc. also accepted).",
+            help="Cache dtypes: fp32,bf16,fp16,fp8,fp8-token,int8,int4,int2, llama.cpp's q8_0,q4_0 (bfloat16, f16 "
+            "etc. also accepted).",
         ),
         variant: str = typer.Option("native", "--variant", help="What-if variants: native,mha,gqa:G,mqa,mla:R+P."),
         gpu_mem: Optional[str] = typer.Option(
@@ -58,8 +83,13 @@ def register(app: typer.Typer) -> None:
             Paging.vllm,
             "--paging",
             help="vllm: what vLLM reserves (whole blocks; a sliding layer its window + the tokens in flight + a "
-            "block); exact: the tokens each layer keeps.",
+            "block); llama.cpp: what llama.cpp allocates for -c CONTEXT (cells padded to 256; a sliding layer its "
+            "window + a micro-batch, all cells with --swa-full; MLA caches no V); exact: the tokens each layer keeps.",
         ),
+        swa_full: bool = typer.Option(
+            False, "--swa-full", help="llama.cpp: full-size sliding-window caches (llama-cpp-python's default)."
+        ),
+        ubatch: int = typer.Option(512, "--ubatch", min=1, max=1 << 20, help="llama.cpp's -ub (micro-batch)."),
         block_size: int = typer.Option(16, "--block-size", min=1, max=1 << 20, help="vLLM's tokens per block."),
         in_flight: str = typer.Option(
             "16k",
@@ -77,14 +107,20 @@ def register(app: typer.Typer) -> None:
         from attnkit.commands.analyse.kvmem import GpuBudget, kvmem_rows, larger_than_native
         from attnkit.commands.analyse.modelinfo import model_info, weight_dtype_name
         from attnkit.errors import UsageError
-        from attnkit.kvcache import VllmPaging, cache_dtype, check_variant
+        from attnkit.kvcache import LlamaCppPaging, VllmPaging, cache_dtype, check_variant
         from attnkit.units import parse_bytes, parse_list, parse_positive_int, parse_tokens
 
         contexts = parse_list(context, parse_tokens)
         batches = parse_list(batch, parse_positive_int)
         dtypes = parse_list(dtype, lambda name: cache_dtype(name).name)  # checked before the model is read
         variants = parse_list(variant, check_variant)
-        pages = VllmPaging(block_size, parse_tokens(in_flight)) if paging == Paging.vllm else None
+        pages = None
+        if paging == Paging.vllm:
+            pages = VllmPaging(block_size, parse_tokens(in_flight))
+        elif paging == Paging.llamacpp:
+            if tp != 1:
+                raise UsageError("--paging llama.cpp has no tensor parallelism: leave --tp out")
+            pages = LlamaCppPaging(ubatch=ubatch, swa_full=swa_full)
         if weight_dtype is not None:
             weight_dtype = weight_dtype_name(weight_dtype)
         gpu = (
@@ -129,9 +165,7 @@ def register(app: typer.Typer) -> None:
             "parameters": info.parameters,
             "parameters_origin": info.parameters_origin,
             "weight_bytes": weights,
-            "paging": None
-            if pages is None
-            else {"engine": "vllm", "block_size": pages.block_size, "in_flight_tokens": pages.in_flight_tokens},
+            "paging": _paging_doc(pages),
             "gpu": None
             if gpu is None
             else {"mem_bytes": gpu.mem_bytes, "tp": gpu.tp, "reserve_bytes": gpu.reserve_bytes},
@@ -143,11 +177,7 @@ def register(app: typer.Typer) -> None:
         )
         if info.source:
             caption += f"; source: {info.source}"
-        caption += (
-            f"; vLLM paging (blocks of {pages.block_size}, {pages.in_flight_tokens:,} tokens in flight)"
-            if pages
-            else "; tokens kept (no paging)"
-        )
+        caption += _paging_caption(pages)
         if any(r["exceeds_max_positions"] for r in rows):
             caption += "; some contexts exceed the model's max_position_embeddings"
         larger = larger_than_native(rows)

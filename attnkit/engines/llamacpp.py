@@ -206,3 +206,28 @@ def complete(
 
 def nll_to_perplexity(nll: list[float]) -> float:
     return math.exp(sum(nll) / len(nll))
+
+
+#: One cache's line in llama.cpp's log (src/llama-kv-cache.cpp), e.g. "llama_kv_cache: size =   12.00 MiB (  4096
+#: cells,   3 layers,  1/1 seqs), K (f16):    6.00 MiB, V (f16):    6.00 MiB" (a sliding-window model prints two).
+KV_LINE = re.compile(
+    r"llama_kv_cache: size = *([0-9.]+) MiB \( *(\d+) cells, *(\d+) layers, *(\d+)/(\d+) seqs\), "
+    r"K \((\w+)\): *([0-9.]+) MiB, V \((\w+)\): *([0-9.]+) MiB"
+)
+
+
+def kv_allocation(tools: LlamaCpp, gguf: Path, n_ctx: int, args: tuple[str, ...] = (), timeout: float = 600) -> dict:
+    """The KV cache llama.cpp allocates for `gguf` at `-c n_ctx` (its own log, read at the library's INFO level:
+    llama-completion -lv 4, no token generated): {"mib": the total, rounded per cache to 0.01 MiB as printed,
+    "caches": [{"mib", "cells", "layers", "k_type", "v_mib"}]}; `args`: more llama-completion arguments (-ub,
+    --swa-full, -ctk/-ctv)."""
+    cmd = [str(tools.completion), "-m", str(gguf), "-c", str(n_ctx), "-n", "0", "-p", "a", "-t", "1", "-no-cnv"]
+    cmd += ["--no-warmup", "-fit", "off", "-lv", "4", "--no-log-prefix", "--no-log-timestamps", *args]
+    proc = _run(cmd, "llama-completion", timeout)
+    caches = [
+        {"mib": float(m[1]), "cells": int(m[2]), "layers": int(m[3]), "k_type": m[6], "v_mib": float(m[9])}
+        for m in KV_LINE.finditer(proc.stderr)
+    ]
+    if not caches:
+        raise AttnkitError(f"llama.cpp printed no KV cache size for {gguf} (-lv 4)")
+    return {"mib": sum(c["mib"] for c in caches), "caches": caches}

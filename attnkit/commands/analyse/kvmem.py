@@ -24,11 +24,12 @@ def kvmem_rows(
     batches: list[int],
     gpu: GpuBudget | None,
     weight_dtype: str | None,
-    paging: kvcache.VllmPaging | None = None,
+    paging: kvcache.Paging | None = None,
 ) -> list[dict]:
     """One row per (variant, dtype, context, batch); a variant is the model `convert` would write.
 
-    paging None: the tokens each layer keeps; else the bytes vLLM reserves (whole blocks, its window bound).
+    paging None: the tokens each layer keeps; else the bytes the engine reserves (vLLM: whole blocks, its window
+    bound; llama.cpp: cells padded to 256, a sliding layer its window + a micro-batch).
     """
     rows = []
     weights = info.weights_bytes_as(weight_dtype)

@@ -1,0 +1,51 @@
+"""The engine tier: `attnkit kvmem --paging llama.cpp` equals the KV cache llama.cpp allocates (its own log, the
+llama.cpp llama-cpp-python 0.3.36 vendors) for real GGUF files: SmolLM2-135M (GQA, 30 layers) and Gemma 3 270M
+(15 sliding layers of window 512 beside 3 full ones), at contexts that do and do not fill llama.cpp's 256-cell
+padding, with its micro-batch, full-size sliding caches and a q8_0 cache. Skipped where .ci/engines.sh has not
+set llama.cpp up."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from attnkit.cli import app
+
+pytestmark = [pytest.mark.engine, pytest.mark.real_model]
+
+if not os.environ.get("ATTNKIT_LLAMA_CPP"):
+    pytest.skip("engine tier: set up llama.cpp with `source .ci/engines.sh`", allow_module_level=True)
+
+CASES = [
+    ("smollm2", 1000, ()),
+    ("smollm2", 4096, ("-ctk", "q8_0", "-ctv", "q8_0")),
+    ("gemma3", 4096, ()),
+    ("gemma3", 3000, ("-ub", "100")),
+    ("gemma3", 1000, ("--swa-full",)),
+]
+
+
+@pytest.mark.parametrize("model, context, args", CASES)
+def test_kvmem_llamacpp_paging_equals_llamacpp(runner, model, context, args):
+    import sys
+
+    from attnkit.engines.llamacpp import find_llama_cpp, kv_allocation
+    from tests.realmodel import gemma3_gguf, smollm2_gguf
+
+    tools = find_llama_cpp(None, sys.executable)
+    assert not isinstance(tools, str), tools
+    gguf = {"smollm2": smollm2_gguf, "gemma3": gemma3_gguf}[model]()
+    engine = kv_allocation(tools, gguf, context, args)
+    dtype = args[args.index("-ctk") + 1] if "-ctk" in args else "f16"
+    kvmem = ["kvmem", str(gguf), "--context", str(context), "--dtype", dtype, "--paging", "llama.cpp"]
+    if "-ub" in args:
+        kvmem += ["--ubatch", args[args.index("-ub") + 1]]
+    if "--swa-full" in args:
+        kvmem.append("--swa-full")
+    result = runner.invoke(app, [*kvmem, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    predicted = json.loads(result.stdout)["rows"][0]["kv_bytes"] / (1 << 20)
+    # llama.cpp prints each cache to 0.01 MiB
+    assert abs(predicted - engine["mib"]) <= 0.005 * len(engine["caches"]) + 1e-9, (predicted, engine)
