@@ -291,6 +291,25 @@ def test_dry_run_writes_nothing(runner, tmp_path):
     assert not out.exists()
 
 
+def test_the_report_says_which_engine_serves_the_shape_as_written(runner, tmp_path):
+    """At a shape vLLM's MLA kernels do not take, the report says vLLM falls back to expanded keys and values (H x
+    2(D + P) values per token and layer: no saving), llama.cpp and SGLang cache the latent; --engine transformers'
+    bias route is served by no engine (null)."""
+    src = tiny_source(tmp_path, "llama_gqa")  # 8 heads over 2 KV heads of 8: the source caches 32 values
+    args = ["--kv-budget", "0.5", "--dry-run", "--format", "json"]
+    report = json.loads(runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "o"), *args]).stdout)
+    rank, rope = report["kv_lora_rank"], report["rope_dim"]
+    served = report["serving"]
+    assert served["llama.cpp"] == {"as_written": True, "values": rank + rope, "why": served["llama.cpp"]["why"]}
+    assert served["sglang"]["as_written"] and served["sglang"]["values"] == rank + rope
+    assert not served["vllm"]["as_written"] and served["vllm"]["values"] == 8 * 2 * (8 + rope)
+    assert any(note.startswith(f"vllm serves {rank} + {rope} with a fallback") for note in report["notes"])
+    assert any("no saving there" in note for note in report["notes"])
+    bias = ["--latent-norm", "bias", "--engine", "transformers"]
+    report = json.loads(runner.invoke(app, ["convert", "mla", str(src), str(tmp_path / "o"), *args, *bias]).stdout)
+    assert report["serving"] is None
+
+
 @pytest.mark.parametrize(("act", "ok"), [(None, True), ("gelu", False)])
 def test_the_activation_check_reads_what_transformers_runs(runner, tmp_path, act, ok):
     """A config without hidden_act runs silu in transformers (the class default), so the engine route takes it;

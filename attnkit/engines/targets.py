@@ -52,3 +52,34 @@ def engine_safe(target: str) -> bool:
 def vllm_cpu_head_size_ok(head_dim: int) -> bool:
     """vLLM's CPU attention kernels: head sizes that are multiples of 32, and 80 and 112."""
     return head_dim % 32 == 0 or head_dim in (80, 112)
+
+
+def mla_serving(rank: int, rope: int, num_heads: int, head_dim: int) -> dict[str, dict]:
+    """Per serving engine, how it serves a stock DeepseekV3 output of latent R = `rank` and RoPE key P = `rope`
+    (`head_dim` D: the nope and value width): {"as_written": whether its cache holds the latent (R + P values per
+    token and layer), "values": the values it caches per token and layer, "why"}. llama.cpp's deepseek2 caches
+    the latent and RoPE key as K and no V at any shape; vLLM's MLA kernels take only MLA_SHAPES["vllm"] and run
+    any other shape with VLLM_MLA_DISABLE=1 as plain attention, caching each head's expanded key and its value
+    padded to the key width (H x 2(D + P); docs/serving.md measured it); SGLang's triton MLA backend pads any
+    shape (read from its code, not run here)."""
+    latent = rank + rope
+    expanded = num_heads * 2 * (head_dim + rope)
+    vllm = (rank, rope) in MLA_SHAPES["vllm"]
+    return {
+        "llama.cpp": {"as_written": True, "values": latent, "why": "deepseek2: latent and RoPE key cached as K, no V"},
+        "vllm": {
+            "as_written": vllm,
+            "values": latent if vllm else expanded,
+            "why": "its MLA kernels"
+            if vllm
+            else (
+                f"its MLA kernels take only {' or '.join(f'{r} + {p}' for r, p in MLA_SHAPES['vllm'])}: "
+                "VLLM_MLA_DISABLE=1 runs it as plain attention over expanded keys and values"
+            ),
+        },
+        "sglang": {
+            "as_written": True,
+            "values": latent,
+            "why": "its triton MLA backend pads any shape (from its code)",
+        },
+    }

@@ -31,7 +31,7 @@ from attnkit.commands.convert.mla_layer import (
     source_freqs,
     without_o_bias,
 )
-from attnkit.commands.convert.mla_report import kv_bytes, notes, parameters
+from attnkit.commands.convert.mla_report import kv_bytes, notes, parameters, serving
 from attnkit.commands.convert.mla_request import MLARequest, MLASource, Route, check_request, max_rank, with_route
 from attnkit.commands.convert.mla_target import expected_shapes, target_attention_names, target_config
 from attnkit.commands.report_head import report_head, timed
@@ -95,6 +95,7 @@ def _report(req: MLARequest, src: MLASource) -> dict:
         "kv_lora_rank": rank,
         "rope_dim": src.shape.rope_dim,
         "kv_bytes_per_token": kv_bytes(src, rank),
+        "serving": serving(src),
         "parameters": parameters(req, src),
         "tried": [],
         "calibration": None,
@@ -164,7 +165,8 @@ def _write(req: MLARequest, src: MLASource, calibration: tuple, report: dict, lo
         config=config,
         weights=weights,
         body=lambda: {
-            k: report[k] for k in ("parameters", "calibration", "kv_bytes_per_token", "layers", "notes", "warnings")
+            k: report[k]
+            for k in ("parameters", "calibration", "kv_bytes_per_token", "serving", "layers", "notes", "warnings")
         },
         score=score if req.scoring or req.check.enabled else None,
     )

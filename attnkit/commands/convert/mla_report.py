@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from attnkit.commands.convert.mla_request import MLARequest, MLASource
+from attnkit.engines.targets import mla_serving
 from attnkit.kvcache import apply_variant, bytes_per_token, cache_dtype
 
 
@@ -18,6 +19,15 @@ def kv_bytes(src: MLASource, rank: int) -> dict:
         "elements_before": 2 * src.spec.num_kv_heads * src.spec.head_dim,
         "elements_after": rank + src.shape.rope_dim,
     }
+
+
+def serving(src: MLASource) -> dict | None:
+    """The report's `serving`: per engine, whether it serves the output as written (its cache holds the latent)
+    or falls back, and the values it caches per token and layer then (attnkit.engines.targets.mla_serving); null
+    for an output no engine serves (a target for transformers only, the bias route)."""
+    if not src.target.engines or src.route.bias:
+        return None
+    return mla_serving(src.rank, src.shape.rope_dim, src.spec.num_heads, src.shape.head_dim)
 
 
 def parameters(req: MLARequest, src: MLASource) -> dict:
@@ -73,6 +83,15 @@ def notes(req: MLARequest, src: MLASource) -> list[str]:
             )
     if src.target.note:
         notes.append(src.target.note)
+    served = serving(src) or {}
+    source = 2 * src.spec.num_kv_heads * src.spec.head_dim
+    for engine, row in served.items():
+        if not row["as_written"]:
+            saving = "no saving there" if row["values"] >= source else "a smaller saving there"
+            notes.append(
+                f"{engine} serves {src.rank} + {src.shape.rope_dim} with a fallback ({row['why']}): it caches "
+                f"{row['values']:,} values per token and layer against the source's {source:,}, {saving}"
+            )
     if not src.target.keeps_windows and any(w is not None for w in src.spec.layer_windows):
         notes.append(
             "the source's sliding window is dropped: DeepseekV3 attends to the full context "
