@@ -5,7 +5,8 @@ ATTNKIT_VLLM_PYTHON; .ci/run sources it); skipped elsewhere. Each output (tests/
 SmolLM2-135M, the Qwen3 made from it, Gemma 3 270M's export) goes through `attnkit verify`: greedy tokens equal
 (ties within the margin allowed), perplexity within 1% of transformers on the same tokens, and, where vLLM serves
 the output with its own kernels, `attnkit kvmem` equal to the bytes per token vLLM's KV-cache spec allocates and,
-with --paging vllm, to what its pool reserves per request.
+with --paging vllm, to what its pool reserves per request; the cache llama.cpp allocates equal to `kvmem --paging
+llama.cpp` for every output.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def test_output_serves_in_llama_cpp_and_vllm(runner, tmp_path, name, monkeypatch
         assert row["greedy_equal"] + row["greedy_ties"] == row["prompts"] == 2
         assert row["ppl_rel_diff"] < 0.01, (engine, row["perplexity_engine"], row["perplexity_transformers"])
     assert result.exit_code == 0
+    cache = rows["llama.cpp"]["kv_pool"]  # llama.cpp's own allocation at -c 512 = kvmem --paging llama.cpp
+    assert cache["equal"] and cache["n_ctx"] == 512, cache
     if not native:
         assert any("VLLM_MLA_DISABLE" in note for note in rows["vllm"]["notes"])
         return

@@ -217,7 +217,7 @@ def _row(engine: str) -> dict:
         "ppl_rel_diff": None,
         "kl_mean": None,
         "kv_bytes_per_token": None,
-        "kv_pool": None,  # vllm: what its pool reserves for one request of max_model_len tokens
+        "kv_pool": None,  # vllm: what its pool reserves for one request of max_model_len tokens; llama.cpp: its cache
         "notes": [],
     }
 
@@ -277,11 +277,36 @@ def run_llama_cpp(req: VerifyRequest, ref: Reference, loaded, tools, workdir: Pa
         verdicts.append(_greedy_verdict(ref, i, None, text, loaded.tokenizer, req.tie_margin))
     _judge(row, verdicts, _perplexity(ref.nll_half), scored["perplexity"], req.ppl_tolerance)
     row["kl_mean"] = scored["kl_mean"]
+    row["kv_pool"] = _llamacpp_cache(tools, gguf, loaded, req)
+    if not row["kv_pool"]["equal"]:
+        pool = row["kv_pool"]
+        row["status"] = "mismatch"
+        row["detail"] = "; ".join(
+            filter(None, [row["detail"], f"KV cache {pool['mib']:.2f} MiB, kvmem predicts {pool['kvmem_mib']:.2f} MiB"])
+        )
     row["notes"].append(
         f"f32 GGUF; perplexity on the second half of {len(ref.windows)} windows of {req.ctx} "
         f"(llama-perplexity's protocol), {100 * scored['same_top1']:.2f}% same top-1"
     )
     return row
+
+
+def _llamacpp_cache(tools, gguf: Path, loaded, req: VerifyRequest) -> dict:
+    """What llama.cpp allocates for the GGUF at -c ctx (f16 cache, its default) beside `kvmem --paging llama.cpp`'s
+    prediction for the checkpoint: equal to the 0.01 MiB llama.cpp prints each cache to."""
+    from attnkit.archs.spec import attention_spec
+    from attnkit.kvcache import LlamaCppPaging, cache_dtype, kv_bytes
+
+    allocated = llamacpp.kv_allocation(tools, gguf, req.ctx, timeout=req.timeout)
+    spec = attention_spec(dict(loaded.checkpoint.config))
+    predicted = kv_bytes(spec, cache_dtype("f16"), req.ctx, 1, paging=LlamaCppPaging()) / (1 << 20)
+    return {
+        "n_ctx": req.ctx,
+        "mib": allocated["mib"],
+        "kvmem_mib": predicted,
+        "equal": abs(predicted - allocated["mib"]) <= 0.005 * len(allocated["caches"]) + 1e-9,
+        "caches": allocated["caches"],
+    }
 
 
 def _half_logits(model, windows: list[list[int]], ctx: int):
