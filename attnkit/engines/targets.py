@@ -80,6 +80,6 @@ def mla_serving(rank: int, rope: int, num_heads: int, head_dim: int) -> dict[str
         "sglang": {
             "as_written": True,
             "values": latent,
-            "why": "its triton MLA backend pads any shape (from its code)",
+            "why": "its triton MLA backend pads any shape",
         },
     }

@@ -86,6 +86,21 @@ def larger_than_native(rows: list[dict]) -> list[str]:
     return sorted({r["variant"] for r in rows if r["vs_native"] > 1 + 1e-12})
 
 
+def variant_serving(spec, variants: list[str]) -> dict[str, dict]:
+    """Per MLA what-if variant (and a native MLA model), how each serving engine would serve it
+    (attnkit.engines.targets.mla_serving: as written, or a fallback and the values it caches then)."""
+    from attnkit.engines.targets import mla_serving
+
+    served = {}
+    for variant in variants:
+        after = kvcache.apply_variant(spec, variant)
+        if after.mla is not None:
+            mla = after.mla
+            nope = spec.head_dim if spec.mla is None else spec.mla.qk_nope_head_dim  # convert mla keeps D
+            served[variant] = mla_serving(mla.kv_lora_rank, mla.qk_rope_head_dim, after.num_heads, nope)
+    return served
+
+
 def _max_positions(info: ModelInfo) -> int | None:
     value = get_arch(info.spec.model_type).config_value(info.config, "max_positions")
     return int(value) if value else None
