@@ -127,7 +127,8 @@ class LlamaCppPaging:
     """llama.cpp's cache for one sequence of `context` tokens (`-c`), as the llama.cpp that llama-cpp-python 0.3.36
     vendors (0c1e570) allocates it (src/llama-context.cpp, llama-kv-cache.cpp, llama-kv-cache-iswa.cpp):
     PAD256(context) cells on each full-attention layer; a sliding layer PAD256(min(cells, window + ubatch)), or
-    every cell with `swa_full` (the CLI's --swa-full; llama-cpp-python's Llama() leaves the library default, on);
+    every cell with `swa_full` (the CLI's --swa-full; llama-cpp-python's Llama() leaves the library default, on)
+    or where llama.cpp's architecture ignores the windows (LLAMACPP_SLIDING);
     ubatch is min(context, n_batch, n_ubatch) (the CLI's 2048 and 512). A DeepSeek-V2/V3 MLA layer (deepseek2)
     caches its latent and RoPE key as K and no V (V is a view of K)."""
 
@@ -139,8 +140,9 @@ class LlamaCppPaging:
         """Bytes of the KV buffers llama.cpp allocates for `-c context` (one sequence)."""
         cells = _pad(context)
         ubatch = min(context, self.n_batch, self.ubatch)
+        sliding = spec.model_type in LLAMACPP_SLIDING and not self.swa_full
         held = sum(
-            cells if window is None or self.swa_full else _pad(min(cells, window + ubatch))
+            cells if window is None or not sliding else _pad(min(cells, window + ubatch))
             for window in spec.layer_windows
         )
         return held * layer_bytes_per_token(spec, dtype, tp)
@@ -153,6 +155,10 @@ def _pad(cells: int) -> int:
 
 #: llama.cpp pads every cache's cell count to a multiple of this (GGML_PAD(n_ctx, 256)).
 LLAMACPP_PAD = 256
+#: The families of attnkit's registry whose llama.cpp architecture keeps sliding windows (src/models/gemma2.cpp,
+#: gemma3.cpp); the others' windows are ignored there (Mistral converts to `llama`, whose cache is full-size;
+#: phi3 turns its window off), so every layer holds every cell.
+LLAMACPP_SLIDING = ("gemma2", "gemma3", "gemma3_text")
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,7 @@ def test_llamacpp_paging_equals_what_llamacpp_allocated(layers, context, options
     """The cells llama.cpp's llama-completion (the llama.cpp that llama-cpp-python 0.3.36 vendors) printed per
     cache ("llama_kv_cache: size = ... (N cells, L layers ...)") for Gemma 3's geometry, f16: one KV head of 256,
     1024 bytes per token and layer (tests/test_engines_kvmem.py checks the real models live)."""
-    spec = _windowed(layers)
+    spec = dataclasses.replace(_windowed(layers), model_type="gemma3_text")
     full, sliding = cells
     want = (layers.count(None) * full + (len(layers) - layers.count(None)) * sliding) * 1024
     assert kvcache.kv_bytes(spec, F16, context, 1, paging=kvcache.LlamaCppPaging(**options)) == want
@@ -214,3 +214,25 @@ def test_units():
         parse_tokens("0")
     with pytest.raises(UsageError):
         kvcache.cache_dtype("int3")
+
+
+def test_llamacpp_paging_keeps_windows_only_where_llamacpp_does():
+    """Mistral converts to llama.cpp's `llama` architecture, which ignores sliding windows: every layer holds every
+    cell there, where vLLM and the exact count keep the window."""
+    mistral = attention_spec(
+        {
+            "model_type": "mistral",
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "hidden_size": 64,
+            "sliding_window": 512,
+        }
+    )
+    assert set(mistral.layer_windows) == {512}
+    paging = kvcache.LlamaCppPaging()
+    assert kvcache.kv_bytes(mistral, F16, 4096, 1, paging=paging) == 4096 * 4 * kvcache.layer_bytes_per_token(
+        mistral, F16
+    )
+    gemma = dataclasses.replace(mistral, model_type="gemma3_text")
+    assert kvcache.kv_bytes(gemma, F16, 4096, 1, paging=paging) == 1024 * 4 * kvcache.layer_bytes_per_token(gemma, F16)
