@@ -1,0 +1,128 @@
+"""The KV cache a rewrite saves where it is served: llama.cpp's own allocation for the source and each output.
+
+Usage: python benchmarks/bench_engine_capacity.py run --work DIR --model NAME=FOLDER ... [--contexts 1024,4096,8192]
+       python benchmarks/bench_engine_capacity.py render [--write]
+  run: each checkpoint folder (the first is the source the others are compared with) is converted to an f32 GGUF
+       by llama.cpp's convert_hf_to_gguf.py (kept in DIR, reused), and llama.cpp (llama-completion -lv 4, nothing
+       generated; attnkit.engines.llamacpp.kv_allocation) allocates its cache at each context (its default f16
+       cache); beside it what `attnkit kvmem --paging llama.cpp` predicts, and whether vLLM and SGLang serve an MLA
+       output as written (attnkit.engines.targets.mla_serving). Needs the engine tier (`source .ci/engines.sh`).
+       A minute or two per model on 2 cores (the conversion). Rows: benchmarks/results/engine_capacity.jsonl.
+  render: "## What the rewrites save in the engines" of docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.docsection import replace_section, run_render_parser  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "engine_capacity.jsonl"
+SERVING = ROOT / "docs" / "serving.md"
+MIB = 1 << 20
+
+
+def measure(name: str, folder: Path, work: Path, contexts: list[int], tools) -> dict:
+    """One checkpoint: llama.cpp's cache at each context beside kvmem's prediction."""
+    from attnkit.archs.spec import attention_spec
+    from attnkit.engines import llamacpp
+    from attnkit.engines.targets import mla_serving
+    from attnkit.io.config import read_config
+    from attnkit.kvcache import LlamaCppPaging, cache_dtype, kv_bytes
+
+    gguf = work / f"{name}-f32.gguf"
+    if not gguf.is_file():
+        llamacpp.convert(tools, folder, gguf)
+    config = read_config(folder / "config.json")
+    spec = attention_spec(config)
+    rows = []
+    for n_ctx in contexts:
+        allocated = llamacpp.kv_allocation(tools, gguf, n_ctx)
+        predicted = kv_bytes(spec, cache_dtype("f16"), n_ctx, 1, paging=LlamaCppPaging()) / MIB
+        rows.append({"n_ctx": n_ctx, "mib": allocated["mib"], "kvmem_mib": predicted, "caches": allocated["caches"]})
+    served = None
+    if spec.mla is not None:
+        served = mla_serving(
+            spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, spec.num_heads, spec.mla.qk_nope_head_dim
+        )
+    return {"model": name, "model_type": spec.model_type, "layout": spec.variant, "contexts": rows, "serving": served}
+
+
+def run(work: Path, models: list[str], contexts: list[int]) -> None:
+    from attnkit.engines.llamacpp import find_llama_cpp
+
+    tools = find_llama_cpp(None, os.environ.get("ATTNKIT_CONVERT_PYTHON") or sys.executable)
+    if isinstance(tools, str):
+        raise SystemExit(f"llama.cpp: {tools} (source .ci/engines.sh)")
+    work.mkdir(parents=True, exist_ok=True)
+    for i, pair in enumerate(models):
+        name, folder = pair.split("=", 1)
+        row = {"source": i == 0, **measure(name, Path(folder), work, contexts, tools)}
+        with RESULTS.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        print(f"{name}: measured", file=sys.stderr)
+
+
+def render(write: bool) -> None:
+    rows = {}
+    for line in RESULTS.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[row["model"]] = row
+    source = next(r for r in rows.values() if r["source"])
+    contexts = [c["n_ctx"] for c in source["contexts"]]
+    lines = [
+        "## What the rewrites save in the engines",
+        "",
+        "`python benchmarks/bench_engine_capacity.py run --work DIR --model source=SRC NAME=OUT ...`, then `render "
+        "--write`: the KV cache llama.cpp allocates (llama-completion's own log at `-c N`, its default f16 cache, "
+        "f32 GGUFs from its converter; each cache printed to 0.01 MiB) for SmolLM2-135M-Instruct and attnkit's "
+        'rewrites of it at their defaults (the families benchmark\'s outputs, docs/benchmarks.md "## families"), '
+        "beside `attnkit kvmem --paging llama.cpp`. x source: the output's cache over the source's at the same "
+        "context (what the rewrite frees for more tokens or requests). vLLM and SGLang: whether they serve the "
+        "layout as written (an MLA shape other than 512 + 64 runs in vLLM over expanded keys and values: "
+        "[kvmem.md](kvmem.md); the values are per token and layer, the source caches 384). Decode speed in the "
+        "engines is not measured yet.",
+        "",
+        "| model | layout | " + " | ".join(f"llama.cpp at {n:,} (MiB)" for n in contexts) + " | x source | kvmem "
+        "(MiB, last) | vLLM / SGLang |",
+        "|---|---|" + "---:|" * len(contexts) + "---:|---:|---|",
+    ]
+    for name, row in rows.items():
+        cells = " | ".join(f"{c['mib']:.2f}" for c in row["contexts"])
+        ratio = row["contexts"][-1]["mib"] / source["contexts"][-1]["mib"]
+        served = "as written (GQA/MQA)"
+        if row["serving"]:
+            served = " / ".join(
+                "as written" if row["serving"][e]["as_written"] else f"fallback, {row['serving'][e]['values']:,} values"
+                for e in ("vllm", "sglang")
+            )
+        lines.append(
+            f"| {name} | {row['layout']} | {cells} | {ratio:.3f} | {row['contexts'][-1]['kvmem_mib']:.2f} | {served} |"
+        )
+    section = "\n".join(lines) + "\n"
+    if write:
+        replace_section(SERVING, section)
+    else:
+        print(section)
+
+
+def main() -> None:
+    parser, r = run_render_parser(__doc__)
+    r.add_argument("--model", nargs="+", required=True, help="NAME=FOLDER, the source first")
+    r.add_argument("--contexts", default="1024,4096,8192")
+    args = parser.parse_args()
+    if args.cmd == "run":
+        run(args.work, args.model, [int(x) for x in args.contexts.split(",")])
+    else:
+        render(args.write)
+
+
+if __name__ == "__main__":
+    main()
