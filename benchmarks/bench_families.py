@@ -248,7 +248,7 @@ def _summary(rows: dict) -> list[str]:
 def _written(row: dict) -> str:
     """What the defaults wrote: retrofit qknorm's method, convert mla's route and split."""
     if row.get("split"):
-        route = "bias tensors" if row.get("route") == "bias" else "engine route"
+        route = {"bias": "bias tensors", "none": "Gemma 3 MLA layout"}.get(row.get("route"), "engine route")
         return f"{row['split'][0]} + {row['split'][1]}, {route}"
     return row.get("method") or ""
 
