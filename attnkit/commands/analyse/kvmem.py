@@ -89,12 +89,12 @@ def larger_than_native(rows: list[dict]) -> list[str]:
 def variant_serving(spec, variants: list[str]) -> dict[str, dict]:
     """Per MLA what-if variant (and a native MLA model), how each serving engine would serve it
     (attnkit.engines.targets.mla_serving: as written, or a fallback and the values it caches then)."""
-    from attnkit.engines.targets import mla_serving
-
     served = {}
     for variant in variants:
         after = kvcache.apply_variant(spec, variant)
         if after.mla is not None:
+            from attnkit.engines.targets import mla_serving  # only for MLA rows: a cold kvmem stays small
+
             mla = after.mla
             nope = spec.head_dim if spec.mla is None else spec.mla.qk_nope_head_dim  # convert mla keeps D
             served[variant] = mla_serving(mla.kv_lora_rank, mla.qk_rope_head_dim, after.num_heads, nope)
