@@ -20,6 +20,14 @@ _KINDS = (
 )
 
 
+def special_kind(mode: int) -> str | None:
+    """What a file of stat mode `mode` is when it is not a regular file ("a FIFO", "a character device", ...);
+    None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
 def open_regular(path, what: str) -> BinaryIO:
     """`path` opened for binary reading, or an AttnkitError naming it and saying why it is not a `what` (the file
     is opened without blocking, so a FIFO is refused instead of waited on)."""
@@ -34,10 +42,9 @@ def open_regular(path, what: str) -> BinaryIO:
         if exc.errno == errno.ELOOP:
             raise AttnkitError(f"{path}: a symlink loop, not a {what}") from None
         raise AttnkitError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    kind = special_kind(os.fstat(fd).st_mode)
+    if kind is not None:
         os.close(fd)
-        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
         raise AttnkitError(f"{path}: is {kind}, not a {what}")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnkit.errors import AttnkitError, UsageError
+from attnkit.io.files import special_kind
 from attnkit.units import MAX_TOKENS, check_bounds
 
 #: Bytes read at a time when checking that a text file is UTF-8.
@@ -29,13 +30,8 @@ FIRST_PIECE_CHARS = 1 << 16
 PIECE_CHARS = 1 << 20
 
 
-#: What a path that exists but is neither a file nor a folder is, by its stat mode.
-SPECIAL = (
-    (stat.S_ISFIFO, "a pipe (FIFO): give its text on stdin as '-' (e.g. `zcat x.gz | attnkit ... -`)"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
+#: What a pipe given as a text file is told (what `<(zcat x)` passes: it can be read once, and may never end).
+PIPE = "a pipe (FIFO): give its text on stdin as '-' (e.g. `zcat x.gz | attnkit ... -`)"
 
 
 def _text_file(p: str) -> Path:
@@ -48,11 +44,11 @@ def _text_file(p: str) -> Path:
         mode = path.stat().st_mode
     except OSError:
         raise AttnkitError(f"{p}: file not found") from None
-    for test, what in SPECIAL:
-        if test(mode):
-            raise AttnkitError(f"{p}: is {what}, not a text file")
-    if not stat.S_ISREG(mode):
+    kind = special_kind(mode)
+    if kind == "not a regular file":
         raise AttnkitError(f"{p}: not a regular text file")
+    if kind is not None:
+        raise AttnkitError(f"{p}: is {PIPE if stat.S_ISFIFO(mode) else kind}, not a text file")
     return path
 
 
