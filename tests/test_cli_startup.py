@@ -45,6 +45,7 @@ def _cli_modules(args: list[str]) -> set[str]:
 def test_main_imports_only_the_invoked_commands_module():
     assert _cli_modules(["kvmem", "llama-3.1-8b", "--format", "json"]) == {
         "attnkit.cli.common",
+        "attnkit.cli.options",
         "attnkit.cli.output",
         "attnkit.cli.kvmem_cmd",
     }
@@ -67,7 +68,7 @@ def _modules_beyond_typer(args: list[str]) -> set[str]:
 #: The attnkit modules a cold `attnkit kvmem PRESET --format json` imports (docs/benchmarks.md, cold start).
 KVMEM_MODULES = {
     *("attnkit", "attnkit.api", "attnkit.errors", "attnkit.units", "attnkit.progress", "attnkit.kvcache"),
-    *("attnkit.cli", "attnkit.cli.common", "attnkit.cli.output", "attnkit.cli.kvmem_cmd"),
+    *("attnkit.cli", "attnkit.cli.common", "attnkit.cli.options", "attnkit.cli.output", "attnkit.cli.kvmem_cmd"),
     *("attnkit.commands", "attnkit.commands.analyse", "attnkit.commands.analyse.kvmem"),
     "attnkit.commands.analyse.modelinfo",
     *("attnkit.archs", "attnkit.archs.schema", "attnkit.archs.spec", "attnkit.archs.validate", "attnkit.presets"),

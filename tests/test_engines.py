@@ -77,6 +77,8 @@ def test_output_serves_in_llama_cpp_and_vllm(runner, tmp_path, name, monkeypatch
     assert result.exit_code == 0
     cache = rows["llama.cpp"]["kv_pool"]  # llama.cpp's own allocation at -c 512 = kvmem --paging llama.cpp
     assert cache["equal"] and cache["n_ctx"] == 512, cache
+    pool = rows["vllm"]["kv_pool"]  # vLLM's own pool = kvmem's prediction (expanded K/V where MLA falls back)
+    assert pool["equal"] and pool["engine_bytes_per_token"] == rows["vllm"]["kv_bytes_per_token"], pool
     if not native:
         assert any("VLLM_MLA_DISABLE" in note for note in rows["vllm"]["notes"])
         return

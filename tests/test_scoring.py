@@ -45,7 +45,7 @@ def test_every_scoring_option_is_one_field_of_eval_options(request_class):
 
 
 def test_the_cli_builds_one_eval_options_from_the_scoring_groups():
-    from attnkit.cli.shared import eval_options
+    from attnkit.cli.options import eval_options
 
     shared = {
         "eval_files": ["a.txt"],

@@ -40,21 +40,6 @@ class OutputFormat(str, Enum):
     markdown = "markdown"
 
 
-FORMAT_OPTION = typer.Option(OutputFormat.table, "--format", "-f", help="Output format: table, json, csv or markdown.")
-#: --device and --dtype of the commands that run a model (eval, probe).
-DEVICE_OPTION = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps.")
-DTYPE_OPTION = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16 (or fp32, bf16, fp16).")
-LAYER_STREAM_OPTION = typer.Option(
-    "auto",
-    "--layer-stream",
-    help="auto (when the weights would take more than 80% of the device's free memory), always or never: run the "
-    "model layer by layer, each layer read once and freed.",
-)
-DEVICE_MAP_OPTION = typer.Option(
-    None, "--device-map", help="auto: accelerate places the whole model over the GPUs (and CPU) it finds."
-)
-
-
 def log_sink(message: str) -> None:
     """Where every command's `log(message)` goes: one dim line on stderr, never wrapped, printed as it is (never
     read as markup or emoji codes: a path like runs/[test] stays whole)."""

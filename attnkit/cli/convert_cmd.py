@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, log_sink, print_notes
+from attnkit.cli.common import OutputFormat, examples, handle_errors, log_sink, print_notes
+from attnkit.cli.options import CAPABILITY, CHECK, DEVICE, EVAL, SAMPLES, Format, calib_group, request_fields, writes
 from attnkit.cli.output import Column, eval_caption, finish_check, render, render_rewrite_scores
-from attnkit.cli.shared import CALIB, CAPABILITY, CHECK, DEVICE, EVAL, SAMPLES, calib_group, request_fields, writes
 from attnkit.commands.rewrite import MLA_CALIB_TOKENS
 from attnkit.units import human_bytes
 
@@ -92,7 +92,7 @@ def _gqa(
     ),
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY, CHECK)
+@writes(DEVICE, calib_group(), EVAL, SAMPLES, CAPABILITY, CHECK)
 def gqa(
     kv_heads: int = typer.Option(
         ..., "--kv-heads", "-g", help="KV heads after conversion; must divide the current count."
@@ -102,7 +102,7 @@ def gqa(
     value_weight: str = _GQA["value_weight"],
     key_weight: str = _GQA["key_weight"],
     o_refit: float = _GQA["o_refit"],
-    fmt: OutputFormat = FORMAT_OPTION,
+    fmt: Format = OutputFormat.table,
     shared: dict = None,
 ) -> None:
     """Merge KV heads into --kv-heads groups (GQA); writes the source architecture with fewer KV heads."""
@@ -117,14 +117,14 @@ def gqa(
     ),
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY, CHECK)
+@writes(DEVICE, calib_group(), EVAL, SAMPLES, CAPABILITY, CHECK)
 def mqa(
     method: str = _GQA["method"],
     sequential: bool = _GQA["sequential"],
     value_weight: str = _GQA["value_weight"],
     key_weight: str = _GQA["key_weight"],
     o_refit: float = _GQA["o_refit"],
-    fmt: OutputFormat = FORMAT_OPTION,
+    fmt: Format = OutputFormat.table,
     shared: dict = None,
 ) -> None:
     """Merge all KV heads into one (MQA): `convert gqa --kv-heads 1`."""
@@ -199,7 +199,7 @@ def mla(
         help="Output architecture: deepseek-v3 (stock, what the engines serve) or gemma3-mla (a Gemma 3 "
         "source as attnkit's Gemma 3 layout with MLA attention; transformers with attnkit.modeling imported).",
     ),
-    fmt: OutputFormat = FORMAT_OPTION,
+    fmt: Format = OutputFormat.table,
     shared: dict = None,
 ) -> None:
     """Rewrite an MHA/GQA model as a stock DeepseekV3 (MLA) checkpoint: a calibrated KV latent and a shared RoPE key."""

@@ -6,7 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from attnkit.cli.common import DEVICE_OPTION, DTYPE_OPTION, FORMAT_OPTION, OutputFormat, examples, handle_errors
+from attnkit.cli.common import OutputFormat, examples, handle_errors
+from attnkit.cli.options import Device, Dtype, Format, MaxTokens, SeqLen
 from attnkit.cli.output import Column, render
 
 EXAMPLES = examples(
@@ -32,17 +33,17 @@ def register(app: typer.Typer) -> None:
         texts: Optional[List[str]] = typer.Argument(
             None, metavar="[TEXT]...", help="Text files: per-head probe statistics of A and B."
         ),
-        seq_len: int = typer.Option(512, "--seq-len", min=2, help="Tokens per probe window."),
-        max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=2, help="At most this many probe tokens."),
+        seq_len: SeqLen = 512,
+        max_tokens: MaxTokens = None,
         values: bool = typer.Option(
             True,
             "--values/--no-values",
             help="Compare tensor values (reads both models), or only names, shapes, dtypes.",
         ),
         top: int = typer.Option(20, "--top", min=0, help="Rows per table (largest changes first); 0 = all."),
-        device: str = DEVICE_OPTION,
-        dtype: str = DTYPE_OPTION,
-        fmt: OutputFormat = FORMAT_OPTION,
+        device: Device = "auto",
+        dtype: Dtype = "auto",
+        fmt: Format = OutputFormat.table,
     ) -> None:
         """Config keys and tensors that changed, attention layout and KV bytes per token of both; with TEXT, per-head
         max logit, log Z and entropy of A and B on the same windows."""

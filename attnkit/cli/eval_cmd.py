@@ -7,19 +7,20 @@ from typing import List, Optional
 
 import typer
 
-from attnkit.cli.common import (
-    DEVICE_MAP_OPTION,
-    DEVICE_OPTION,
-    DTYPE_OPTION,
-    FORMAT_OPTION,
-    LAYER_STREAM_OPTION,
-    OutputFormat,
-    examples,
-    handle_errors,
-    log_sink,
+from attnkit.cli.common import OutputFormat, examples, handle_errors, log_sink
+from attnkit.cli.options import (
+    BatchSize,
+    Device,
+    DeviceMap,
+    Dtype,
+    Format,
+    LayerStream,
+    MaxTokens,
+    SeqLen,
+    Text,
+    capability_spec,
 )
 from attnkit.cli.output import Column, render, render_capability, render_distance
-from attnkit.cli.shared import capability_spec
 
 
 def register(app: typer.Typer) -> None:
@@ -43,12 +44,10 @@ def register(app: typer.Typer) -> None:
         reference: Optional[str] = typer.Option(
             None, "--reference", "-r", help="Reference model for KL and top-1 agreement."
         ),
-        text: Optional[str] = typer.Option(None, "--text", help="Literal text to score (besides any files)."),
-        seq_len: int = typer.Option(512, "--seq-len", help="Tokens per window."),
-        max_tokens: Optional[int] = typer.Option(
-            None, "--max-tokens", help="At most this many tokens in all (whole windows)."
-        ),
-        batch_size: int = typer.Option(1, "--batch-size", help="Windows (or lm-eval requests) per forward pass."),
+        text: Text = None,
+        seq_len: SeqLen = 512,
+        max_tokens: MaxTokens = None,
+        batch_size: BatchSize = 1,
         tasks: Optional[str] = typer.Option(
             None,
             "--tasks",
@@ -83,11 +82,11 @@ def register(app: typer.Typer) -> None:
             "--plot",
             help="Write a .png/.pdf/.svg figure: pass-key accuracy heat maps and the scores by distance.",
         ),
-        device: str = DEVICE_OPTION,
-        dtype: str = DTYPE_OPTION,
-        layer_stream: str = LAYER_STREAM_OPTION,
-        device_map: Optional[str] = DEVICE_MAP_OPTION,
-        fmt: OutputFormat = FORMAT_OPTION,
+        device: Device = "auto",
+        dtype: Dtype = "auto",
+        layer_stream: LayerStream = "auto",
+        device_map: DeviceMap = None,
+        fmt: Format = OutputFormat.table,
     ) -> None:
         """Perplexity on text windows (with --reference: KL(ref || model) and top-1 agreement), task accuracy
         through lm-eval (--tasks) and pass-key retrieval (--passkey), the reference beside the model."""

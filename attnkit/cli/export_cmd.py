@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors
+from attnkit.cli.common import OutputFormat, examples, handle_errors
+from attnkit.cli.options import Format, request_fields, writes
 from attnkit.cli.output import Column, render
-from attnkit.cli.shared import request_fields, writes
 from attnkit.units import human_bytes
 
 EXAMPLES = examples(
@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option(
             "float32", "--dtype", help="Weights dtype: float32, bfloat16 or float16 (or fp32, bf16, fp16)."
         ),
-        fmt: OutputFormat = FORMAT_OPTION,
+        fmt: Format = OutputFormat.table,
         shared: dict = None,
     ) -> None:
         """Dequantize a GGUF file into a Hugging Face safetensors folder (config, weights, tokenizer) that every

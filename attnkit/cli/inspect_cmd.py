@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors
+from attnkit.cli.common import OutputFormat, examples, handle_errors
+from attnkit.cli.options import Format
 from attnkit.cli.output import Column, render
 
 
@@ -28,7 +29,7 @@ def register(app: typer.Typer) -> None:
     @handle_errors
     def inspect(
         model: str = typer.Argument(..., help="Folder, .safetensors, .gguf, config.json, hub id[@rev] or preset name."),
-        fmt: OutputFormat = FORMAT_OPTION,
+        fmt: Format = OutputFormat.table,
     ) -> None:
         """Attention layout from config and headers: heads, KV heads, head dim, variant, RoPE, windows, caps."""
         from attnkit.commands.analyse.inspect import inspect_model

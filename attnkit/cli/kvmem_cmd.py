@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors
+from attnkit.cli.common import OutputFormat, examples, handle_errors
+from attnkit.cli.options import Format
 from attnkit.cli.output import Column, render
 from attnkit.units import human_bytes, human_tokens
 
@@ -97,7 +98,7 @@ def register(app: typer.Typer) -> None:
             help="vLLM's tokens in flight per request: concurrent batches x max_num_batched_tokens "
             "(16k: vllm serve on an H100/H200, 2 x 8192).",
         ),
-        fmt: OutputFormat = FORMAT_OPTION,
+        fmt: Format = OutputFormat.table,
     ) -> None:
         """KV-cache bytes per token and in total, and with --gpu-mem what fits on each GPU.
 

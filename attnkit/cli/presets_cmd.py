@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors
+from attnkit.cli.common import OutputFormat, examples, handle_errors
+from attnkit.cli.options import Format
 from attnkit.cli.output import Column, render
 
 
 def register(app: typer.Typer) -> None:
     @app.command("presets", epilog=examples("attnkit presets", "attnkit presets --format json"))
     @handle_errors
-    def presets(fmt: OutputFormat = FORMAT_OPTION) -> None:
+    def presets(fmt: Format = OutputFormat.table) -> None:
         """List embedded model presets (published configs, usable offline) with their sources."""
         from attnkit.archs.spec import attention_spec
         from attnkit.presets import all_presets

@@ -6,17 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from attnkit.cli.common import (
-    DEVICE_MAP_OPTION,
-    DEVICE_OPTION,
-    DTYPE_OPTION,
-    FORMAT_OPTION,
-    LAYER_STREAM_OPTION,
-    OutputFormat,
-    examples,
-    handle_errors,
-    log_sink,
-)
+from attnkit.cli.common import OutputFormat, examples, handle_errors, log_sink
+from attnkit.cli.options import BatchSize, Device, DeviceMap, Dtype, Format, LayerStream, MaxTokens, SeqLen, Text
 from attnkit.cli.output import Column, render
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -47,10 +38,10 @@ def register(app: typer.Typer) -> None:
             help="Models (folder, .safetensors, .gguf, hub id), then text files "
             "(.txt, .jsonl with 'text'; '-' = stdin).",
         ),
-        text: Optional[str] = typer.Option(None, "--text", help="Literal text (besides any files)."),
-        seq_len: int = typer.Option(512, "--seq-len", help="Tokens per window."),
-        max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="At most this many tokens per model."),
-        batch_size: int = typer.Option(1, "--batch-size", help="Windows per forward pass."),
+        text: Text = None,
+        seq_len: SeqLen = 512,
+        max_tokens: MaxTokens = None,
+        batch_size: BatchSize = 1,
         threshold: float = typer.Option(100.0, "--threshold", help="Count attention logits above this value."),
         z_lambda: float = typer.Option(1e-4, "--z-lambda", help="z-loss weight: lambda * mean((log Z)^2)."),
         fail_if: Optional[List[str]] = typer.Option(
@@ -61,11 +52,11 @@ def register(app: typer.Typer) -> None:
         out: Optional[str] = typer.Option(None, "--out", help="Write per-head rows to FILE.parquet or FILE.csv."),
         plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG: max-logit heatmap and log Z per layer."),
         top: int = typer.Option(20, "--top", min=0, help="Heads shown in the table (worst max logit first); 0 = all."),
-        device: str = DEVICE_OPTION,
-        dtype: str = DTYPE_OPTION,
-        layer_stream: str = LAYER_STREAM_OPTION,
-        device_map: Optional[str] = DEVICE_MAP_OPTION,
-        fmt: OutputFormat = FORMAT_OPTION,
+        device: Device = "auto",
+        dtype: Dtype = "auto",
+        layer_stream: LayerStream = "auto",
+        device_map: DeviceMap = None,
+        fmt: Format = OutputFormat.table,
     ) -> None:
         """Attention logits (max, min, mean, std, share above --threshold), log Z, entropy and q/k norms per head."""
         from attnkit.commands.analyse.probe import ProbeRequest, run_probe

@@ -6,9 +6,9 @@ from typing import Optional
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, print_notes
+from attnkit.cli.common import OutputFormat, examples, handle_errors, print_notes
+from attnkit.cli.options import CAPABILITY, CHECK, DEVICE, EVAL, SAMPLES, Format, calib_group, request_fields, writes
 from attnkit.cli.output import Column, eval_caption, finish_check, render, render_rewrite_scores
-from attnkit.cli.shared import CALIB, CAPABILITY, CHECK, DEVICE, EVAL, SAMPLES, request_fields, writes
 
 app = typer.Typer(
     name="retrofit",
@@ -69,7 +69,7 @@ def _cap(text: Optional[str], name: str):
     ),
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY, CHECK)
+@writes(DEVICE, calib_group(), EVAL, SAMPLES, CAPABILITY, CHECK)
 def softcap(
     attn_cap: Optional[str] = typer.Option(
         None, "--attn-cap", help="Attention logit cap C (cap * tanh(z / cap)), or auto."
@@ -84,7 +84,7 @@ def softcap(
     affect_rel: float = typer.Option(
         0.01, "--affect-rel", help="A logit is affected when the cap moves it by more than this fraction."
     ),
-    fmt: OutputFormat = FORMAT_OPTION,
+    fmt: Format = OutputFormat.table,
     shared: dict = None,
 ) -> None:
     """Write attn_logit_softcapping / final_logit_softcapping into the config (weights unchanged)."""
@@ -126,7 +126,7 @@ def softcap(
     "qknorm", epilog=examples("attnkit retrofit qknorm ./my-model ./qknormed --calib calib.txt --eval heldout.txt")
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY, CHECK)
+@writes(DEVICE, calib_group(), EVAL, SAMPLES, CAPABILITY, CHECK)
 def qknorm(
     method: str = typer.Option(
         "auto",
@@ -144,7 +144,7 @@ def qknorm(
         "when vLLM's CPU kernels run it; else the smallest >= head_dim + 2 they run).",
     ),
     steps: int = typer.Option(150, "--steps", min=0, help="kl: gradient steps per layer."),
-    fmt: OutputFormat = FORMAT_OPTION,
+    fmt: Format = OutputFormat.table,
     shared: dict = None,
 ) -> None:
     """Turn a Llama, Mistral or Qwen2 checkpoint into a stock Qwen3 checkpoint with per-head QK-norm."""
@@ -176,10 +176,10 @@ def qknorm(
     epilog=examples("attnkit retrofit qkclip ./my-model ./clipped --tau 100 --calib calib.txt --eval heldout.txt"),
 )
 @handle_errors
-@writes(DEVICE, CALIB, EVAL, SAMPLES, CAPABILITY, CHECK)
+@writes(DEVICE, calib_group(), EVAL, SAMPLES, CAPABILITY, CHECK)
 def qkclip(
     tau: float = typer.Option(100.0, "--tau", help="Largest attention logit a head may reach on the --calib text."),
-    fmt: OutputFormat = FORMAT_OPTION,
+    fmt: Format = OutputFormat.table,
     shared: dict = None,
 ) -> None:
     """QK-Clip once: scale the query of every head whose max logit on --calib text exceeds --tau by tau / max.

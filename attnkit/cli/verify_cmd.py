@@ -6,7 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from attnkit.cli.common import FORMAT_OPTION, OutputFormat, examples, handle_errors, log_sink
+from attnkit.cli.common import OutputFormat, examples, handle_errors, log_sink
+from attnkit.cli.options import Format
 from attnkit.cli.output import Column, render
 
 
@@ -54,7 +55,7 @@ def register(app: typer.Typer) -> None:
         tie_margin: float = typer.Option(
             1e-2, "--tie-margin", help="A greedy difference where transformers' top-2 logits are this close is a tie."
         ),
-        fmt: OutputFormat = FORMAT_OPTION,
+        fmt: Format = OutputFormat.table,
     ) -> None:
         """Greedy tokens and perplexity in llama.cpp and vLLM against transformers; exit 3 on a mismatch."""
         from attnkit.commands.analyse.verify import VerifyRequest, verify

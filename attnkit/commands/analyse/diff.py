@@ -19,7 +19,7 @@ from attnkit.kvcache import bytes_per_token, cache_dtype
 from attnkit.progress import phase
 from attnkit.runtime import load_model, make_windows, read_texts
 from attnkit.runtime.loader import dtype_name, resolve_device
-from attnkit.runtime.texts import check_text_files
+from attnkit.runtime.texts import check_text_files, check_window_options
 from attnkit.scoring.attention_stats import probe
 
 #: Per-head probe fields compared; a row holds each for A and B and their difference B - A.
@@ -185,6 +185,7 @@ def check_request(req: DiffRequest):
 
     if req.texts:
         check_text_files(req.texts)
+        check_window_options(req.seq_len, req.max_tokens)
         resolve_device(req.device)
         dtype_name(req.dtype)  # refuses an unknown --dtype; load_model reads the short names too
     return open_source(req.a, "compare", causal=False), open_source(req.b, "compare", causal=False)

@@ -345,7 +345,22 @@ def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: P
     )
     spec = result["kv_cache"]
     row["kv_bytes_per_token"] = sum(layer["bytes_per_token"] for layer in spec.values())
-    row["kv_pool"] = {**result["kv_pool"], "block_size": next(iter(spec.values()))["block_size"]}
+    row["kv_pool"] = _vllm_cache(
+        {**result["kv_pool"], "block_size": next(iter(spec.values()))["block_size"]}, row["kv_bytes_per_token"], loaded
+    )
+    if not row["kv_pool"]["equal"]:
+        pool = row["kv_pool"]
+        row["status"] = "mismatch"
+        row["detail"] = "; ".join(
+            filter(
+                None,
+                [
+                    row["detail"],
+                    f"KV cache {pool['engine_bytes_per_token']:,} bytes per token and {pool['request_bytes']:,} per "
+                    f"request, kvmem predicts {pool['kvmem_bytes_per_token']:,} and {pool['kvmem_request_bytes']:,}",
+                ],
+            )
+        )
     kinds = sorted({layer["kind"] for layer in spec.values()})
     row["notes"].append(f"fp32; KV cache {', '.join(kinds)} over {len(spec)} layers")
     if mla:
@@ -359,6 +374,35 @@ def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: P
             "kernels take (512+64): run with VLLM_MLA_DISABLE=1, as plain attention"
         )
     return row
+
+
+def _vllm_cache(pool: dict, engine_bytes: int, loaded) -> dict:
+    """vLLM's pool beside `attnkit kvmem`'s prediction for the checkpoint (fp32 cache, the pool's block size and
+    tokens in flight): bytes per token and what one request of max_model_len reserves, both equal when the
+    layout is served as written; an MLA output vLLM runs as plain attention is predicted by its expanded keys and
+    values (attnkit.engines.targets.mla_serving), as kvmem's `serving` note says."""
+    from attnkit.archs.spec import attention_spec
+    from attnkit.engines.targets import mla_serving
+    from attnkit.kvcache import VllmPaging, bytes_per_token, cache_dtype, vllm_request_bytes
+
+    spec = attention_spec(dict(loaded.checkpoint.config))
+    fp32 = cache_dtype("fp32")
+    paging = VllmPaging(block_size=pool["block_size"], in_flight_tokens=pool["max_in_flight_tokens"])
+    per_token = bytes_per_token(spec, fp32)
+    request = vllm_request_bytes(spec, fp32, pool["max_model_len"], paging)
+    if spec.mla is not None:
+        served = mla_serving(
+            spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, spec.num_heads, spec.mla.qk_nope_head_dim
+        )
+        scale = served["vllm"]["values"] / spec.kv_elements_per_token() if not served["vllm"]["as_written"] else 1
+        per_token, request = per_token * scale, request * scale
+    return {
+        **pool,
+        "engine_bytes_per_token": engine_bytes,
+        "kvmem_bytes_per_token": int(per_token),
+        "kvmem_request_bytes": int(request),
+        "equal": engine_bytes == int(per_token) and pool["request_bytes"] == int(request),
+    }
 
 
 def find_vllm(req: VerifyRequest) -> str | None:

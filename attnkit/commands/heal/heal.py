@@ -18,10 +18,11 @@ from attnkit.commands.heal import finish, models, scores, training
 from attnkit.commands.heal.memory import memory_report, refusal, shapes_of
 from attnkit.commands.heal.pair import check_pair, rewrite_summary
 from attnkit.commands.heal.plan import plan_data, teacher_windows
-from attnkit.commands.heal.request import HealRequest, check_options, check_positions, processes
+from attnkit.commands.heal.request import RESUME, SETTINGS, HealRequest, check_options, check_positions, processes
 from attnkit.commands.heal.resume import check_fingerprint
 from attnkit.commands.heal.run import HealRun
 from attnkit.commands.heal.trainable import default_lr
+from attnkit.commands.option_fields import tagged
 from attnkit.commands.report_head import report_head, timed
 from attnkit.commands.rewrite import check_write
 from attnkit.errors import AttnkitError, UsageError
@@ -56,7 +57,7 @@ def heal(req: HealRequest, log: Callable[[str], None] = lambda message: None) ->
         "rewrite": rewrite_summary(pair.manifest),
         "data": plan.info,
         "budget": _budget(req),
-        "settings": _settings(req),
+        "settings": tagged(req, SETTINGS),
         "seed": req.seed,
         "checkpoint": str(req.checkpoint_folder),
         "resumed_from_step": resumed["state"]["step"] if resumed else None,
@@ -134,56 +135,10 @@ def _check_checkpoint_folder(req: HealRequest) -> None:
 
 
 def _fingerprint(req: HealRequest, student: str, teacher: str, data: str) -> dict:
-    """What a resumed run must share with the checkpoint (the budget, evaluation and devices may change)."""
-    return {
-        "student": student,
-        "teacher": teacher,
-        "data": data,
-        "seq_len": req.seq_len,
-        "batch_size": req.batch_size,
-        "train": req.train,
-        "lora_rank": req.lora_rank,
-        "lr": req.lr,
-        "warmup_steps": req.warmup_steps,
-        "min_lr_ratio": req.min_lr_ratio,
-        "weight_decay": req.weight_decay,
-        "max_grad_norm": req.max_grad_norm,
-        "attn_loss": req.attn_loss,
-        "teacher_logits": req.teacher_logits,
-        "top_k": req.top_k,
-        "val_tokens": req.val_tokens,
-        "retrieval_mix": req.retrieval_mix,
-        "seed": req.seed,
-    }
+    """What a resumed run must share with the checkpoint: the models, the data and the options tagged RESUME."""
+    return {"student": student, "teacher": teacher, "data": data, **tagged(req, RESUME)}
 
 
 def _budget(req: HealRequest) -> dict:
     """tokens: training tokens; max_time_seconds: the whole command's time (loading, data, training, scoring)."""
     return {"tokens": req.budget_tokens, "max_time_seconds": req.max_time}
-
-
-def _settings(req: HealRequest) -> dict:
-    keys = (
-        "train",
-        "lora_rank",
-        "lr",
-        "warmup_steps",
-        "min_lr_ratio",
-        "weight_decay",
-        "max_grad_norm",
-        "batch_size",
-        "micro_batch_size",
-        "seq_len",
-        "attn_loss",
-        "teacher_logits",
-        "top_k",
-        "val_tokens",
-        "eval_every",
-        "patience",
-        "checkpoint_every",
-        "gradient_checkpointing",
-        "fsdp",
-        "eval_curve",
-        "retrieval_mix",
-    )
-    return {k: getattr(req, k) for k in keys}

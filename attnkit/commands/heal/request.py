@@ -7,13 +7,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnkit.commands.option_fields import POSITIVE, check_fields, option
 from attnkit.commands.rewrite import WriteRequest
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.runtime.texts import check_text_files
 from attnkit.scoring.options import EvalOptions, check_eval_options
 from attnkit.scoring.selfcheck import CheckOptions
 from attnkit.scoring.selfcheck import check_options as check_self_check
-from attnkit.units import MAX_COUNT, MAX_TOKENS, check_bounds
+from attnkit.units import MAX_COUNT, MAX_TOKENS, check_bounds, parse_tokens
 
 TRAIN_CHOICES = ("rewritten", "all")
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -30,44 +31,194 @@ MIN_RETRIEVAL_SEQ_LEN = 256
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|min|h)?\s*$", re.IGNORECASE)
 
 
+def parse_duration(text: str) -> float:
+    """'90', '90s' -> 90.0; '30m', '30min' -> 1800.0; '1.5h' -> 5400.0 (seconds)."""
+    m = _DURATION.match(text)
+    if not m:
+        raise UsageError(f"not a duration: {text!r} (use e.g. 90s, 30m, 1.5h)")
+    seconds = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600}[(m.group(2) or "").lower()]
+    if seconds <= 0:
+        raise UsageError(f"--max-time must be positive, got {text!r}")
+    return seconds
+
+
+#: Tags of the option fields: what a resumed run must share with its checkpoint (the budget, evaluation and
+#: devices may change), the report's settings, and what the training loop reads (heal.loop.LoopConfig).
+RESUME, SETTINGS, LOOP = "fingerprint", "settings", "loop"
+
+
 @dataclass(kw_only=True)
 class HealRequest(WriteRequest):
     """The student (`model`), teacher and output; data; budget; what trains and how; checkpoints; what the report
-    scores before and after training (`scoring`, as every rewrite's report does)."""
+    scores before and after training (`scoring`, as every rewrite's report does). Each option field is its
+    command-line option (attnkit.commands.option_fields)."""
 
-    teacher: str
-    data: list[str] = field(default_factory=list)
-    tokens: int | None = None
-    max_time: float | None = None  # seconds for the whole command (loading, data, training, scoring)
+    teacher: str = option(flag="--teacher", help="The source model the student was rewritten from.", short="-t")
+    data: list[str] = option(
+        flag="--data",
+        help="Training text: .txt, .jsonl, .parquet or a datasets folder (repeatable); none: the teacher writes its "
+        "own.",
+        default_factory=list,
+    )
+    tokens: int | None = option(
+        None, "--tokens", "Token budget (e.g. 256k); default 256k.", low=POSITIVE, parse=parse_tokens
+    )
+    max_time: float | None = option(  # seconds for the whole command (loading, data, training, scoring)
+        None,
+        "--max-time",
+        "Wall-clock budget of the whole run: loading, data, training, scoring (e.g. 30m).",
+        low=POSITIVE,
+        parse=parse_duration,
+        tags=(LOOP,),
+    )
     scoring: EvalOptions = field(default_factory=EvalOptions)  # --eval text, samples, tasks, pass keys
     check: CheckOptions = field(default_factory=CheckOptions)  # the self-check of OUT against the teacher
-    eval_curve: bool = False  # also score --eval at every validation (reported only)
-    train: str = "rewritten"
-    lora_rank: int = 0
-    lr: float | None = None  # None: trainable.default_lr of the student
-    warmup_steps: int = 5
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    batch_size: int = 4
-    micro_batch_size: int = 4
-    seq_len: int = 256
-    attn_loss: float = 0.0
-    precision: str = "auto"  # PRECISIONS; resolved against the device by heal.models.precision_for
-    teacher_logits: str = "live"  # live: the teacher runs beside the student; top-k: its targets cached once
-    top_k: int = 64
-    val_tokens: int = 2048
-    eval_every: int = 25
-    patience: int = 4
-    checkpoint_every: int = 50
-    checkpoint_dir: Path | None = None
-    resume: bool = False
-    teacher_tokens: int | None = None  # teacher-written training tokens when no --data
-    retrieval_mix: float | None = None  # share of training windows made synthetic retrieval tasks (heal.retrieval)
-    sample_cache: Path | None = None
-    gradient_checkpointing: bool = False
-    fsdp: bool = False  # shard the student's weights, gradients and optimizer state over the processes (FSDP2)
-    seed: int = 0
+    eval_curve: bool = option(
+        False, "--eval-curve", "Also score --eval at every validation (reported, never used to stop).", tags=(SETTINGS,)
+    )
+    train: str = option(
+        "rewritten",
+        "--train",
+        "rewritten (attention tensors the rewrite changed) or all.",
+        choices=TRAIN_CHOICES,
+        tags=(RESUME, SETTINGS),
+    )
+    lora_rank: int = option(
+        0,
+        "--lora-rank",
+        "Train LoRA adapters of this rank (merged back); 0: off.",
+        low=0,
+        high=MAX_LORA_RANK,
+        tags=(RESUME, SETTINGS),
+    )
+    lr: float | None = option(  # None: trainable.default_lr of the student
+        None,
+        "--lr",
+        "Peak learning rate of AdamW (default 3e-4; 1e-4 for MLA students).",
+        low=POSITIVE,
+        hidden_default=True,
+        tags=(RESUME, SETTINGS, LOOP),
+    )
+    warmup_steps: int = option(
+        5, "--warmup-steps", "Linear warmup steps.", low=0, high=MAX_COUNT, tags=(RESUME, SETTINGS, LOOP)
+    )
+    min_lr_ratio: float = option(
+        0.1, "--min-lr-ratio", "Cosine decays to lr x this.", low=0, high=1, tags=(RESUME, SETTINGS, LOOP)
+    )
+    weight_decay: float = option(0.0, "--weight-decay", "AdamW weight decay.", low=0, tags=(RESUME, SETTINGS, LOOP))
+    max_grad_norm: float = option(
+        1.0, "--max-grad-norm", "Gradient clipping norm; 0: off.", low=0, tags=(RESUME, SETTINGS, LOOP)
+    )
+    batch_size: int = option(
+        4,
+        "--batch-size",
+        "Windows per optimizer step, over all processes.",
+        low=POSITIVE,
+        high=MAX_COUNT,
+        tags=(RESUME, SETTINGS, LOOP),
+    )
+    micro_batch_size: int = option(
+        4,
+        "--micro-batch-size",
+        "Windows per forward pass (accumulated).",
+        low=POSITIVE,
+        high=MAX_COUNT,
+        tags=(SETTINGS, LOOP),
+    )
+    seq_len: int = option(
+        256, "--seq-len", "Tokens per training window.", low=2, high=MAX_TOKENS, tags=(RESUME, SETTINGS)
+    )
+    attn_loss: float = option(
+        0.0,
+        "--attn-loss",
+        "Weight of the attention-output matching term; 0: off.",
+        low=0,
+        tags=(RESUME, SETTINGS, LOOP),
+    )
+    precision: str = option(  # resolved against the device by heal.models.precision_for
+        "auto",
+        "--precision",
+        "auto (bf16 autocast on a CUDA GPU, fp32 elsewhere), fp32, or bf16 (autocast on the CPU too, where it has "
+        "bf16 instructions).",
+        choices=PRECISIONS,
+    )
+    teacher_logits: str = option(
+        "live",
+        "--teacher-logits",
+        "live: the teacher runs beside the student; top-k: its top-k log-probabilities computed once and cached on "
+        "disk, the teacher out of memory while training.",
+        choices=TEACHER_LOGITS,
+        tags=(RESUME, SETTINGS),
+    )
+    top_k: int = option(
+        64,
+        "--top-k",
+        "Tokens per position kept by --teacher-logits top-k.",
+        low=1,
+        high=MAX_TOP_K,
+        tags=(RESUME, SETTINGS),
+    )
+    fsdp: bool = option(
+        False,
+        "--fsdp",
+        "Shard the student's weights, gradients and optimizer state over the processes (FSDP2; launch with torchrun "
+        "or accelerate launch).",
+        tags=(SETTINGS, LOOP),
+    )
+    val_tokens: int = option(
+        2048,
+        "--val-tokens",
+        "Training text held out for validation.",
+        low=POSITIVE,
+        high=MAX_TOKENS,
+        tags=(RESUME, SETTINGS),
+    )
+    eval_every: int = option(
+        25, "--eval-every", "Validate every N steps.", low=POSITIVE, high=MAX_COUNT, tags=(SETTINGS, LOOP)
+    )
+    patience: int = option(
+        4,
+        "--patience",
+        "Stop after N validations without improvement; 0: never.",
+        low=0,
+        high=MAX_COUNT,
+        tags=(SETTINGS, LOOP),
+    )
+    checkpoint_every: int = option(
+        50,
+        "--checkpoint-every",
+        "Save a resumable checkpoint every N steps.",
+        low=POSITIVE,
+        high=MAX_COUNT,
+        tags=(SETTINGS, LOOP),
+    )
+    checkpoint_dir: Path | None = option(None, "--checkpoint-dir", "Checkpoint folder (OUT.checkpoint).")
+    resume: bool = option(False, "--resume", "Continue the run saved in the checkpoint folder.")
+    teacher_tokens: int | None = option(
+        None,
+        "--teacher-tokens",
+        "Teacher-written training tokens when no --data (default: the budget).",
+        low=POSITIVE,
+        parse=parse_tokens,
+    )
+    retrieval_mix: float | None = option(  # checked in _check_combinations (its own message)
+        None,
+        "--retrieval-mix",
+        "Share (above 0, at most 1) of the training windows made long-range retrieval tasks (a number said once and "
+        "asked at the end, a table looked up, a passage repeated), built offline from the data.",
+        tags=(RESUME, SETTINGS),
+    )
+    sample_cache: Path | None = option(None, "--sample-cache", "Where teacher-written text is cached.")
+    gradient_checkpointing: bool = option(
+        False,
+        "--gradient-checkpointing",
+        "Recompute activations in backward (less memory).",
+        negative="--no-gradient-checkpointing",
+        tags=(SETTINGS,),
+    )
+    seed: int = option(
+        0, "--seed", "Seed of data order and teacher sampling.", low=0, high=MAX_COUNT, tags=(RESUME, LOOP)
+    )
 
     @property
     def budget_tokens(self) -> int | None:
@@ -92,17 +243,6 @@ class HealRequest(WriteRequest):
         return self.teacher_tokens or self.budget_tokens or DEFAULT_TOKENS
 
 
-def parse_duration(text: str) -> float:
-    """'90', '90s' -> 90.0; '30m', '30min' -> 1800.0; '1.5h' -> 5400.0 (seconds)."""
-    m = _DURATION.match(text)
-    if not m:
-        raise UsageError(f"not a duration: {text!r} (use e.g. 90s, 30m, 1.5h)")
-    seconds = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600}[(m.group(2) or "").lower()]
-    if seconds <= 0:
-        raise UsageError(f"--max-time must be positive, got {text!r}")
-    return seconds
-
-
 def processes() -> int:
     """Processes in this run, as torchrun and accelerate launch tell each one (WORLD_SIZE)."""
     import os
@@ -110,46 +250,11 @@ def processes() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-#: Number options: flag -> (request field, lowest, highest); None: unbounded (still finite), POSITIVE: above 0.
-#: A field that is None (not given) is not checked.
-POSITIVE = "positive"
-BOUNDS = {
-    "--top-k": ("top_k", 1, MAX_TOP_K),
-    "--batch-size": ("batch_size", POSITIVE, MAX_COUNT),
-    "--micro-batch-size": ("micro_batch_size", POSITIVE, MAX_COUNT),
-    "--val-tokens": ("val_tokens", POSITIVE, MAX_TOKENS),
-    "--eval-every": ("eval_every", POSITIVE, MAX_COUNT),
-    "--checkpoint-every": ("checkpoint_every", POSITIVE, MAX_COUNT),
-    "--lr": ("lr", POSITIVE, None),
-    "--tokens": ("tokens", POSITIVE, None),
-    "--teacher-tokens": ("teacher_tokens", POSITIVE, None),
-    "--max-time": ("max_time", POSITIVE, None),
-    "--lora-rank": ("lora_rank", 0, MAX_LORA_RANK),
-    "--warmup-steps": ("warmup_steps", 0, MAX_COUNT),
-    "--patience": ("patience", 0, MAX_COUNT),
-    "--weight-decay": ("weight_decay", 0, None),
-    "--max-grad-norm": ("max_grad_norm", 0, None),
-    "--attn-loss": ("attn_loss", 0, None),
-    "--seed": ("seed", 0, MAX_COUNT),
-    "--seq-len": ("seq_len", 2, MAX_TOKENS),
-}
-#: Options that take one of a few words: flag -> (request field, the words).
-CHOICES = {
-    "--train": ("train", TRAIN_CHOICES),
-    "--teacher-logits": ("teacher_logits", TEACHER_LOGITS),
-    "--precision": ("precision", PRECISIONS),
-}
-
-
 def check_options(req: HealRequest) -> None:
     """Every option's value and every input path, before anything is loaded; one-line UsageErrors."""
     if req.tokens is not None and req.max_time is not None:
         raise UsageError("give one budget: --tokens or --max-time, not both")
-    for flag, (name, words) in CHOICES.items():
-        if getattr(req, name) not in words:
-            raise UsageError(f"{flag} must be one of {', '.join(words)}, got {getattr(req, name)!r}")
-    for flag, (name, low, high) in BOUNDS.items():
-        _check_number(flag, getattr(req, name), low, high)
+    check_fields(req)
     _check_combinations(req)
     check_eval_options(req.scoring)
     check_self_check(req.check)
@@ -178,15 +283,6 @@ def _check_sample_cache(folder: Path) -> None:
         raise UsageError(f"--sample-cache {exc}") from None
 
 
-def _check_number(flag: str, value, low, high) -> None:
-    """One BOUNDS row: finite and within its bounds (check_bounds), or above 0 for POSITIVE."""
-    if value is None:
-        return
-    check_bounds(flag, value, None if low == POSITIVE else low, high)
-    if low == POSITIVE and not value > 0:
-        raise UsageError(f"{flag} must be positive, got {value}")
-
-
 def _check_combinations(req: HealRequest) -> None:
     """Options that are each valid but not together."""
     if req.teacher_logits == "top-k" and req.attn_loss > 0:
@@ -196,8 +292,6 @@ def _check_combinations(req: HealRequest) -> None:
             "--fsdp shards the student over processes and this run has 1; launch it with "
             "torchrun --nproc-per-node N or accelerate launch --num_processes N"
         )
-    if not 0 <= req.min_lr_ratio <= 1:
-        raise UsageError(f"--min-lr-ratio must be in [0, 1], got {req.min_lr_ratio}")
     if req.batch_size % req.micro_batch_size:
         raise UsageError(
             f"--batch-size {req.batch_size} is not a multiple of --micro-batch-size {req.micro_batch_size}"

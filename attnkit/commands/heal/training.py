@@ -11,7 +11,8 @@ from attnkit.commands.heal import resume, topk, trainable
 from attnkit.commands.heal.bar import training_bar
 from attnkit.commands.heal.loop import LoopConfig, LoopState, Trainer
 from attnkit.commands.heal.models import release_memory
-from attnkit.commands.heal.request import HealRequest
+from attnkit.commands.heal.request import LOOP, HealRequest
+from attnkit.commands.option_fields import tagged
 from attnkit.io.gguf_load import cache_root
 from attnkit.runtime import load_model
 from attnkit.scoring.perplexity import evaluate
@@ -112,24 +113,11 @@ def make_trainer(run, student, teacher, chosen: Selection, before: dict | None) 
 def _loop_config(run) -> LoopConfig:
     req = run.req
     return LoopConfig(
-        lr=req.lr,
-        warmup_steps=req.warmup_steps,
-        min_lr_ratio=req.min_lr_ratio,
-        weight_decay=req.weight_decay,
-        max_grad_norm=req.max_grad_norm,
-        batch_size=req.batch_size,
-        micro_batch_size=req.micro_batch_size,
-        attn_loss=req.attn_loss,
+        **tagged(req, LOOP),
         budget_tokens=req.budget_tokens,
-        max_time=req.max_time,
-        eval_every=req.eval_every,
-        patience=req.patience,
-        checkpoint_every=req.checkpoint_every,
-        seed=req.seed,
         deadline=None if req.max_time is None else run.started + req.max_time,
         started=run.started,
         after_training=after_training(run.plan),
-        fsdp=req.fsdp,
     )
 
 

@@ -1,5 +1,8 @@
-"""Arguments and options that several commands take, declared once.
+"""Every command's shared arguments and options, declared once with their help (bounds live in the requests,
+which check them with attnkit-worded messages, so the library is checked as the CLI is).
 
+Typed aliases for the options of the commands that run a model (`seq_len: SeqLen = 512`), and `request_options`,
+which makes a request dataclass's option fields (attnkit.commands.option_fields) into a command's options.
 Every command that writes a checkpoint (convert, retrofit, heal, export) gets MODEL and OUT first and the
 output options last (--max-shard-size, --overwrite, --dry-run), plus the groups it asks for: DEVICE,
 CALIB (calibration text), EVAL (evaluation text), SAMPLES (greedy samples), CAPABILITY (tasks, pass keys) and
@@ -13,15 +16,38 @@ from __future__ import annotations
 
 import functools
 import inspect
-import shlex
 import sys
+import types
+import typing
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Annotated, Callable, List, Optional
 
 import typer
 
-from attnkit.cli.common import DEVICE_OPTION
-from attnkit.commands.rewrite import CALIB_SEQ_LEN, CALIB_TOKENS
+from attnkit.cli.common import OutputFormat
+
+Format = Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format: table, json, csv or markdown.")]
+Device = Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:N or mps.")]
+Dtype = Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16 (or fp32, bf16, fp16).")]
+LayerStream = Annotated[
+    str,
+    typer.Option(
+        "--layer-stream",
+        help="auto (when the weights would take more than 80% of the device's free memory), always or never: run "
+        "the model layer by layer, each layer read once and freed.",
+    ),
+]
+DeviceMap = Annotated[
+    Optional[str],
+    typer.Option("--device-map", help="auto: accelerate places the whole model over the GPUs (and CPU) it finds."),
+]
+#: The text options of eval, probe and diff.
+SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per window.")]
+MaxTokens = Annotated[
+    Optional[int], typer.Option("--max-tokens", help="At most this many tokens in all (whole windows).")
+]
+BatchSize = Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.")]
+Text = Annotated[Optional[str], typer.Option("--text", help="Literal text (besides any files).")]
 
 MODEL_HELP = "Source: folder, .safetensors, .gguf (dequantized first) or hub id[@revision]."
 
@@ -34,16 +60,21 @@ OUTPUT = {
     "overwrite": (bool, typer.Option(False, "--overwrite", help="Replace a non-empty OUT.")),
     "dry_run": (bool, typer.Option(False, "--dry-run", help="Check everything and print the plan; write nothing.")),
 }
-DEVICE = {"device": (str, DEVICE_OPTION)}
+DEVICE = {"device": (Device, "auto")}
 
 
-def calib_group(tokens: int = CALIB_TOKENS) -> dict:
-    """The calibration options, `tokens` the default of --calib-tokens (convert mla asks for more)."""
+def calib_group(tokens: int | None = None) -> dict:
+    """The calibration options, `tokens` the default of --calib-tokens (None: the rewrites' own; convert mla asks
+    for more)."""
+    from attnkit.commands.rewrite import CALIB_SEQ_LEN, CALIB_TOKENS
+
     return {
         "calib": (List[str], typer.Option([], "--calib", help="Calibration text file(s) (.txt, .jsonl).")),
         "calib_tokens": (
             int,
-            typer.Option(tokens, "--calib-tokens", min=2, help="Calibration tokens (whole windows, at most)."),
+            typer.Option(
+                tokens or CALIB_TOKENS, "--calib-tokens", min=2, help="Calibration tokens (whole windows, at most)."
+            ),
         ),
         "calib_seq_len": (
             int,
@@ -52,7 +83,6 @@ def calib_group(tokens: int = CALIB_TOKENS) -> dict:
     }
 
 
-CALIB = calib_group()
 EVAL = {
     "eval_files": (
         List[str],
@@ -176,7 +206,7 @@ def writes(*groups: dict, model_help: str = MODEL_HELP) -> Callable:
     tail = {name: spec for group in (*groups, OUTPUT) for name, spec in group.items()}
 
     def decorate(fn: Callable) -> Callable:
-        own = [p for p in inspect.signature(fn).parameters.values() if p.name != "shared"]
+        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "shared"]
         added = [
             inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
             for name, (annotation, default) in {**head, **tail}.items()
@@ -197,6 +227,8 @@ def writes(*groups: dict, model_help: str = MODEL_HELP) -> Callable:
 
 def request_fields(shared: dict) -> dict:
     """The WriteRequest / RewriteRequest / HealRequest keyword arguments of the shared values a command took."""
+    import shlex
+
     from attnkit.units import parse_bytes
 
     fields = dict(
@@ -239,3 +271,59 @@ def eval_options(shared: dict):
             shared["eval_tasks"], shared["eval_tasks_dir"], limit=shared["eval_limit"], passkey=shared["eval_passkey"]
         )
     return EvalOptions(**fields)
+
+
+def request_options(cls) -> Callable:
+    """Decorator: the option fields of request dataclass `cls` (attnkit.commands.option_fields) become the
+    command's options, before the command's own parameters; the command
+    receives their values as `options` (a dict by field name; text read by each field's parse)."""
+    from attnkit.commands.option_fields import flags
+
+    hints = typing.get_type_hints(cls)
+    fields = list(flags(cls))
+    params = [_parameter(f, flag, hints[f.name]) for f, flag in fields]
+
+    def decorate(fn: Callable) -> Callable:
+        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "options"]
+
+        @functools.wraps(fn)
+        def command(**kwargs):
+            options = {}
+            for f, flag in fields:
+                value = kwargs.pop(f.name)
+                options[f.name] = flag.parse(value) if flag.parse is not None and value is not None else value
+            return fn(**kwargs, options=options)
+
+        command.__signature__ = inspect.Signature(
+            params + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+        )
+        return command
+
+    return decorate
+
+
+def _parameter(f, flag, hint) -> inspect.Parameter:
+    """The typer parameter of one option field: its flag(s), help and default; text where the field parses it."""
+    import dataclasses
+
+    if dataclasses.MISSING is not f.default:
+        default = f.default
+    elif dataclasses.MISSING is not f.default_factory:
+        default = f.default_factory()
+    else:
+        default = ...
+    names = [f"{flag.flag}/{flag.negative}" if flag.negative else flag.flag] + ([flag.short] if flag.short else [])
+    option = typer.Option(default, *names, help=flag.help, show_default=not flag.hidden_default)
+    annotation = Optional[str] if flag.parse is not None else _typer_type(hint)
+    return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+
+
+def _typer_type(hint):
+    """A field's type as typer reads it: `X | None` as Optional[X], `list[X]` as List[X]."""
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (inner,) = [a for a in args if a is not type(None)]
+        return Optional[_typer_type(inner)]
+    if typing.get_origin(hint) is list:
+        return List[args[0]]
+    return hint
