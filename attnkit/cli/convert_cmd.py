@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from attnkit.cli.common import OutputFormat, examples, handle_errors, log_sink, print_notes
-from attnkit.cli.options import CAPABILITY, CHECK, DEVICE, EVAL, SAMPLES, Format, calib_group, request_fields, writes
+from attnkit.cli.options import Format, request_fields, rewrite_groups, writes
 from attnkit.cli.output import Column, eval_caption, finish_check, render, render_rewrite_scores
 from attnkit.commands.rewrite import MLA_CALIB_TOKENS
 from attnkit.units import human_bytes
@@ -92,7 +92,7 @@ def _gqa(
     ),
 )
 @handle_errors
-@writes(DEVICE, calib_group(), EVAL, SAMPLES, CAPABILITY, CHECK)
+@writes(*rewrite_groups())
 def gqa(
     kv_heads: int = typer.Option(
         ..., "--kv-heads", "-g", help="KV heads after conversion; must divide the current count."
@@ -117,7 +117,7 @@ def gqa(
     ),
 )
 @handle_errors
-@writes(DEVICE, calib_group(), EVAL, SAMPLES, CAPABILITY, CHECK)
+@writes(*rewrite_groups())
 def mqa(
     method: str = _GQA["method"],
     sequential: bool = _GQA["sequential"],
@@ -139,7 +139,7 @@ def mqa(
     ),
 )
 @handle_errors
-@writes(DEVICE, calib_group(MLA_CALIB_TOKENS), EVAL, SAMPLES, CAPABILITY, CHECK)
+@writes(*rewrite_groups(MLA_CALIB_TOKENS))
 def mla(
     kv_lora_rank: int = typer.Option(
         None, "--kv-lora-rank", "-R", help="R: latent values cached per token and layer (one is the norm constant)."

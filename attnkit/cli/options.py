@@ -161,6 +161,12 @@ CAPABILITY = {
 }
 
 
+def rewrite_groups(calib_tokens: int | None = None) -> tuple[dict, ...]:
+    """The option groups of a rewrite that calibrates (convert, retrofit): device, calibration (`calib_tokens` its
+    --calib-tokens default), evaluation, samples, capability and the self-check."""
+    return (DEVICE, calib_group(calib_tokens), EVAL, SAMPLES, CAPABILITY, CHECK)
+
+
 def capability_spec(
     tasks: str | None,
     tasks_dir: str | None = None,

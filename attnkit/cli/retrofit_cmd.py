@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from attnkit.cli.common import OutputFormat, examples, handle_errors, print_notes
-from attnkit.cli.options import CAPABILITY, CHECK, DEVICE, EVAL, SAMPLES, Format, calib_group, request_fields, writes
+from attnkit.cli.options import Format, request_fields, rewrite_groups, writes
 from attnkit.cli.output import Column, eval_caption, finish_check, render, render_rewrite_scores
 
 app = typer.Typer(
@@ -69,7 +69,7 @@ def _cap(text: Optional[str], name: str):
     ),
 )
 @handle_errors
-@writes(DEVICE, calib_group(), EVAL, SAMPLES, CAPABILITY, CHECK)
+@writes(*rewrite_groups())
 def softcap(
     attn_cap: Optional[str] = typer.Option(
         None, "--attn-cap", help="Attention logit cap C (cap * tanh(z / cap)), or auto."
@@ -126,7 +126,7 @@ def softcap(
     "qknorm", epilog=examples("attnkit retrofit qknorm ./my-model ./qknormed --calib calib.txt --eval heldout.txt")
 )
 @handle_errors
-@writes(DEVICE, calib_group(), EVAL, SAMPLES, CAPABILITY, CHECK)
+@writes(*rewrite_groups())
 def qknorm(
     method: str = typer.Option(
         "auto",
@@ -176,7 +176,7 @@ def qknorm(
     epilog=examples("attnkit retrofit qkclip ./my-model ./clipped --tau 100 --calib calib.txt --eval heldout.txt"),
 )
 @handle_errors
-@writes(DEVICE, calib_group(), EVAL, SAMPLES, CAPABILITY, CHECK)
+@writes(*rewrite_groups())
 def qkclip(
     tau: float = typer.Option(100.0, "--tau", help="Largest attention logit a head may reach on the --calib text."),
     fmt: Format = OutputFormat.table,
