@@ -31,6 +31,8 @@ from benchmarks.docsection import publish, run_render_parser  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "families.jsonl"
 CALIB = str(ROOT / "tests/data/prose/calib.txt")
+#: convert mla's calibration: prose and code (docs/convert-mla.md, "## Calibration text").
+MLA_CALIB = str(ROOT / "tests/data/mixed/calib.txt")
 WINDOWS = 2
 LENGTH = 4096
 #: pass-key lengths and variants per family: Qwen2.5-Coder (1.5B, minutes per 4k prompt set on 2 cores) at 4k only,
@@ -40,7 +42,7 @@ SHORT_VARIANTS = {"qwen": ("repeat",)}
 DEPTHS, TRIALS = 3, 2
 #: name -> attnkit command line after "attnkit" ({src} {out}), each rewrite at its defaults.
 QKNORM = "retrofit qknorm {src} {out} --calib " + CALIB
-MLA = "convert mla {src} {out} --kv-budget 0.5 --calib " + CALIB
+MLA = "convert mla {src} {out} --kv-budget 0.5 --calib " + MLA_CALIB
 MQA = "convert mqa {src} {out} --method merge --calib " + CALIB
 #: family -> (tests/realmodel.py's folder function, the dtype eval runs it in, its rewrites). Gemma 3 has QK-norm
 #: already (no qknorm) and one KV head (no MQA merge); its MLA is --target gemma3-mla.
@@ -113,6 +115,7 @@ def run(work: Path, families: list[str], only: list[str]) -> None:
                 path = work / family / name
                 report = rewrite(rewrites[name], source, path)
                 head.update(
+                    rewrite=_portable_rewrite(rewrites[name], family, name),
                     check=report.get("check"),
                     method=report.get("method") or (report.get("parameters") or {}).get("method"),
                     route=(report.get("parameters") or {}).get("latent_norm"),
@@ -158,7 +161,9 @@ def render(write: bool) -> None:
         "## families",
         "",
         "`python benchmarks/bench_families.py run --work DIR`, then `render --write`: every rewrite at its defaults "
-        f"(calibration: tests/data/prose/calib.txt) on each real model, scored by `attnkit eval --reference SRC` on "
+        "(calibration: tests/data/prose/calib.txt; convert mla's, where its command says so, tests/data/mixed/calib.txt, "
+        'prose and code: docs/convert-mla.md "## Calibration text") on each real model, scored by `attnkit eval '
+        "--reference SRC` on "
         f"{WINDOWS} windows of {LENGTH:,} tokens of two held-out texts (prose: the last 30 articles of the Wikipedia "
         "excerpt; technical: Python's language reference), by distance of the predicted token: perplexity of the "
         "result over the source's (the source's own perplexity in its row). Pass keys: accuracy by length, repeat "
@@ -213,7 +218,11 @@ def render(write: bool) -> None:
                 first = next((r for k, r in rows.items() if k[:2] == (family, model)), {})
                 lines.append(f"- source: `{first['command']}`")
             elif model in rewrites:
-                line = rewrites[model].format(src="SRC", out=f"DIR/{family}/{model}").replace(f"{ROOT}/", "")
+                first = next((r for k, r in rows.items() if k[:2] == (family, model)), {})
+                # rows written before a row named its command calibrated convert mla on the prose text too
+                line = first.get("rewrite") or _portable_rewrite(
+                    rewrites[model].replace(MLA_CALIB, CALIB), family, model
+                )
                 lines.append(f"- {model}: `attnkit {line}`")
         lines.append("")
     publish("\n".join(lines), write)
@@ -243,6 +252,11 @@ def _summary(rows: dict) -> list[str]:
                 f"| {keys} | {_verdict(first.get('check'))} |"
             )
     return [*lines, ""]
+
+
+def _portable_rewrite(command: str, family: str, name: str) -> str:
+    """A rewrite's command line as the docs show it: SRC, DIR and the repository's own paths relative."""
+    return command.format(src="SRC", out=f"DIR/{family}/{name}").replace(f"{ROOT}/", "")
 
 
 def _written(row: dict) -> str:

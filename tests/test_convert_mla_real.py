@@ -55,3 +55,30 @@ def test_smollm2_half_cache_loads_generates_and_beats_weight_only_svd(tmp_path):
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 8
     assert cache_check(model)["key_shape"][-1] == calibrated["kv_lora_rank"]
+
+
+@pytest.mark.real_model
+def test_the_docs_calibration_text_holds_prose_and_code_where_convert_mla_reads():
+    """tests/data/mixed/calib.txt, the docs' `convert mla` calibration: its first 8,192 tokens (convert mla's
+    default --calib-tokens, in 512-token windows) hold every code sample beside the prose, and what follows holds a
+    4,096-token window for the self-check's held-out text."""
+    from transformers import AutoTokenizer
+
+    from attnkit.commands.rewrite import CALIB_SEQ_LEN, MLA_CALIB_TOKENS
+    from attnkit.runtime.texts import make_windows, read_texts
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_folder()))
+    path = str(Path(__file__).parent / "data" / "mixed" / "calib.txt")
+    windows = make_windows(tokenizer, read_texts([path]), CALIB_SEQ_LEN, 1 << 20)
+    assert windows.numel() >= MLA_CALIB_TOKENS + 4096
+    calibrated = tokenizer.decode(windows[: MLA_CALIB_TOKENS // CALIB_SEQ_LEN].flatten())
+    for sample in (
+        "class Garden:",
+        "def test_rota_starts_on_a_monday",
+        "class Parser:",
+        "function debounce(",
+        "rsync -a",
+        "#include <stdint.h>",
+        "SELECT b.title, b.author, b.shelf",
+    ):
+        assert sample in calibrated, sample

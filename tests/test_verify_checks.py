@@ -46,3 +46,53 @@ def test_llama_cpp_output_cut_inside_a_utf8_character_is_read():
 
     proc = _run([sys.executable, "-c", "import sys; sys.stdout.buffer.write(b'ok \\xe2\\x82')"], "test", 60)
     assert proc.stdout == "ok \ufffd"
+
+
+def test_vllm_pool_is_held_against_kvmem_with_the_fallback_counted():
+    """verify's vLLM row: the pool vLLM reports equals kvmem's prediction (bytes per token and per request) for a
+    layout served as written, and for an MLA shape vLLM falls back on, its expanded keys and values; one byte off
+    in either is not equal (a mismatch, exit 3)."""
+    from types import SimpleNamespace
+
+    from attnkit.commands.analyse.verify import _vllm_cache
+
+    def loaded(config):
+        return SimpleNamespace(checkpoint=SimpleNamespace(config=config))
+
+    llama = dict(
+        model_type="llama",
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        num_hidden_layers=30,
+        intermediate_size=1536,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+    )
+    pool = {"block_size": 16, "max_in_flight_tokens": 8192, "max_model_len": 1040, "num_blocks": 100}
+    per_token = 30 * 3 * 2 * 64 * 4  # fp32 K and V of 3 heads of 64 in 30 layers
+    request = 65 * 16 * per_token  # 1040 tokens in 65 blocks of 16
+    assert _vllm_cache({**pool, "request_bytes": request}, per_token, loaded(llama))["equal"]
+    assert not _vllm_cache({**pool, "request_bytes": request}, per_token + 1, loaded(llama))["equal"]
+    assert not _vllm_cache({**pool, "request_bytes": request + 1}, per_token, loaded(llama))["equal"]
+    mla = dict(
+        model_type="deepseek_v3",
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=9,
+        num_hidden_layers=30,
+        intermediate_size=1536,
+        moe_intermediate_size=1536,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        kv_lora_rank=128,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        q_lora_rank=None,
+        n_routed_experts=None,
+        first_k_dense_replace=30,
+    )
+    expanded = 30 * 9 * 2 * (64 + 64) * 4  # 128 + 64 runs as plain attention: 276,480 bytes a token
+    found = _vllm_cache({**pool, "request_bytes": 65 * 16 * expanded}, expanded, loaded(mla))
+    assert found["equal"] and found["kvmem_bytes_per_token"] == 276_480, found
