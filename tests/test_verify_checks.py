@@ -54,7 +54,7 @@ def test_vllm_pool_is_held_against_kvmem_with_the_fallback_counted():
     in either is not equal (a mismatch, exit 3)."""
     from types import SimpleNamespace
 
-    from attnkit.commands.analyse.verify import _vllm_cache
+    from attnkit.commands.analyse.verify_saving import vllm_cache
 
     def loaded(config):
         return SimpleNamespace(checkpoint=SimpleNamespace(config=config))
@@ -72,9 +72,9 @@ def test_vllm_pool_is_held_against_kvmem_with_the_fallback_counted():
     pool = {"block_size": 16, "max_in_flight_tokens": 8192, "max_model_len": 1040, "num_blocks": 100}
     per_token = 30 * 3 * 2 * 64 * 4  # fp32 K and V of 3 heads of 64 in 30 layers
     request = 65 * 16 * per_token  # 1040 tokens in 65 blocks of 16
-    assert _vllm_cache({**pool, "request_bytes": request}, per_token, loaded(llama))["equal"]
-    assert not _vllm_cache({**pool, "request_bytes": request}, per_token + 1, loaded(llama))["equal"]
-    assert not _vllm_cache({**pool, "request_bytes": request + 1}, per_token, loaded(llama))["equal"]
+    assert vllm_cache({**pool, "request_bytes": request}, per_token, loaded(llama))["equal"]
+    assert not vllm_cache({**pool, "request_bytes": request}, per_token + 1, loaded(llama))["equal"]
+    assert not vllm_cache({**pool, "request_bytes": request + 1}, per_token, loaded(llama))["equal"]
     mla = dict(
         model_type="deepseek_v3",
         hidden_size=576,
@@ -94,5 +94,29 @@ def test_vllm_pool_is_held_against_kvmem_with_the_fallback_counted():
         first_k_dense_replace=30,
     )
     expanded = 30 * 9 * 2 * (64 + 64) * 4  # 128 + 64 runs as plain attention: 276,480 bytes a token
-    found = _vllm_cache({**pool, "request_bytes": 65 * 16 * expanded}, expanded, loaded(mla))
+    found = vllm_cache({**pool, "request_bytes": 65 * 16 * expanded}, expanded, loaded(mla))
     assert found["equal"] and found["kvmem_bytes_per_token"] == 276_480, found
+
+
+def test_decode_depths_and_source_are_checked_before_any_engine(runner, tiny, tmp_path, no_engines):
+    """A decode depth past the model's positions, rounds out of range, a source that is incomplete, or
+    --decode-depths without llama.cpp: exit 2 (1 for the checkpoint) before an engine is looked up."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny("llama_gqa")
+    base = ["verify", str(model), "--engine", "llama.cpp"]
+    for extra, code, message in (
+        (["--decode-depths", "1m"], 2, "is past"),
+        (["--decode-depths", "128", "--decode-rounds", "0"], 2, "--decode-rounds must be 1 to 9"),
+        (["--decode-depths", "0"], 2, "not a positive whole token count"),
+    ):
+        result = runner.invoke(app, [*base, *extra])
+        assert result.exit_code == code and message in result.stderr, (extra, result.output)
+    result = runner.invoke(app, ["verify", str(model), "--engine", "vllm", "--decode-depths", "64"])
+    assert result.exit_code == 2 and "give --engine llama.cpp" in result.stderr, result.output
+    broken = tiny("llama_gqa")
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.0.self_attn.v_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    result = runner.invoke(app, [*base, "--source", str(broken)])
+    assert result.exit_code == 1 and "v_proj" in result.stderr, result.output

@@ -55,11 +55,24 @@ def register(app: typer.Typer) -> None:
         tie_margin: float = typer.Option(
             1e-2, "--tie-margin", help="A greedy difference where transformers' top-2 logits are this close is a tie."
         ),
+        source: Optional[str] = typer.Option(
+            None,
+            "--source",
+            help="The model MODEL was rewritten from: llama.cpp's KV cache (and decode speed) of both, side by side.",
+        ),
+        decode_depths: Optional[str] = typer.Option(
+            None,
+            "--decode-depths",
+            help="llama.cpp decode tokens/s after this many cached tokens, e.g. 1k,4k,8k (with --source: beside the "
+            "source's).",
+        ),
+        decode_rounds: int = typer.Option(3, "--decode-rounds", help="llama-bench runs per model and depth (median)."),
         fmt: Format = OutputFormat.table,
     ) -> None:
         """Greedy tokens and perplexity in llama.cpp and vLLM against transformers; exit 3 on a mismatch."""
         from attnkit.commands.analyse.verify import VerifyRequest, verify
         from attnkit.errors import EXIT_THRESHOLD
+        from attnkit.units import parse_list, parse_tokens
 
         req = VerifyRequest(
             model=model,
@@ -74,6 +87,9 @@ def register(app: typer.Typer) -> None:
             ctx=ctx,
             ppl_tolerance=ppl_tolerance,
             tie_margin=tie_margin,
+            source=source,
+            decode_depths=parse_list(decode_depths, parse_tokens) if decode_depths is not None else [],
+            decode_rounds=decode_rounds,
         )
         report = verify(req, log=log_sink)
         columns = [
@@ -100,5 +116,36 @@ def register(app: typer.Typer) -> None:
         for row in report["engines"]:
             for note in row["notes"]:
                 log_sink(f"{row['engine']}: {note}")
+            _render_speed(row, fmt)
         if report["mismatch"]:
             raise typer.Exit(EXIT_THRESHOLD)
+
+
+def _render_speed(row: dict, fmt: OutputFormat) -> None:
+    """llama.cpp's KV cache and decode tokens/s of the output beside its source's (--source, --decode-depths); in
+    the table format only (json carries them in the engine's row)."""
+    if fmt != OutputFormat.table or (row["decode"] is None and row["source_cache"] is None):
+        return
+    blank = {"source": "-", "ratio": "-", "kvmem": "-"}
+    rows = [
+        {**blank, "what": f"KV cache at -c {row['kv_pool']['n_ctx']:,} (MiB)", "output": f"{row['kv_pool']['mib']:.2f}"}
+    ]
+    if row["source_cache"] is not None:
+        rows[0].update(source=f"{row['source_cache']['mib']:.2f}", ratio=f"{row['cache_ratio']:.3f}")
+        rows[0]["kvmem"] = f"{row['kvmem_ratio']:.3f}"
+    decode = row["decode"]
+    for depth in decode["depths"] if decode else []:
+        speeds = decode["tokens_per_second"]
+        line = {**blank, "what": f"decode tok/s at depth {depth:,}", "output": f"{speeds['output'][depth]:.2f}"}
+        if decode["ratio"] is not None:
+            line.update(source=f"{speeds['source'][depth]:.2f}", ratio=f"{decode['ratio'][depth]:.2f}")
+        rows.append(line)
+    columns = [
+        Column("what", "llama.cpp", justify="left"),
+        Column("output", "output"),
+        Column("source", "source"),
+        Column("ratio", "x source"),
+        Column("kvmem", "kvmem's x source"),
+    ]
+    rounds = f"; decode: median of {decode['rounds']} round(s), the models side by side" if decode else ""
+    render(rows, columns, fmt, title="verify: what the output saves in llama.cpp", caption=f"f16 cache{rounds}")

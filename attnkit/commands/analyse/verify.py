@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnkit.commands.analyse import verify_saving
 from attnkit.engines import llamacpp
 from attnkit.engines.llamacpp import find_llama_cpp
 from attnkit.engines.targets import LLAMA_CPP_LITE_LAYERS, MLA_SHAPES, TRANSFORMERS_ONLY
@@ -55,6 +56,9 @@ class VerifyRequest:
     tie_margin: float = 1e-2  # logits closer than this at a greedy step make either token right
     threads: int = max(1, os.cpu_count() or 1)
     timeout: float = 1800.0
+    source: str | None = None  # the model OUT was rewritten from: its llama.cpp cache (and decode speed) beside OUT's
+    decode_depths: list[int] = field(default_factory=list)  # llama.cpp decode tokens/s after this many cached tokens
+    decode_rounds: int = 3  # llama-bench runs per model and depth, the models side by side (the median kept)
 
 
 @dataclass
@@ -104,13 +108,23 @@ def check_request(req: VerifyRequest):
     if ckpt.kind not in ("folder", "hub") or not ckpt.weight_files:
         raise UsageError(f"{req.model}: verify takes a Hugging Face folder (what attnkit writes), not {ckpt.kind}")
 
-    src = run_source(req.model)  # complete and consistent before any engine runs
-    if src.spec.model_type in TRANSFORMERS_ONLY:
-        raise AttnkitError(
-            f"{req.model}: {src.spec.model_type} ({TRANSFORMERS_ONLY[src.spec.model_type]}) runs in transformers "
-            "only; no serving engine has its layout"
-        )
-    return list(req.engines or VERIFY_ENGINES), src
+    wanted = list(req.engines or VERIFY_ENGINES)
+    if (req.source or req.decode_depths) and "llama.cpp" not in wanted:
+        raise UsageError("--source and --decode-depths measure llama.cpp: give --engine llama.cpp too")
+    sources = []
+    for name in (req.model, req.source):  # complete and consistent before any engine runs
+        if name is None:
+            continue
+        src = run_source(name)
+        if src.spec.model_type in TRANSFORMERS_ONLY:
+            raise AttnkitError(
+                f"{name}: {src.spec.model_type} ({TRANSFORMERS_ONLY[src.spec.model_type]}) runs in transformers "
+                "only; no serving engine has its layout"
+            )
+        positions = src.arch.config_value(src.config, "max_positions") if src.arch is not None else None
+        verify_saving.check_depths(req.decode_depths, req.decode_rounds, positions and int(positions), name)
+        sources.append(src)
+    return wanted, sources[0], (sources[1] if req.source else None)
 
 
 def _sentences(text: str, count: int, words: int = 12) -> list[str]:
@@ -218,6 +232,11 @@ def _row(engine: str) -> dict:
         "kl_mean": None,
         "kv_bytes_per_token": None,
         "kv_pool": None,  # vllm: what its pool reserves for one request of max_model_len tokens; llama.cpp: its cache
+        # llama.cpp with --source / --decode-depths (attnkit.commands.analyse.verify_saving)
+        "source_cache": None,
+        "cache_ratio": None,
+        "kvmem_ratio": None,
+        "decode": None,
         "notes": [],
     }
 
@@ -237,7 +256,7 @@ def _judge(row: dict, verdicts: list[str], ppl_ref: float, ppl_engine: float, to
     row["detail"] = "; ".join(problems)
 
 
-def run_llama_cpp(req: VerifyRequest, ref: Reference, loaded, tools, workdir: Path) -> dict:
+def run_llama_cpp(req: VerifyRequest, ref: Reference, loaded, tools, workdir: Path, source=None) -> dict:
 
     row = _row("llama.cpp")
     config = loaded.model.config
@@ -277,36 +296,22 @@ def run_llama_cpp(req: VerifyRequest, ref: Reference, loaded, tools, workdir: Pa
         verdicts.append(_greedy_verdict(ref, i, None, text, loaded.tokenizer, req.tie_margin))
     _judge(row, verdicts, _perplexity(ref.nll_half), scored["perplexity"], req.ppl_tolerance)
     row["kl_mean"] = scored["kl_mean"]
-    row["kv_pool"] = _llamacpp_cache(tools, gguf, loaded, req)
-    if not row["kv_pool"]["equal"]:
-        pool = row["kv_pool"]
-        row["status"] = "mismatch"
-        row["detail"] = "; ".join(
-            filter(None, [row["detail"], f"KV cache {pool['mib']:.2f} MiB, kvmem predicts {pool['kvmem_mib']:.2f} MiB"])
-        )
+    row["kv_pool"] = verify_saving.llamacpp_cache(tools, gguf, dict(loaded.checkpoint.config), req.ctx, req.timeout)
+    if source is not None or req.decode_depths:
+        row.update(verify_saving.beside_source(tools, gguf, row["kv_pool"], source, req, workdir))
+    for whose, pool in (("KV cache", row["kv_pool"]), ("the source's KV cache", row.get("source_cache"))):
+        if pool is not None and not pool["equal"]:
+            row["status"] = "mismatch"
+            row["detail"] = "; ".join(
+                filter(
+                    None, [row["detail"], f"{whose} {pool['mib']:.2f} MiB, kvmem predicts {pool['kvmem_mib']:.2f} MiB"]
+                )
+            )
     row["notes"].append(
         f"f32 GGUF; perplexity on the second half of {len(ref.windows)} windows of {req.ctx} "
         f"(llama-perplexity's protocol), {100 * scored['same_top1']:.2f}% same top-1"
     )
     return row
-
-
-def _llamacpp_cache(tools, gguf: Path, loaded, req: VerifyRequest) -> dict:
-    """What llama.cpp allocates for the GGUF at -c ctx (f16 cache, its default) beside `kvmem --paging llama.cpp`'s
-    prediction for the checkpoint: equal to the 0.01 MiB llama.cpp prints each cache to."""
-    from attnkit.archs.spec import attention_spec
-    from attnkit.kvcache import LlamaCppPaging, cache_dtype, kv_bytes
-
-    allocated = llamacpp.kv_allocation(tools, gguf, req.ctx, timeout=req.timeout)
-    spec = attention_spec(dict(loaded.checkpoint.config))
-    predicted = kv_bytes(spec, cache_dtype("f16"), req.ctx, 1, paging=LlamaCppPaging()) / (1 << 20)
-    return {
-        "n_ctx": req.ctx,
-        "mib": allocated["mib"],
-        "kvmem_mib": predicted,
-        "equal": abs(predicted - allocated["mib"]) <= 0.005 * len(allocated["caches"]) + 1e-9,
-        "caches": allocated["caches"],
-    }
 
 
 def _half_logits(model, windows: list[list[int]], ctx: int):
@@ -345,7 +350,7 @@ def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: P
     )
     spec = result["kv_cache"]
     row["kv_bytes_per_token"] = sum(layer["bytes_per_token"] for layer in spec.values())
-    row["kv_pool"] = _vllm_cache(
+    row["kv_pool"] = verify_saving.vllm_cache(
         {**result["kv_pool"], "block_size": next(iter(spec.values()))["block_size"]}, row["kv_bytes_per_token"], loaded
     )
     if not row["kv_pool"]["equal"]:
@@ -376,35 +381,6 @@ def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: P
     return row
 
 
-def _vllm_cache(pool: dict, engine_bytes: int, loaded) -> dict:
-    """vLLM's pool beside `attnkit kvmem`'s prediction for the checkpoint (fp32 cache, the pool's block size and
-    tokens in flight): bytes per token and what one request of max_model_len reserves, both equal when the
-    layout is served as written; an MLA output vLLM runs as plain attention is predicted by its expanded keys and
-    values (attnkit.engines.targets.mla_serving), as kvmem's `serving` note says."""
-    from attnkit.archs.spec import attention_spec
-    from attnkit.engines.targets import mla_serving
-    from attnkit.kvcache import VllmPaging, bytes_per_token, cache_dtype, vllm_request_bytes
-
-    spec = attention_spec(dict(loaded.checkpoint.config))
-    fp32 = cache_dtype("fp32")
-    paging = VllmPaging(block_size=pool["block_size"], in_flight_tokens=pool["max_in_flight_tokens"])
-    per_token = bytes_per_token(spec, fp32)
-    request = vllm_request_bytes(spec, fp32, pool["max_model_len"], paging)
-    if spec.mla is not None:
-        served = mla_serving(
-            spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, spec.num_heads, spec.mla.qk_nope_head_dim
-        )
-        scale = served["vllm"]["values"] / spec.kv_elements_per_token() if not served["vllm"]["as_written"] else 1
-        per_token, request = per_token * scale, request * scale
-    return {
-        **pool,
-        "engine_bytes_per_token": engine_bytes,
-        "kvmem_bytes_per_token": int(per_token),
-        "kvmem_request_bytes": int(request),
-        "equal": engine_bytes == int(per_token) and pool["request_bytes"] == int(request),
-    }
-
-
 def find_vllm(req: VerifyRequest) -> str | None:
     """An interpreter that can import vllm: --vllm-python, $ATTNKIT_VLLM_PYTHON, or this one."""
     for python in (req.vllm_python, os.environ.get("ATTNKIT_VLLM_PYTHON"), sys.executable):
@@ -427,7 +403,7 @@ def verify(req: VerifyRequest, log=lambda message: None) -> dict:
     """Run the checks; the report (docs/verify.md). Engines that are not installed get a row saying so."""
 
     started = time.perf_counter()
-    wanted, src = check_request(req)
+    wanted, src, source = check_request(req)
     found: dict[str, object] = {}
     missing: dict[str, str] = {}
     if "llama.cpp" in wanted:
@@ -462,7 +438,7 @@ def verify(req: VerifyRequest, log=lambda message: None) -> dict:
             with tempfile.TemporaryDirectory(prefix="attnkit-verify-") as tmp:
                 try:
                     rows.append(
-                        run_llama_cpp(req, ref, loaded, found[engine], Path(tmp))
+                        run_llama_cpp(req, ref, loaded, found[engine], Path(tmp), source)
                         if engine == "llama.cpp"
                         else run_vllm(req, ref, loaded, found[engine], Path(tmp))
                     )

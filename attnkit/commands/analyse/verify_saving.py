@@ -1,0 +1,111 @@
+"""What a rewrite saves where it is served, as `attnkit verify` measures it: each engine's own KV cache held
+against `attnkit kvmem`'s prediction, and with --source / --decode-depths, llama.cpp's cache and decode speed
+beside the source's.
+
+The KV cache llama.cpp allocates at `-c CTX` for the output and for the source (each held against `attnkit kvmem
+--paging llama.cpp`), and decode tokens/s at each depth (llama-bench: tokens generated after DEPTH tokens in the
+cache), the two models side by side: one run each a round, the order reversed every other round, the median kept.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from attnkit.engines import llamacpp
+from attnkit.errors import UsageError
+
+#: Tokens generated per llama-bench run (what its tokens/s is the mean of), and the room a depth leaves for them.
+DECODE_TOKENS = 32
+
+
+def check_depths(depths: list[int], rounds: int, max_positions: int | None, model: str) -> None:
+    """Depths of at least 1 whose cache plus the generated tokens fit the model's positions; one to nine rounds.
+    Checked before any engine starts."""
+    for depth in depths:
+        if depth < 1:
+            raise UsageError(f"--decode-depths must be at least 1, got {depth}")
+        if max_positions is not None and depth + DECODE_TOKENS > max_positions:
+            raise UsageError(
+                f"--decode-depths {depth:,} (+{DECODE_TOKENS} generated) is past {model}'s {max_positions:,} "
+                "positions (max_position_embeddings)"
+            )
+    if not 1 <= rounds <= 9:
+        raise UsageError(f"--decode-rounds must be 1 to 9, got {rounds}")
+
+
+def llamacpp_cache(tools, gguf: Path, config: dict, n_ctx: int, timeout: float) -> dict:
+    """What llama.cpp allocates for `gguf` at -c n_ctx (f16 cache, its default) beside `kvmem --paging llama.cpp`'s
+    prediction for `config`: equal to the 0.01 MiB llama.cpp prints each cache to."""
+    from attnkit.archs.spec import attention_spec
+    from attnkit.kvcache import LlamaCppPaging, cache_dtype, kv_bytes
+
+    allocated = llamacpp.kv_allocation(tools, gguf, n_ctx, timeout=timeout)
+    predicted = kv_bytes(attention_spec(config), cache_dtype("f16"), n_ctx, 1, paging=LlamaCppPaging()) / (1 << 20)
+    return {
+        "n_ctx": n_ctx,
+        "mib": allocated["mib"],
+        "kvmem_mib": predicted,
+        "equal": abs(predicted - allocated["mib"]) <= 0.005 * len(allocated["caches"]) + 1e-9,
+        "caches": allocated["caches"],
+    }
+
+
+def beside_source(tools, gguf: Path, cache: dict, source, req, workdir: Path) -> dict:
+    """The output (`gguf`, its `cache`) beside the source (an opened Source, or None): the source's cache and its
+    ratio, and decode tokens/s of both at each of the VerifyRequest's depths (the output's alone without a
+    source)."""
+    models = {"output": gguf}
+    report: dict = {"source_cache": None, "cache_ratio": None, "kvmem_ratio": None}
+    if source is not None:
+        models["source"] = workdir / "source-f32.gguf"
+        llamacpp.convert(tools, Path(source.root), models["source"], req.timeout)
+        report["source_cache"] = llamacpp_cache(tools, models["source"], dict(source.config), req.ctx, req.timeout)
+        report["cache_ratio"] = cache["mib"] / report["source_cache"]["mib"]
+        report["kvmem_ratio"] = cache["kvmem_mib"] / report["source_cache"]["kvmem_mib"]
+    depths = req.decode_depths
+    report["decode"] = decode(tools, models, depths, req.decode_rounds, req.threads) if depths else None
+    return report
+
+
+def decode(tools, models: dict[str, Path], depths: list[int], rounds: int, threads: int) -> dict:
+    """{"depths", "rounds", "tokens_per_second": {name: {depth: median}}, "ratio": {depth: output / source}}."""
+    seen: dict[str, dict[int, list[float]]] = {name: {d: [] for d in depths} for name in models}
+    names = list(models)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            speeds = llamacpp.decode_speed(tools, models[name], depths, DECODE_TOKENS, 1, threads)
+            for depth in depths:
+                seen[name][depth].append(speeds[depth])
+    medians = {name: {d: statistics.median(v) for d, v in by.items()} for name, by in seen.items()}
+    ratio = {d: medians["output"][d] / medians["source"][d] for d in depths} if "source" in medians else None
+    return {"depths": depths, "rounds": rounds, "tokens_per_second": medians, "ratio": ratio}
+
+
+def vllm_cache(pool: dict, engine_bytes: int, loaded) -> dict:
+    """vLLM's pool beside `attnkit kvmem`'s prediction for the checkpoint (fp32 cache, the pool's block size and
+    tokens in flight): bytes per token and what one request of max_model_len reserves, both equal when the
+    layout is served as written; an MLA output vLLM runs as plain attention is predicted by its expanded keys and
+    values (attnkit.engines.targets.mla_serving), as kvmem's `serving` note says."""
+    from attnkit.archs.spec import attention_spec
+    from attnkit.engines.targets import mla_serving
+    from attnkit.kvcache import VllmPaging, bytes_per_token, cache_dtype, vllm_request_bytes
+
+    spec = attention_spec(dict(loaded.checkpoint.config))
+    fp32 = cache_dtype("fp32")
+    paging = VllmPaging(block_size=pool["block_size"], in_flight_tokens=pool["max_in_flight_tokens"])
+    per_token = bytes_per_token(spec, fp32)
+    request = vllm_request_bytes(spec, fp32, pool["max_model_len"], paging)
+    if spec.mla is not None:
+        served = mla_serving(
+            spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, spec.num_heads, spec.mla.qk_nope_head_dim
+        )
+        scale = served["vllm"]["values"] / spec.kv_elements_per_token() if not served["vllm"]["as_written"] else 1
+        per_token, request = per_token * scale, request * scale
+    return {
+        **pool,
+        "engine_bytes_per_token": engine_bytes,
+        "kvmem_bytes_per_token": int(per_token),
+        "kvmem_request_bytes": int(request),
+        "equal": engine_bytes == int(per_token) and pool["request_bytes"] == int(request),
+    }
