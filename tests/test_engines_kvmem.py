@@ -49,3 +49,23 @@ def test_kvmem_llamacpp_paging_equals_llamacpp(runner, model, context, args):
     predicted = json.loads(result.stdout)["rows"][0]["kv_bytes"] / (1 << 20)
     # llama.cpp prints each cache to 0.01 MiB
     assert abs(predicted - engine["mib"]) <= 0.005 * len(engine["caches"]) + 1e-9, (predicted, engine)
+
+
+def test_verify_measures_what_an_mqa_output_saves_beside_its_source(runner, tmp_path):
+    """`verify OUT --source SRC --decode-depths`: llama.cpp's cache of SmolLM2's MQA output is a third of the
+    source's at -c 512, as kvmem's is, and decode tokens/s of both are measured side by side (not compared: speeds
+    are for the benchmarks)."""
+    from tests.realmodel import smollm2_folder
+
+    source, out = smollm2_folder(), tmp_path / "mqa"
+    result = runner.invoke(app, ["convert", "mqa", str(source), str(out), "--no-check", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    args = ["verify", str(out), "--engine", "llama.cpp", "--source", str(source), "--decode-depths", "256"]
+    args += ["--decode-rounds", "1", "--prompts", "1", "--new-tokens", "4", "--ppl-tokens", "512", "--format", "json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)["engines"]
+    assert row["status"] == "ok" and row["source_cache"]["equal"], row
+    assert abs(row["cache_ratio"] - 1 / 3) < 1e-3 and abs(row["kvmem_ratio"] - 1 / 3) < 1e-3, row
+    speeds = row["decode"]["tokens_per_second"]
+    assert speeds["output"]["256"] > 0 and speeds["source"]["256"] > 0 and row["decode"]["ratio"]["256"] > 0
