@@ -109,6 +109,7 @@ def test_decode_depths_and_source_are_checked_before_any_engine(runner, tiny, tm
         (["--decode-depths", "1m"], 2, "is past"),
         (["--decode-depths", "128", "--decode-rounds", "0"], 2, "--decode-rounds must be 1 to 9"),
         (["--decode-depths", "0"], 2, "not a positive whole token count"),
+        (["--decode-depths", "64", "--flash-attn", "maybe"], 2, "--flash-attn must be one of auto, on, off"),
     ):
         result = runner.invoke(app, [*base, *extra])
         assert result.exit_code == code and message in result.stderr, (extra, result.output)

@@ -67,6 +67,11 @@ def register(app: typer.Typer) -> None:
             "source's).",
         ),
         decode_rounds: int = typer.Option(3, "--decode-rounds", help="llama-bench runs per model and depth (median)."),
+        flash_attn: str = typer.Option(
+            "auto",
+            "--flash-attn",
+            help="llama-bench -fa for --decode-depths: auto (llama.cpp's default: on, on a CPU-only build), on or off.",
+        ),
         fmt: Format = OutputFormat.table,
     ) -> None:
         """Greedy tokens and perplexity in llama.cpp and vLLM against transformers; exit 3 on a mismatch."""
@@ -90,6 +95,7 @@ def register(app: typer.Typer) -> None:
             source=source,
             decode_depths=parse_list(decode_depths, parse_tokens) if decode_depths is not None else [],
             decode_rounds=decode_rounds,
+            decode_flash_attn=flash_attn,
         )
         report = verify(req, log=log_sink)
         columns = [
@@ -147,5 +153,9 @@ def _render_speed(row: dict, fmt: OutputFormat) -> None:
         Column("ratio", "x source"),
         Column("kvmem", "kvmem's x source"),
     ]
-    rounds = f"; decode: median of {decode['rounds']} round(s), the models side by side" if decode else ""
+    rounds = (
+        f"; decode: -fa {decode['flash_attn']}, median of {decode['rounds']} round(s), the models side by side"
+        if decode
+        else ""
+    )
     render(rows, columns, fmt, title="verify: what the output saves in llama.cpp", caption=f"f16 cache{rounds}")

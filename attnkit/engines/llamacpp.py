@@ -238,14 +238,24 @@ def kv_allocation(tools: LlamaCpp, gguf: Path, n_ctx: int, args: tuple[str, ...]
     return {"mib": sum(c["mib"] for c in caches), "caches": caches}
 
 
+#: llama-bench -fa values: auto (its default: on for a CPU-only build), on, off.
+FLASH_ATTN = ("auto", "on", "off")
+
+
 def decode_speed(
-    tools: LlamaCpp, gguf: Path, depths: list[int], n_gen: int = 32, repetitions: int = 3, threads: int = 2
+    tools: LlamaCpp,
+    gguf: Path,
+    depths: list[int],
+    n_gen: int = 32,
+    repetitions: int = 3,
+    threads: int = 2,
+    flash_attn: str = "auto",
 ) -> dict[int, float]:
-    """Decode tokens/s at each context depth (llama-bench -p 0 -n n_gen -d depth: n_gen tokens generated after
-    `depth` tokens already in the cache, the mean of `repetitions` runs), by depth."""
+    """Decode tokens/s at each context depth (llama-bench -p 0 -n n_gen -d depth -fa flash_attn: n_gen tokens
+    generated after `depth` tokens already in the cache, the mean of `repetitions` runs), by depth."""
     if tools.bench is None:
         raise AttnkitError("llama-bench is not built in this llama.cpp tree (source .ci/engines.sh builds it)")
     cmd = [str(tools.bench), "-m", str(gguf), "-p", "0", "-n", str(n_gen), "-d", ",".join(map(str, depths))]
-    cmd += ["-r", str(repetitions), "-t", str(threads), "-o", "json"]
+    cmd += ["-r", str(repetitions), "-t", str(threads), "-fa", flash_attn, "-o", "json"]
     runs = json.loads(_run(cmd, "llama-bench", 3600).stdout)
     return {int(r["n_depth"]): float(r["avg_ts"]) for r in runs}

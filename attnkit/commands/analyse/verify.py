@@ -59,6 +59,7 @@ class VerifyRequest:
     source: str | None = None  # the model OUT was rewritten from: its llama.cpp cache (and decode speed) beside OUT's
     decode_depths: list[int] = field(default_factory=list)  # llama.cpp decode tokens/s after this many cached tokens
     decode_rounds: int = 3  # llama-bench runs per model and depth, the models side by side (the median kept)
+    decode_flash_attn: str = "auto"  # llama-bench -fa: auto (on, on a CPU-only build), on, off
 
 
 @dataclass
@@ -122,7 +123,7 @@ def check_request(req: VerifyRequest):
                 "only; no serving engine has its layout"
             )
         positions = src.arch.config_value(src.config, "max_positions") if src.arch is not None else None
-        verify_saving.check_depths(req.decode_depths, req.decode_rounds, positions and int(positions), name)
+        verify_saving.check_depths(req, positions and int(positions), name)
         sources.append(src)
     return wanted, sources[0], (sources[1] if req.source else None)
 

@@ -19,9 +19,12 @@ from attnkit.errors import UsageError
 DECODE_TOKENS = 32
 
 
-def check_depths(depths: list[int], rounds: int, max_positions: int | None, model: str) -> None:
-    """Depths of at least 1 whose cache plus the generated tokens fit the model's positions; one to nine rounds.
-    Checked before any engine starts."""
+def check_depths(req, max_positions: int | None, model: str) -> None:
+    """The VerifyRequest's decode depths: at least 1, their cache plus the generated tokens within the model's
+    positions; one to nine rounds; a llama-bench -fa value. Checked before any engine starts."""
+    depths, rounds = req.decode_depths, req.decode_rounds
+    if req.decode_flash_attn not in llamacpp.FLASH_ATTN:
+        raise UsageError(f"--flash-attn must be one of {', '.join(llamacpp.FLASH_ATTN)}, got {req.decode_flash_attn!r}")
     for depth in depths:
         if depth < 1:
             raise UsageError(f"--decode-depths must be at least 1, got {depth}")
@@ -64,22 +67,32 @@ def beside_source(tools, gguf: Path, cache: dict, source, req, workdir: Path) ->
         report["cache_ratio"] = cache["mib"] / report["source_cache"]["mib"]
         report["kvmem_ratio"] = cache["kvmem_mib"] / report["source_cache"]["kvmem_mib"]
     depths = req.decode_depths
-    report["decode"] = decode(tools, models, depths, req.decode_rounds, req.threads) if depths else None
+    report["decode"] = decode(tools, models, req) if depths else None
     return report
 
 
-def decode(tools, models: dict[str, Path], depths: list[int], rounds: int, threads: int) -> dict:
-    """{"depths", "rounds", "tokens_per_second": {name: {depth: median}}, "ratio": {depth: output / source}}."""
+def decode(tools, models: dict[str, Path], req) -> dict:
+    """{"depths", "rounds", "flash_attn", "tokens_per_second": {name: {depth: median}}, "ratio": {depth: output /
+    source}} at the VerifyRequest's depths, rounds and -fa."""
+    depths, rounds = req.decode_depths, req.decode_rounds
     seen: dict[str, dict[int, list[float]]] = {name: {d: [] for d in depths} for name in models}
     names = list(models)
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            speeds = llamacpp.decode_speed(tools, models[name], depths, DECODE_TOKENS, 1, threads)
+            speeds = llamacpp.decode_speed(
+                tools, models[name], depths, DECODE_TOKENS, 1, req.threads, req.decode_flash_attn
+            )
             for depth in depths:
                 seen[name][depth].append(speeds[depth])
     medians = {name: {d: statistics.median(v) for d, v in by.items()} for name, by in seen.items()}
     ratio = {d: medians["output"][d] / medians["source"][d] for d in depths} if "source" in medians else None
-    return {"depths": depths, "rounds": rounds, "tokens_per_second": medians, "ratio": ratio}
+    return {
+        "depths": depths,
+        "rounds": rounds,
+        "flash_attn": req.decode_flash_attn,
+        "tokens_per_second": medians,
+        "ratio": ratio,
+    }
 
 
 def vllm_cache(pool: dict, engine_bytes: int, loaded) -> dict:
