@@ -1,4 +1,4 @@
-"""Options declared once: request fields that are options (attnkit.commands.option_fields) and the CLI built from
+"""Options declared once: request fields that are options (attnkit.option_fields) and the CLI built from
 them (heal), and the typed aliases every command shares (attnkit.cli.options)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from attnkit.cli import app
 from attnkit.commands.heal.request import LOOP, RESUME, SETTINGS, HealRequest
-from attnkit.commands.option_fields import POSITIVE, check_fields, flags, option, tagged
 from attnkit.errors import UsageError
+from attnkit.option_fields import POSITIVE, check_fields, flags, option, tagged
 
 
 @dataclasses.dataclass

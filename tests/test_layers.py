@@ -16,6 +16,7 @@ LAYERS = {
     "units": 1,
     "interrupts": 1,
     "progress": 1,
+    "option_fields": 2,
     "archs": 2,
     "presets": 2,
     "data": 2,

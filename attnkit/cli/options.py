@@ -2,7 +2,7 @@
 which check them with attnkit-worded messages, so the library is checked as the CLI is).
 
 Typed aliases for the options of the commands that run a model (`seq_len: SeqLen = 512`), and `request_options`,
-which makes a request dataclass's option fields (attnkit.commands.option_fields) into a command's options.
+which makes a request dataclass's option fields (attnkit.option_fields) into a command's options.
 Every command that writes a checkpoint (convert, retrofit, heal, export) gets MODEL and OUT first and the
 output options last (--max-shard-size, --overwrite, --dry-run), plus the groups it asks for: DEVICE,
 CALIB (calibration text), EVAL (evaluation text), SAMPLES (greedy samples), CAPABILITY (tasks, pass keys) and
@@ -280,10 +280,10 @@ def eval_options(shared: dict):
 
 
 def request_options(cls) -> Callable:
-    """Decorator: the option fields of request dataclass `cls` (attnkit.commands.option_fields) become the
+    """Decorator: the option fields of request dataclass `cls` (attnkit.option_fields) become the
     command's options, before the command's own parameters; the command
     receives their values as `options` (a dict by field name; text read by each field's parse)."""
-    from attnkit.commands.option_fields import flags
+    from attnkit.option_fields import flags
 
     hints = typing.get_type_hints(cls)
     fields = list(flags(cls))

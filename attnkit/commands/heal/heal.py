@@ -22,10 +22,10 @@ from attnkit.commands.heal.request import RESUME, SETTINGS, HealRequest, check_o
 from attnkit.commands.heal.resume import check_fingerprint
 from attnkit.commands.heal.run import HealRun
 from attnkit.commands.heal.trainable import default_lr
-from attnkit.commands.option_fields import tagged
 from attnkit.commands.report_head import report_head, timed
 from attnkit.commands.rewrite import check_write
 from attnkit.errors import AttnkitError, UsageError
+from attnkit.option_fields import tagged
 from attnkit.scoring.capability import check_capability
 
 

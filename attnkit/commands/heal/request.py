@@ -7,9 +7,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from attnkit.commands.option_fields import POSITIVE, check_fields, option
 from attnkit.commands.rewrite import WriteRequest
 from attnkit.errors import AttnkitError, UsageError
+from attnkit.option_fields import POSITIVE, check_fields, option
 from attnkit.runtime.texts import check_text_files
 from attnkit.scoring.options import EvalOptions, check_eval_options
 from attnkit.scoring.selfcheck import CheckOptions
@@ -51,7 +51,7 @@ RESUME, SETTINGS, LOOP = "fingerprint", "settings", "loop"
 class HealRequest(WriteRequest):
     """The student (`model`), teacher and output; data; budget; what trains and how; checkpoints; what the report
     scores before and after training (`scoring`, as every rewrite's report does). Each option field is its
-    command-line option (attnkit.commands.option_fields)."""
+    command-line option (attnkit.option_fields)."""
 
     teacher: str = option(flag="--teacher", help="The source model the student was rewritten from.", short="-t")
     data: list[str] = option(

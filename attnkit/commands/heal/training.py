@@ -12,8 +12,8 @@ from attnkit.commands.heal.bar import training_bar
 from attnkit.commands.heal.loop import LoopConfig, LoopState, Trainer
 from attnkit.commands.heal.models import release_memory
 from attnkit.commands.heal.request import LOOP, HealRequest
-from attnkit.commands.option_fields import tagged
 from attnkit.io.gguf_load import cache_root
+from attnkit.option_fields import tagged
 from attnkit.runtime import load_model
 from attnkit.scoring.perplexity import evaluate
 
