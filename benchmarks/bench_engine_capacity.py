@@ -57,19 +57,12 @@ def measure(name: str, folder: Path, work: Path, contexts: list[int], tools) -> 
 
 
 def decode(work: Path, names: list[str], depths: list[int], rounds: int, tools) -> dict[str, dict[int, float]]:
-    """Decode tokens/s of each model's GGUF at each depth: `rounds` rounds of one llama-bench run per model, the
-    order reversed every other round (the models side by side under the same load), the median per depth."""
-    import statistics
+    """Decode tokens/s of each model's GGUF at each depth, the models side by side (verify's measurement:
+    attnkit.commands.analyse.verify_saving.decode)."""
+    from attnkit.commands.analyse.verify_saving import decode as side_by_side
 
-    from attnkit.engines import llamacpp
-
-    seen: dict[str, dict[int, list[float]]] = {name: {d: [] for d in depths} for name in names}
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            speeds = llamacpp.decode_speed(tools, work / f"{name}-f32.gguf", depths, repetitions=1)
-            for depth, speed in speeds.items():
-                seen[name][depth].append(speed)
-    return {name: {d: statistics.median(v) for d, v in by.items()} for name, by in seen.items()}
+    models = {name: work / f"{name}-f32.gguf" for name in names}
+    return side_by_side(tools, models, depths, rounds)["tokens_per_second"]
 
 
 def run(work: Path, models: list[str], contexts: list[int], depths: list[int], rounds: int) -> None:

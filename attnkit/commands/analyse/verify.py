@@ -242,6 +242,12 @@ def _row(engine: str) -> dict:
     }
 
 
+def _mismatch(row: dict, problem: str) -> None:
+    """Mark an engine's row a mismatch (exit 3), `problem` added to its detail."""
+    row["status"] = "mismatch"
+    row["detail"] = "; ".join(filter(None, [row["detail"], problem]))
+
+
 def _judge(row: dict, verdicts: list[str], ppl_ref: float, ppl_engine: float, tolerance: float) -> None:
     row["prompts"] = len(verdicts)
     row["greedy_equal"] = verdicts.count("equal")
@@ -302,12 +308,7 @@ def run_llama_cpp(req: VerifyRequest, ref: Reference, loaded, tools, workdir: Pa
         row.update(verify_saving.beside_source(tools, gguf, row["kv_pool"], source, req, workdir))
     for whose, pool in (("KV cache", row["kv_pool"]), ("the source's KV cache", row.get("source_cache"))):
         if pool is not None and not pool["equal"]:
-            row["status"] = "mismatch"
-            row["detail"] = "; ".join(
-                filter(
-                    None, [row["detail"], f"{whose} {pool['mib']:.2f} MiB, kvmem predicts {pool['kvmem_mib']:.2f} MiB"]
-                )
-            )
+            _mismatch(row, f"{whose} {pool['mib']:.2f} MiB, kvmem predicts {pool['kvmem_mib']:.2f} MiB")
     row["notes"].append(
         f"f32 GGUF; perplexity on the second half of {len(ref.windows)} windows of {req.ctx} "
         f"(llama-perplexity's protocol), {100 * scored['same_top1']:.2f}% same top-1"
@@ -354,18 +355,12 @@ def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: P
     row["kv_pool"] = verify_saving.vllm_cache(
         {**result["kv_pool"], "block_size": next(iter(spec.values()))["block_size"]}, row["kv_bytes_per_token"], loaded
     )
-    if not row["kv_pool"]["equal"]:
-        pool = row["kv_pool"]
-        row["status"] = "mismatch"
-        row["detail"] = "; ".join(
-            filter(
-                None,
-                [
-                    row["detail"],
-                    f"KV cache {pool['engine_bytes_per_token']:,} bytes per token and {pool['request_bytes']:,} per "
-                    f"request, kvmem predicts {pool['kvmem_bytes_per_token']:,} and {pool['kvmem_request_bytes']:,}",
-                ],
-            )
+    pool = row["kv_pool"]
+    if not pool["equal"]:
+        _mismatch(
+            row,
+            f"KV cache {pool['engine_bytes_per_token']:,} bytes per token and {pool['request_bytes']:,} per request, "
+            f"kvmem predicts {pool['kvmem_bytes_per_token']:,} and {pool['kvmem_request_bytes']:,}",
         )
     kinds = sorted({layer["kind"] for layer in spec.values()})
     row["notes"].append(f"fp32; KV cache {', '.join(kinds)} over {len(spec)} layers")

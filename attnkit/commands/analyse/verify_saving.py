@@ -66,30 +66,35 @@ def beside_source(tools, gguf: Path, cache: dict, source, req, workdir: Path) ->
         report["source_cache"] = llamacpp_cache(tools, models["source"], dict(source.config), req.ctx, req.timeout)
         report["cache_ratio"] = cache["mib"] / report["source_cache"]["mib"]
         report["kvmem_ratio"] = cache["kvmem_mib"] / report["source_cache"]["kvmem_mib"]
-    depths = req.decode_depths
-    report["decode"] = decode(tools, models, req) if depths else None
+    report["decode"] = (
+        decode(tools, models, req.decode_depths, req.decode_rounds, req.threads, req.decode_flash_attn)
+        if req.decode_depths
+        else None
+    )
     return report
 
 
-def decode(tools, models: dict[str, Path], req) -> dict:
-    """{"depths", "rounds", "flash_attn", "tokens_per_second": {name: {depth: median}}, "ratio": {depth: output /
-    source}} at the VerifyRequest's depths, rounds and -fa."""
-    depths, rounds = req.decode_depths, req.decode_rounds
+def decode(
+    tools, models: dict[str, Path], depths: list[int], rounds: int, threads: int = 2, flash_attn: str = "auto"
+) -> dict:
+    """Decode tokens/s of each GGUF in `models` (name -> path; "output" and "source" for verify) at each depth,
+    side by side: one llama-bench run per model a round, the order reversed every other round, the median kept.
+    {"depths", "rounds", "flash_attn", "tokens_per_second": {name: {depth: median}}, "ratio": {depth: output /
+    source} or None}."""
     seen: dict[str, dict[int, list[float]]] = {name: {d: [] for d in depths} for name in models}
     names = list(models)
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            speeds = llamacpp.decode_speed(
-                tools, models[name], depths, DECODE_TOKENS, 1, req.threads, req.decode_flash_attn
-            )
+            speeds = llamacpp.decode_speed(tools, models[name], depths, DECODE_TOKENS, 1, threads, flash_attn)
             for depth in depths:
                 seen[name][depth].append(speeds[depth])
     medians = {name: {d: statistics.median(v) for d, v in by.items()} for name, by in seen.items()}
-    ratio = {d: medians["output"][d] / medians["source"][d] for d in depths} if "source" in medians else None
+    both = "output" in medians and "source" in medians
+    ratio = {d: medians["output"][d] / medians["source"][d] for d in depths} if both else None
     return {
         "depths": depths,
         "rounds": rounds,
-        "flash_attn": req.decode_flash_attn,
+        "flash_attn": flash_attn,
         "tokens_per_second": medians,
         "ratio": ratio,
     }
