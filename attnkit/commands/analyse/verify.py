@@ -112,6 +112,7 @@ def check_request(req: VerifyRequest):
     wanted = list(req.engines or VERIFY_ENGINES)
     if (req.source or req.decode_depths) and "llama.cpp" not in wanted:
         raise UsageError("--source and --decode-depths measure llama.cpp: give --engine llama.cpp too")
+    verify_saving.check_options(req)
     sources = []
     for name in (req.model, req.source):  # complete and consistent before any engine runs
         if name is None:
@@ -123,7 +124,7 @@ def check_request(req: VerifyRequest):
                 "only; no serving engine has its layout"
             )
         positions = src.arch.config_value(src.config, "max_positions") if src.arch is not None else None
-        verify_saving.check_depths(req, positions and int(positions), name)
+        verify_saving.check_depths(req.decode_depths, positions and int(positions), name)
         sources.append(src)
     return wanted, sources[0], (sources[1] if req.source else None)
 

@@ -19,12 +19,16 @@ from attnkit.errors import UsageError
 DECODE_TOKENS = 32
 
 
-def check_depths(req, max_positions: int | None, model: str) -> None:
-    """The VerifyRequest's decode depths: at least 1, their cache plus the generated tokens within the model's
-    positions; one to nine rounds; a llama-bench -fa value. Checked before any engine starts."""
-    depths, rounds = req.decode_depths, req.decode_rounds
+def check_options(req) -> None:
+    """The VerifyRequest's decode rounds (one to nine) and llama-bench -fa value; before any engine starts."""
     if req.decode_flash_attn not in llamacpp.FLASH_ATTN:
         raise UsageError(f"--flash-attn must be one of {', '.join(llamacpp.FLASH_ATTN)}, got {req.decode_flash_attn!r}")
+    if not 1 <= req.decode_rounds <= 9:
+        raise UsageError(f"--decode-rounds must be 1 to 9, got {req.decode_rounds}")
+
+
+def check_depths(depths: list[int], max_positions: int | None, model: str) -> None:
+    """Decode depths of at least 1 whose cache plus the generated tokens fit `model`'s positions."""
     for depth in depths:
         if depth < 1:
             raise UsageError(f"--decode-depths must be at least 1, got {depth}")
@@ -33,8 +37,6 @@ def check_depths(req, max_positions: int | None, model: str) -> None:
                 f"--decode-depths {depth:,} (+{DECODE_TOKENS} generated) is past {model}'s {max_positions:,} "
                 "positions (max_position_embeddings)"
             )
-    if not 1 <= rounds <= 9:
-        raise UsageError(f"--decode-rounds must be 1 to 9, got {rounds}")
 
 
 def llamacpp_cache(tools, gguf: Path, config: dict, n_ctx: int, timeout: float) -> dict:
