@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections import Counter
 from dataclasses import dataclass
 
 from attnkit.archs.spec import AttentionSpec, MLADims
@@ -104,8 +103,10 @@ def kv_heads_per_gpu(spec: AttentionSpec, tp: int) -> int:
     return max(1, -(-spec.num_kv_heads // tp))
 
 
-def layer_bytes_per_token(spec: AttentionSpec, dtype: CacheDtype, tp: int = 1) -> float:
-    """Bytes one token adds to one layer's cache on one GPU (tp=1: the whole model)."""
+def layer_bytes_per_token(spec: AttentionSpec, dtype: CacheDtype, tp: int = 1, layer: int = 0) -> float:
+    """Bytes one token adds to one layer's cache on one GPU (tp=1: the whole model); `layer` matters only for a
+    layout whose layers differ (AttentionSpec.layer_spec)."""
+    spec = spec.layer_spec(layer)
     if spec.mla is not None:  # the latent is replicated on every rank
         return spec.kv_elements_per_token() * dtype.bytes_per_element + dtype.scale_bytes_per_group
     heads = kv_heads_per_gpu(spec, tp)
@@ -114,12 +115,7 @@ def layer_bytes_per_token(spec: AttentionSpec, dtype: CacheDtype, tp: int = 1) -
 
 def bytes_per_token(spec: AttentionSpec, dtype: CacheDtype, tp: int = 1) -> float:
     """Bytes per token over all layers, ignoring sliding windows (the cost of a short context)."""
-    return spec.num_layers * layer_bytes_per_token(spec, dtype, tp)
-
-
-def cached_tokens(spec: AttentionSpec, context: int) -> int:
-    """Token slots summed over layers: sliding-window layers keep at most their window."""
-    return sum(context if w is None else min(context, w) for w in spec.layer_windows)
+    return sum(layer_bytes_per_token(spec, dtype, tp, layer) for layer in range(spec.num_layers))
 
 
 @dataclass(frozen=True)
@@ -141,11 +137,11 @@ class LlamaCppPaging:
         cells = _pad(context)
         ubatch = min(context, self.n_batch, self.ubatch)
         sliding = spec.model_type in LLAMACPP_SLIDING and not self.swa_full
-        held = sum(
-            cells if window is None or not sliding else _pad(min(cells, window + ubatch))
-            for window in spec.layer_windows
+        return sum(
+            (cells if window is None or not sliding else _pad(min(cells, window + ubatch)))
+            * layer_bytes_per_token(spec, dtype, tp, layer)
+            for layer, window in enumerate(spec.layer_windows)
         )
-        return held * layer_bytes_per_token(spec, dtype, tp)
 
 
 def _pad(cells: int) -> int:
@@ -188,20 +184,24 @@ def vllm_request_bytes(spec: AttentionSpec, dtype: CacheDtype, context: int, pag
     bucket, or the largest when it is under 1.5x the smallest), the last group padded; a block of any
     group costs group_size pages.
     """
-    page = paging.block_size * layer_bytes_per_token(spec, dtype, tp)
-    buckets = Counter(spec.layer_windows)  # window (None = full) -> layers
-    group_size = min(buckets.values())
-    if max(buckets.values()) < 1.5 * group_size:
-        group_size = max(buckets.values())
-    blocks = 0
+    buckets: dict[int | None, list[int]] = {}  # window (None = full) -> its layers
+    for layer, window in enumerate(spec.layer_windows):
+        buckets.setdefault(window, []).append(layer)
+    sizes = [len(layers) for layers in buckets.values()]
+    group_size = min(sizes)
+    if max(sizes) < 1.5 * group_size:
+        group_size = max(sizes)
+    total = 0.0
     for window, layers in buckets.items():
         if window is None:
             per_group = _cdiv(context, paging.block_size)
         else:
             held = min(window - 1 + paging.in_flight_tokens, context)
             per_group = _cdiv(held, paging.block_size) + 1
-        blocks += _cdiv(layers, group_size) * per_group
-    return blocks * group_size * page
+        # one page size per bucket: its widest layer's (every layer of a layout vLLM serves has the same width)
+        page = paging.block_size * max(layer_bytes_per_token(spec, dtype, tp, layer) for layer in layers)
+        total += _cdiv(len(layers), group_size) * per_group * group_size * page
+    return total
 
 
 #: An engine's cache accounting (kv_bytes' `paging`).
@@ -218,7 +218,10 @@ def kv_bytes(
     """
     if paging is not None:
         return batch * paging.request_bytes(spec, dtype, context, tp)
-    return batch * cached_tokens(spec, context) * layer_bytes_per_token(spec, dtype, tp)
+    return batch * sum(
+        (context if window is None else min(context, window)) * layer_bytes_per_token(spec, dtype, tp, layer)
+        for layer, window in enumerate(spec.layer_windows)
+    )
 
 
 #: The longest context max_context searches (2**40 tokens): reaching it means sliding windows cap the cache.

@@ -14,18 +14,6 @@ def estimate_parameters(config: dict, spec: AttentionSpec) -> int:
     tied = bool(arch.config_value(config, "tie_word_embeddings", False))
     embed = vocab * d * (1 if tied else 2)
 
-    h, dk, dv = spec.num_heads, spec.head_dim, spec.v_head_dim
-    if spec.mla is not None:
-        m = spec.mla
-        q = d * h * dk if not m.q_lora_rank else d * m.q_lora_rank + m.q_lora_rank * h * dk
-        attn = (
-            q + d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * h * (m.qk_nope_head_dim + dv) + h * dv * d
-        )
-        if m.key_factors:  # attnkit_gemma3_mla's exact QK-norm: the source's q and k projections
-            attn += d * (h + m.key_factors) * m.qk_nope_head_dim
-    else:
-        attn = d * h * dk + d * spec.num_kv_heads * (dk + dv) + h * dv * d
-
     inter = int(arch.config_value(config, "intermediate_size", 4 * d))
     per_matrix = 3 if arch.mlp in ("gated", "moe") else 2
     dense_mlp = per_matrix * d * inter
@@ -38,4 +26,18 @@ def estimate_parameters(config: dict, spec: AttentionSpec) -> int:
         mlp_total = dense_layers * dense_mlp + (layers - dense_layers) * moe_mlp
     else:
         mlp_total = layers * dense_mlp
-    return embed + layers * attn + mlp_total
+    attn = sum(_attention_parameters(spec.layer_spec(layer)) for layer in range(layers))
+    return embed + attn + mlp_total
+
+
+def _attention_parameters(spec: AttentionSpec) -> int:
+    """Attention weights of one layer (a uniform spec: AttentionSpec.layer_spec)."""
+    d, h, dk, dv = spec.hidden_size, spec.num_heads, spec.head_dim, spec.v_head_dim
+    if spec.mla is None:
+        return d * h * dk + d * spec.num_kv_heads * (dk + dv) + h * dv * d
+    m = spec.mla
+    q = d * h * dk if not m.q_lora_rank else d * m.q_lora_rank + m.q_lora_rank * h * dk
+    attn = q + d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * h * (m.qk_nope_head_dim + dv) + h * dv * d
+    if m.key_factors:  # attnkit_gemma3_mla's exact QK-norm: the source's q and k projections
+        attn += d * (h + m.key_factors) * m.qk_nope_head_dim
+    return attn

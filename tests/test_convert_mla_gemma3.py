@@ -44,7 +44,18 @@ def full_rank(tmp_path_factory) -> tuple[Path, Path, dict]:
 
     tmp = tmp_path_factory.mktemp("gemma3_full_rank")
     src, out = _gemma3(tmp), tmp / "out"
-    args = ["--kv-lora-rank", "72", "--rope-dim", "8", "--o-refit", "0", "--device", "cpu"]
+    args = [
+        "--kv-lora-rank",
+        "72",
+        "--rope-dim",
+        "8",
+        "--o-refit",
+        "0",
+        "--device",
+        "cpu",
+        "--sliding-layers",
+        "convert",
+    ]
     result = _convert(CliRunner(), src, out, *args)
     assert result.exit_code == 0, result.output
     return src, out, json.loads(result.stdout)
@@ -86,7 +97,18 @@ def test_full_rank_with_two_kv_heads_equals_the_source(runner, tmp_path):
     for name in [n for n in tensors if n.endswith("k_proj.weight")]:
         tensors[name][8:] = 2 * tensors[name][:8]  # [Hkv*D, n]: KV head 1 = 2 x KV head 0
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
-    args = ["--kv-lora-rank", "72", "--rope-dim", "8", "--o-refit", "0", "--device", "cpu"]
+    args = [
+        "--kv-lora-rank",
+        "72",
+        "--rope-dim",
+        "8",
+        "--o-refit",
+        "0",
+        "--device",
+        "cpu",
+        "--sliding-layers",
+        "convert",
+    ]
     result = _convert(runner, src, out, *args)
     assert result.exit_code == 0, result.output
     assert json.loads((out / "config.json").read_text())["kv_lora_rank"] == 70  # 72 less one factor per KV head
@@ -106,11 +128,11 @@ def test_budget_output_caches_the_latent_and_decodes_as_it_scores(runner, tmp_pa
     import attnkit.modeling  # noqa: F401
 
     src, out = _gemma3(tmp_path), tmp_path / "out"
-    result = _convert(runner, src, out, "--kv-budget", "0.5", "--device", "cpu")
+    result = _convert(runner, src, out, "--kv-budget", "0.5", "--device", "cpu", "--sliding-layers", "convert")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     rank, rope = report["kv_lora_rank"], report["rope_dim"]
-    assert rank + rope == 8 and report["kv_bytes_per_token"]["elements_after"] == 8
+    assert report["kept_layers"] == [] and rank + rope == 8 and report["kv_bytes_per_token"]["elements_after"] == 8
     assert open_source(str(out), "inspect").spec.kv_elements_per_token() == 8  # what kvmem and inspect count
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     prompt = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(1))
@@ -217,6 +239,7 @@ def test_a_budget_puts_every_key_dimension_in_the_rope_key_where_one_kv_head_lea
         calib_seq_len=128,
         target="gemma3-mla",
         kv_budget=budget,
+        sliding_layers="convert",
     )
     checked = check_request(req)
     assert (checked.rank, checked.shape.rope_dim) == split
@@ -240,3 +263,94 @@ def test_each_target_is_one_object_and_its_layout_lives_outside_commands():
     assert spelled == []
     targets_tested = [p for p in commands.rglob("*.py") if '== "gemma3-mla"' in p.read_text()]
     assert targets_tested == []
+
+
+def test_sliding_layers_are_kept_and_the_budget_goes_to_the_global_ones(runner, tmp_path):
+    """--sliding-layers auto (the default for this target): the sliding layers' attention is written bit for bit as
+    the source's and caches the source's K and V (at most the window); the global layer takes what the budget
+    leaves at the longest context (512 tokens here), so the whole cache there is at most half the source's, as kvmem
+    counts it on the output; greedy decoding agrees with one forward pass."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import attnkit.modeling  # noqa: F401
+    from attnkit import kvcache
+
+    src, out = _gemma3(tmp_path), tmp_path / "out"
+    result = _convert(runner, src, out, "--kv-budget", "0.5", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["kept_layers"] == [0, 2] and json.loads((out / "config.json").read_text())[
+        "gemma_attention_layers"
+    ] == [0, 2]
+    # 16 values per token and layer; at 512 tokens the source holds 16 + 512 + 16 token slots: half of it less the
+    # two sliding layers' 2 x 16 x 16 leaves (4352 - 512) / 512 = 7.5 values per token for the global layer
+    rank, rope = report["kv_lora_rank"], report["rope_dim"]
+    assert rank + rope == 7 and report["layers"][0] == {"layer": 0, "kept": "the source's attention"}
+    source_tensors, result_tensors = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    for layer in (0, 2):
+        kept = [n for n in source_tensors if n.startswith(f"model.layers.{layer}.self_attn.")]
+        assert len(kept) == 6 and all(torch.equal(result_tensors[n], source_tensors[n]) for n in kept)
+    at_longest = report["kv_cache_at_context"][-1]
+    assert at_longest["context"] == 512 and at_longest["ratio"] <= 0.5
+    spec = open_source(str(out), "kvmem").spec
+    assert kvcache.kv_bytes(spec, kvcache.cache_dtype("fp32"), 512, 1) == at_longest["after"]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    prompt = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        gen = model.generate(
+            prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False, return_dict_in_generate=True
+        )
+        logits = model(gen.sequences).logits
+    shapes = [(tuple(layer.keys.shape[-2:]), tuple(layer.values.shape[-2:])) for layer in gen.past_key_values.layers]
+    assert shapes[0] == shapes[2] == ((15, 8), (15, 8))  # the source's key and value, window - 1 tokens
+    assert shapes[1] == ((35, rank), (35, rope))
+    assert torch.equal(logits[0, 5:-1].argmax(-1), gen.sequences[0, 6:])
+
+
+def test_kept_sliding_layers_at_full_rank_equal_the_source(runner, tmp_path):
+    """The global layer at P = D with a wide latent and no o_proj refit, the sliding layers kept: the source."""
+    from transformers import AutoModelForCausalLM
+
+    import attnkit.modeling  # noqa: F401
+
+    src, out = _gemma3(tmp_path), tmp_path / "out"
+    args = ["--kv-lora-rank", "72", "--rope-dim", "8", "--o-refit", "0", "--device", "cpu", "--sliding-layers", "keep"]
+    result = _convert(runner, src, out, *args)
+    assert result.exit_code == 0, result.output
+    ids = torch.randint(3, 200, (1, 60), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(ids).logits
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize(
+    "family,args,needle",
+    [
+        ("llama", ["--sliding-layers", "keep"], "--target deepseek-v3 drops sliding windows"),
+        ("gemma3", ["--target", "gemma3-mla", "--sliding-layers", "some"], "--sliding-layers must be one of"),
+        ("gemma3", ["--target", "gemma3-mla", "--kv-budget", "0.02"], "give more, or --sliding-layers convert"),
+    ],
+)
+def test_sliding_layer_refusals_are_one_line_before_work(runner, tmp_path, family, args, needle):
+    folder = tmp_path / family
+    overrides = {"layer_types": LAYER_TYPES, "sliding_window": 16, "num_hidden_layers": 3} if family == "gemma3" else {}
+    save_model(build_model(family, num_key_value_heads=1, **overrides), folder)
+    out = tmp_path / "out"
+    budget = [] if "--kv-budget" in args else ["--kv-budget", "0.5"]
+    result = runner.invoke(app, ["convert", "mla", str(folder), str(out), *FAST_CALIB, *budget, *args])
+    one_line_error(result, 2, needle)
+    assert not out.exists()
+
+
+def test_the_budget_of_gemma3_270m_goes_to_its_global_layers():
+    """Gemma 3 270M's geometry (18 layers, every sixth global, window 512, one KV head of 256, 32,768 positions):
+    half the whole cache at 32,768 tokens leaves each global layer 236 of its 512 values per token."""
+    from attnkit.commands.convert.mla_request import budget_values
+
+    windows = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
+    spec = type("Spec", (), {"num_kv_heads": 1, "head_dim": 256, "layer_windows": windows})
+    plain = tuple(i for i, w in enumerate(windows) if w is not None)
+    assert budget_values(0.5, spec, plain, 32768) == 236
+    assert budget_values(0.5, spec, (), 32768) == 256  # every layer converted: half of each

@@ -76,8 +76,9 @@ def test_tensor_parallel_split_and_replication():
 def test_sliding_window_caps_cached_tokens():
     s = attention_spec({"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 4, "hidden_size": 64})
     windowed = s.__class__(**{**s.__dict__, "layer_windows": (16, None, 16, None)})
-    assert kvcache.cached_tokens(windowed, 100) == 16 + 100 + 16 + 100
-    assert kvcache.cached_tokens(windowed, 8) == 4 * 8
+    per_token = kvcache.layer_bytes_per_token(windowed, BF16)
+    assert kvcache.kv_bytes(windowed, BF16, 100, 1) == (16 + 100 + 16 + 100) * per_token
+    assert kvcache.kv_bytes(windowed, BF16, 8, 1) == 4 * 8 * per_token
 
 
 def _windowed(windows, heads=1, head_dim=256):

@@ -35,6 +35,8 @@ CONFIG_ROLES = {
     "qk_nope_head_dim",
     "v_head_dim",
     "mla_key_factors",
+    "mla_plain_layers",
+    "mla_plain_kv_heads",
     "num_experts",
     "moe_intermediate_size",
     "num_shared_experts",

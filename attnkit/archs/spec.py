@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from attnkit.archs import Arch, get_arch
 from attnkit.archs.validate import check_config
@@ -17,6 +17,8 @@ class MLADims:
     v_head_dim: int
     q_lora_rank: int | None
     key_factors: int = 0  # cached per token beside the latent and RoPE key (attnkit_gemma3_mla: key RMS per KV head)
+    plain_layers: tuple[int, ...] = ()  # layers that keep the source family's attention (attnkit_gemma3_mla)
+    plain_kv_heads: int = 0  # their K and V heads (v_head_dim wide)
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,31 @@ class AttentionSpec:
 
     def kv_elements_per_token(self, layer: int = 0) -> int:
         """Cached elements per token in one layer (K and V, or the MLA latent plus RoPE key)."""
-        del layer  # every supported family caches the same width in each layer
-        if self.mla is not None:
-            return self.mla.kv_lora_rank + self.mla.key_factors + self.mla.qk_rope_head_dim
-        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
+        spec = self.layer_spec(layer)
+        if spec.mla is not None:
+            return spec.mla.kv_lora_rank + spec.mla.key_factors + spec.mla.qk_rope_head_dim
+        return spec.num_kv_heads * (spec.head_dim + spec.v_head_dim)
+
+    def layer_spec(self, layer: int) -> AttentionSpec:
+        """The attention of one layer as a uniform spec: this one, or for an MLA layout with plain layers either its
+        MLA or the source family's own attention (plain_kv_heads heads of v_head_dim, per-head QK-norm:
+        attnkit_gemma3_mla's Gemma 3 layers)."""
+        if self.uniform:
+            return self
+        if layer not in self.mla.plain_layers:
+            return replace(self, mla=replace(self.mla, plain_layers=(), plain_kv_heads=0))
+        heads, dim = self.mla.plain_kv_heads, self.mla.v_head_dim
+        return replace(self, mla=None, num_kv_heads=heads, head_dim=dim, v_head_dim=dim, qk_norm="per_head")
+
+    def first_mla_layer(self) -> int:
+        """The first layer that is not plain (0 for a uniform layout)."""
+        plain = self.mla.plain_layers if self.mla is not None else ()
+        return next((i for i in range(self.num_layers) if i not in plain), 0)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer caches the same width (no plain layers beside MLA ones)."""
+        return self.mla is None or not self.mla.plain_layers
 
     def sliding_summary(self) -> str:
         windows = [w for w in self.layer_windows if w is not None]
@@ -72,7 +95,9 @@ class AttentionSpec:
         d = asdict(self)
         d["layer_windows"] = list(self.layer_windows)
         d["variant"] = self.variant
-        d["kv_elements_per_token_layer"] = self.kv_elements_per_token()
+        d["kv_elements_per_token_layer"] = self.kv_elements_per_token(self.first_mla_layer())
+        if not self.uniform:
+            d["kv_elements_per_token_by_layer"] = [self.kv_elements_per_token(i) for i in range(self.num_layers)]
         return d
 
 
@@ -137,6 +162,8 @@ def attention_spec(config: dict) -> AttentionSpec:
             v_head_dim=_int(arch, config, "v_head_dim"),
             q_lora_rank=_int(arch, config, "q_lora_rank"),
             key_factors=_int(arch, config, "mla_key_factors") or 0,
+            plain_layers=tuple(sorted(arch.config_value(config, "mla_plain_layers") or ())),
+            plain_kv_heads=_int(arch, config, "mla_plain_kv_heads") or 0,
         )
         num_kv_heads, head_dim, v_head_dim = num_heads, nope + rope, mla.v_head_dim
     if num_heads % num_kv_heads:

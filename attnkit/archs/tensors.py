@@ -83,20 +83,36 @@ def role_shape(arch: Arch, spec: AttentionSpec, role: str) -> tuple[int, ...]:
     return shapes[role]
 
 
-def expected_names(arch: Arch, spec: AttentionSpec, config: dict, prefix: str) -> list[str]:
-    """Every tensor the config implies the checkpoint holds: embeddings and final norm (other_tensors), attention
-    per layer (the layout's roles, QK-norm, MLA's norms, biases when attention_bias is set), the layer's norms
-    (other_tensors), the architecture's other required tensors (MLP, ...) and the (untied) head."""
-    roles = set(LAYOUT_ROLES[arch.qkv_layout])
+def _attention_roles(arch: Arch, spec: AttentionSpec) -> set[str]:
+    """The attention tensor roles of a layer of `spec` (the layout's roles, QK-norm, MLA's norms)."""
+    roles = set(LAYOUT_ROLES["mla" if spec.mla is not None else _plain_layout(arch)])
     if spec.qk_norm != "none":
         roles |= {"q_norm", "k_norm"}
     if spec.mla is not None:
         roles |= {"q_a", "q_a_norm", "q_b"} if spec.mla.q_lora_rank else {"q"}
         roles |= {r for r in ("kv_a_norm", "q_rms", "k_rms") if r in arch.tensors}
-    if "sinks" in arch.tensors:
-        roles.add("sinks")
-    if arch.config_value(config, "attention_bias", False):
-        roles |= {r for r in arch.tensors if r.endswith("_bias") and r.removesuffix("_bias") in roles}
+    return roles
+
+
+def _plain_layout(arch: Arch) -> str:
+    """The qkv layout of a layer without MLA: the architecture's own, or separate q/k/v for an MLA architecture's
+    plain layers."""
+    return "separate" if arch.qkv_layout == "mla" else arch.qkv_layout
+
+
+def expected_names(arch: Arch, spec: AttentionSpec, config: dict, prefix: str) -> list[str]:
+    """Every tensor the config implies the checkpoint holds: embeddings and final norm (other_tensors), attention
+    per layer (the layout's roles, QK-norm, MLA's norms, biases when attention_bias is set), the layer's norms
+    (other_tensors), the architecture's other required tensors (MLP, ...) and the (untied) head."""
+
+    def attention(layer_spec: AttentionSpec) -> list[str]:
+        roles = _attention_roles(arch, layer_spec)
+        if "sinks" in arch.tensors:
+            roles.add("sinks")
+        if arch.config_value(config, "attention_bias", False):
+            roles |= {r for r in arch.tensors if r.endswith("_bias") and r.removesuffix("_bias") in roles}
+        return sorted(roles)
+
     required = arch.data["required"]
     experts = range(arch.config_value(config, "num_experts") or 0)
     model_roles = [r for r, where in OTHER_ROLES.items() if where == "model" and r in arch.other_tensors]
@@ -104,7 +120,7 @@ def expected_names(arch: Arch, spec: AttentionSpec, config: dict, prefix: str) -
     names = [arch.tensor_name(role, prefix=prefix) for role in model_roles]
     names += [prefix + t for t in required["model"]]
     for layer in range(spec.num_layers):
-        names += [arch.tensor_name(role, layer, prefix) for role in sorted(roles)]
+        names += [arch.tensor_name(role, layer, prefix) for role in attention(spec.layer_spec(layer))]
         names += [arch.tensor_name(role, layer, prefix) for role in layer_roles]
         for template in required["layer"]:
             if "{e}" in template:
@@ -144,10 +160,10 @@ def check_tensors(
     for role in arch.tensors:
         for layer in range(spec.num_layers):
             name = arch.tensor_name(role, layer, prefix)
-            if name in shapes and tuple(shapes[name]) != role_shape(arch, spec, role):
+            if name in shapes and tuple(shapes[name]) != role_shape(arch, spec.layer_spec(layer), role):
                 raise AttnkitError(
                     f"{where}: tensor {name!r} has shape {list(shapes[name])} but the config implies "
-                    f"{list(role_shape(arch, spec, role))}"
+                    f"{list(role_shape(arch, spec.layer_spec(layer), role))}"
                 )
     _check_vocabulary(arch, spec, config, shapes, prefix, where)
     if dtypes is not None:

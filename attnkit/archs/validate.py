@@ -17,7 +17,8 @@ MAX_VOCAB = 1 << 24
 MAX_POSITIONS = 1 << 40
 MAX_EXPERTS = 1 << 16
 
-#: role -> (kind, lowest, highest); kinds: int, number (finite), bool, str, str_list. None values are absent.
+#: role -> (kind, lowest, highest); kinds: int, number (finite), bool, str, str_list, layer_list (distinct layer
+#: indices, checked against num_layers). None values are absent.
 #: num_experts may be 0: an all-dense DeepseekV3 (what convert mla writes) has no routed experts.
 RULES: dict[str, tuple[str, float | None, float | None]] = {
     "num_layers": ("int", 1, MAX_LAYERS),
@@ -37,6 +38,8 @@ RULES: dict[str, tuple[str, float | None, float | None]] = {
     "qk_nope_head_dim": ("int", 1, MAX_HEAD_DIM),
     "v_head_dim": ("int", 1, MAX_HEAD_DIM),
     "mla_key_factors": ("int", 0, MAX_HEADS),
+    "mla_plain_layers": ("layer_list", None, None),
+    "mla_plain_kv_heads": ("int", 1, MAX_HEADS),
     "num_experts": ("int", 0, MAX_EXPERTS),
     "moe_intermediate_size": ("int", 1, MAX_WIDTH),
     "num_shared_experts": ("int", 0, MAX_EXPERTS),
@@ -141,6 +144,11 @@ def check_config(arch: Arch, config: dict) -> None:
     layer_types = arch.config_value(config, "layer_types")
     if layer_types is not None and len(layer_types) != layers:
         raise AttnkitError(f"layer_types has {len(layer_types)} entries for {layers} layers")
+    if "mla_plain_layers" in arch.data["config"]:
+        key, plain = arch.config_item(config, "mla_plain_layers")
+        outside = [i for i in plain or () if not 0 <= i < layers]
+        if outside:
+            raise AttnkitError(f"config value {key} names layer {outside[0]}; the model has {layers} layers")
 
 
 def _check_dtype(config: dict) -> None:
@@ -161,6 +169,9 @@ def _problem(value, kind: str, low, high) -> str | None:
         return None if isinstance(value, bool) else "must be true or false"
     if kind == "str":
         return None if isinstance(value, str) else "must be a string"
+    if kind == "layer_list":
+        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        return None if ok and len(set(value)) == len(value) else "must be a list of distinct layer indices"
     if kind == "str_list":
         ok = isinstance(value, list) and len(value) <= MAX_LAYERS and all(isinstance(v, str) for v in value)
         return None if ok else f"must be a list of at most {MAX_LAYERS} strings"

@@ -146,7 +146,10 @@ def mla(
     ),
     rope_dim: int = typer.Option(None, "--rope-dim", "-P", help="P: dims of the shared RoPE key (even, <= head dim)."),
     kv_budget: float = typer.Option(
-        None, "--kv-budget", help="Fraction of the source's KV values per token; picks R and P."
+        None,
+        "--kv-budget",
+        help="Fraction of the source's KV cache (per token; with sliding layers kept, the whole cache at the "
+        "longest context); picks R and P.",
     ),
     sequential: bool = typer.Option(
         True,
@@ -199,6 +202,12 @@ def mla(
         help="Output architecture: deepseek-v3 (stock, what the engines serve) or gemma3-mla (a Gemma 3 "
         "source as attnkit's Gemma 3 layout with MLA attention; transformers with attnkit.modeling imported).",
     ),
+    sliding_layers: str = typer.Option(
+        "auto",
+        "--sliding-layers",
+        help="keep: write sliding-window layers unchanged and spend --kv-budget on the global ones; convert: "
+        "every layer; auto: keep where the target keeps windows (gemma3-mla).",
+    ),
     fmt: Format = OutputFormat.table,
     shared: dict = None,
 ) -> None:
@@ -225,15 +234,20 @@ def mla(
         latent_norm=latent_norm,
         engine=engine,
         target=target,
+        sliding_layers=sliding_layers,
     )
     report = convert_mla(req, log=log_sink)
     kv = report["kv_bytes_per_token"]
     caption = (
         f"{report['model_type']} -> {report['target_model_type']}: "
         f"R={report['kv_lora_rank']} + P={report['rope_dim']} = "
-        f"{kv['elements_after']} cached values per token and layer (source {kv['elements_before']}); "
+        f"{kv['elements_after']} cached values per token and converted layer (source {kv['elements_before']}); "
         f"KV cache {kv['before']:,.0f} -> {kv['after']:,.0f} bytes/token ({kv['dtype']})"
     )
+    if report["kept_layers"]:
+        caption += f", {len(report['kept_layers'])} sliding layers kept; whole cache " + ", ".join(
+            f"x{row['ratio']:.2f} at {row['context']:,} tokens" for row in report["kv_cache_at_context"]
+        )
     if report["dry_run"]:
         caption += "; dry run, nothing written"
     else:

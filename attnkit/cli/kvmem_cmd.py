@@ -105,7 +105,13 @@ def register(app: typer.Typer) -> None:
         A what-if variant is the model `attnkit convert` would write: gqa:G and mqa keep the source's sliding
         windows, mla:R+P (DeepSeek-V3) attends to the whole context on every layer.
         """
-        from attnkit.commands.analyse.kvmem import GpuBudget, kvmem_rows, larger_than_native, variant_serving
+        from attnkit.commands.analyse.kvmem import (
+            GpuBudget,
+            kvmem_rows,
+            larger_than_native,
+            transformers_only,
+            variant_serving,
+        )
         from attnkit.commands.analyse.modelinfo import model_info, weight_dtype_name
         from attnkit.errors import UsageError
         from attnkit.kvcache import LlamaCppPaging, VllmPaging, cache_dtype, check_variant
@@ -180,6 +186,8 @@ def register(app: typer.Typer) -> None:
         if info.source:
             caption += f"; source: {info.source}"
         caption += _paging_caption(pages)
+        if info.spec.model_type in transformers_only():
+            caption += f"; {info.spec.model_type} runs in transformers only (no engine loads it)"
         if any(r["exceeds_max_positions"] for r in rows):
             caption += "; some contexts exceed the model's max_position_embeddings"
         larger = larger_than_native(rows)

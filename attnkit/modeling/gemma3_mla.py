@@ -4,8 +4,10 @@ whose attention is DeepSeek-V3's MLA, the layout `convert mla --target gemma3-ml
 Each layer's attention is DeepseekV3Attention's MLA (q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj; interleaved
 RoPE on the shared key) with these changes: its RoPE key turns at the first P/2 frequencies of its own layer type
 (Gemma's cos/sin, sliced); sliding layers keep Gemma's window; the latent has no norm; Gemma's per-head QK-norm is
-kept exact (the RMS factors of the source's query and key projections, the key's cached per KV head).
-transformers runs it once `register()` has run (`import attnkit.modeling` does); no serving engine does.
+kept exact (the RMS factors of the source's query and key projections, the key's cached per KV head). The layers
+`gemma_attention_layers` names keep Gemma 3's own attention, unchanged (convert mla keeps sliding layers, whose
+cache the window bounds, and spends the budget on the global ones). transformers runs it once `register()` has run
+(`import attnkit.modeling` does); no serving engine does.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ ARCHITECTURE = "Gemma3MLAForCausalLM"
 @strict
 class Gemma3MLAConfig(Gemma3TextConfig):
     """Gemma3TextConfig plus the MLA shape: kv_lora_rank latent values, num_key_value_heads key RMS factors and
-    qk_rope_head_dim RoPE-key values cached per token and layer; keys and values per head stay head_dim wide."""
+    qk_rope_head_dim RoPE-key values cached per token and layer; keys and values per head stay head_dim wide.
+    gemma_attention_layers: the layers whose attention is Gemma 3's own (None: every layer is MLA)."""
 
     model_type = MODEL_TYPE
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
+    gemma_attention_layers: list[int] | None = None
 
     # What DeepseekV3Attention reads from its config, fixed by this layout.
     @property
@@ -117,9 +121,12 @@ class Gemma3MLAAttention(DeepseekV3Attention):
 
 
 class Gemma3MLADecoderLayer(Gemma3DecoderLayer):
+    """Gemma 3's decoder layer with MLA attention, or with its own attention in gemma_attention_layers."""
+
     def __init__(self, config: Gemma3MLAConfig, layer_idx: int):
         super().__init__(config, layer_idx)
-        self.self_attn = Gemma3MLAAttention(config, layer_idx)
+        if layer_idx not in (config.gemma_attention_layers or ()):
+            self.self_attn = Gemma3MLAAttention(config, layer_idx)
 
 
 class Gemma3MLATextModel(Gemma3TextModel):

@@ -27,8 +27,8 @@ def greedy(loaded, prompt: str, new_tokens: int) -> str | None:
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
-def cache_check(model, prompt_len: int = 8, new_tokens: int = 4) -> dict:
-    """Generate with the converted model and read what its DynamicCache holds per layer and token."""
+def cache_check(model, prompt_len: int = 8, new_tokens: int = 4, layer: int = 0) -> dict:
+    """Generate with the converted model and read what its DynamicCache holds per token in `layer`."""
     import torch
 
     ids = torch.arange(3, 3 + prompt_len, device=model.device)[None] % model.config.vocab_size
@@ -41,11 +41,12 @@ def cache_check(model, prompt_len: int = 8, new_tokens: int = 4) -> dict:
             return_dict_in_generate=True,
             pad_token_id=model.config.pad_token_id,
         )
-    layer = out.past_key_values.layers[0]
-    k, v = layer.keys, layer.values  # [B, 1, T, R] and [B, 1, T, P]
+    cached = out.past_key_values.layers[layer]
+    k, v = cached.keys, cached.values  # [B, 1, T, R] and [B, 1, T, P]
     tokens = k.shape[2]
     per_token = (k.numel() + v.numel()) // (k.shape[0] * tokens)
     return {
+        "layer": layer,
         "key_shape": list(k.shape),
         "value_shape": list(v.shape),
         "tokens": tokens,

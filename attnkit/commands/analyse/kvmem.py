@@ -86,14 +86,28 @@ def larger_than_native(rows: list[dict]) -> list[str]:
     return sorted({r["variant"] for r in rows if r["vs_native"] > 1 + 1e-12})
 
 
+def transformers_only() -> dict[str, str]:
+    """Model types no serving engine loads -> the command that writes them."""
+    from attnkit.engines.targets import TRANSFORMERS_ONLY
+
+    return TRANSFORMERS_ONLY
+
+
 def variant_serving(spec, variants: list[str]) -> dict[str, dict]:
     """Per MLA what-if variant (and a native MLA model), how each serving engine would serve it
-    (attnkit.engines.targets.mla_serving: as written, or a fallback and the values it caches then)."""
+    (attnkit.engines.targets.mla_serving: as written, or a fallback and the values it caches then); none for a
+    native layout no engine loads (attnkit.engines.targets.TRANSFORMERS_ONLY)."""
     served = {}
     for variant in variants:
         after = kvcache.apply_variant(spec, variant)
         if after.mla is not None:
-            from attnkit.engines.targets import mla_serving  # only for MLA rows: a cold kvmem stays small
+            from attnkit.engines.targets import (
+                TRANSFORMERS_ONLY,
+                mla_serving,
+            )  # MLA rows only: a cold kvmem stays small
+
+            if variant == "native" and spec.model_type in TRANSFORMERS_ONLY:
+                continue
 
             mla = after.mla
             nope = spec.head_dim if spec.mla is None else spec.mla.qk_nope_head_dim  # convert mla keeps D

@@ -31,7 +31,7 @@ from attnkit.commands.convert.mla_layer import (
     source_freqs,
     without_o_bias,
 )
-from attnkit.commands.convert.mla_report import kv_bytes, notes, parameters, serving
+from attnkit.commands.convert.mla_report import cache_at_context, kv_bytes, notes, parameters, serving
 from attnkit.commands.convert.mla_request import MLARequest, MLASource, Route, check_request, max_rank, with_route
 from attnkit.commands.convert.mla_target import expected_shapes, target_attention_names, target_config
 from attnkit.commands.report_head import report_head, timed
@@ -95,6 +95,8 @@ def _report(req: MLARequest, src: MLASource) -> dict:
         "kv_lora_rank": rank,
         "rope_dim": src.shape.rope_dim,
         "kv_bytes_per_token": kv_bytes(src, rank),
+        "kv_cache_at_context": cache_at_context(src, rank),
+        "kept_layers": list(src.plain_layers),
         "serving": serving(src),
         "parameters": parameters(req, src),
         "tried": [],
@@ -151,7 +153,7 @@ def _write(req: MLARequest, src: MLASource, calibration: tuple, report: dict, lo
             folder,
             req.device,
             check=check,
-            extra=lambda result: {"cache": cache_check(result.model)},
+            extra=lambda result: {"cache": cache_check(result.model, layer=src.converted_layers[0])},
         )
         if reject and scores["check"]["verdict"] == "worse than its limit":
             raise Rejected(scores["check"])
@@ -166,7 +168,17 @@ def _write(req: MLARequest, src: MLASource, calibration: tuple, report: dict, lo
         weights=weights,
         body=lambda: {
             k: report[k]
-            for k in ("parameters", "calibration", "kv_bytes_per_token", "serving", "layers", "notes", "warnings")
+            for k in (
+                "parameters",
+                "calibration",
+                "kv_bytes_per_token",
+                "kv_cache_at_context",
+                "kept_layers",
+                "serving",
+                "layers",
+                "notes",
+                "warnings",
+            )
         },
         score=score if req.scoring or req.check.enabled else None,
     )
@@ -224,6 +236,12 @@ def _calibrate_and_convert(
         dtype = reader.get(src.layer_names[0]["o"]).dtype
 
         def on_layer(layer: int, hidden, rope=None, scaling=None):
+            if layer in src.plain_layers:  # written as the source's, and run as it in the calibration model
+                rows[layer] = {"layer": layer, "kept": "the source's attention"}
+                spill.put(
+                    layer, _kept_tensors(reader, src.layer_names[layer], modules[layer], written[layer], expected)
+                )
+                return None
             weights = {role: reader.get(name) for role, name in src.layer_names[layer].items()}
             window = getattr(loaded.model.get_submodule(modules[layer]), "sliding_window", None)  # the source's
             gamma = scale = None
@@ -280,3 +298,13 @@ def _calibrate_and_convert(
 
         calibrate(loaded.model, windows, modules, on_layer)
     return rows, calib_info(req, windows, sequential=req.sequential)
+
+
+def _kept_tensors(reader, names: dict, module: str, written: str, expected: dict) -> dict:
+    """A kept layer's attention tensors (`names`: role -> the source's name, under its attention `module`), as
+    stored, under the target's attention module `written`."""
+    kept = {written + name.removeprefix(module): reader.get(name) for name in names.values()}
+    unknown = [name for name in kept if name not in expected]
+    if unknown:
+        raise AttnkitError(f"internal: {unknown[0]} is not a tensor of the target")
+    return kept

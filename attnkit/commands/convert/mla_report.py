@@ -3,15 +3,36 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from attnkit.commands.convert.mla_request import MLARequest, MLASource
 from attnkit.engines.targets import mla_serving
 from attnkit.kvcache import apply_variant, bytes_per_token, cache_dtype
+from attnkit.kvcache import kv_bytes as kv_cache_bytes
+
+
+def result_spec(src: MLASource, rank: int):
+    """The result's attention layout: R + P cached in each converted layer, the source's K and V in the kept ones,
+    the source's sliding windows where the target keeps them."""
+    after = apply_variant(src.spec, f"mla:{rank}+{src.shape.rope_dim}")
+    if src.target.keeps_windows:
+        after = replace(after, layer_windows=src.spec.layer_windows)
+    if src.plain_layers:
+        after = replace(
+            after, mla=replace(after.mla, plain_layers=src.plain_layers, plain_kv_heads=src.spec.num_kv_heads)
+        )
+    return after
+
+
+def _dtype(src: MLASource):
+    return cache_dtype(str(src.config.get("torch_dtype") or src.config.get("dtype") or "bfloat16"))
 
 
 def kv_bytes(src: MLASource, rank: int) -> dict:
-    """The report's kv_bytes_per_token: the source's and the result's KV cache per token in the source dtype."""
-    dtype = cache_dtype(str(src.config.get("torch_dtype") or src.config.get("dtype") or "bfloat16"))
-    after = apply_variant(src.spec, f"mla:{rank}+{src.shape.rope_dim}")
+    """The report's kv_bytes_per_token: the source's and the result's KV cache per token in the source dtype (every
+    layer, windows aside); elements per token and converted layer."""
+    dtype = _dtype(src)
+    after = result_spec(src, rank)
     return {
         "dtype": dtype.name,
         "before": bytes_per_token(src.spec, dtype),
@@ -19,6 +40,18 @@ def kv_bytes(src: MLASource, rank: int) -> dict:
         "elements_before": 2 * src.spec.num_kv_heads * src.spec.head_dim,
         "elements_after": rank + src.shape.rope_dim,
     }
+
+
+def cache_at_context(src: MLASource, rank: int) -> list[dict]:
+    """The report's kv_cache_at_context: the whole cache of one sequence (sliding layers holding their window),
+    source and result, at 4,096 tokens and at the source's longest context."""
+    dtype, after = _dtype(src), result_spec(src, rank)
+    longest = src.arch.config_value(src.config, "max_positions") or 4096
+    rows = []
+    for context in sorted({min(4096, longest), longest}):
+        before, result = kv_cache_bytes(src.spec, dtype, context, 1), kv_cache_bytes(after, dtype, context, 1)
+        rows.append({"context": context, "before": before, "after": result, "ratio": result / before})
+    return rows
 
 
 def serving(src: MLASource) -> dict | None:
@@ -56,6 +89,7 @@ def parameters(req: MLARequest, src: MLASource) -> dict:
         "engine": src.route.engine,
         "route_why": src.route.why,
         "target": req.target,
+        "sliding_layers": req.sliding_layers,
         "q_lora_rank": (src.spec.hidden_size + int(src.route.bias)) if src.q_lora else None,
         "max_shard_bytes": req.max_shard_bytes,
     }
@@ -83,6 +117,12 @@ def notes(req: MLARequest, src: MLASource) -> list[str]:
             )
     if src.target.note:
         notes.append(src.target.note)
+    if src.plain_layers:
+        notes.append(
+            f"sliding-window layers {_ranges(src.plain_layers)} kept as the source's attention (their cache holds at "
+            "most the window); --kv-budget is spent on the global layers, counted on the whole cache at the "
+            "longest context (kv_cache_at_context; --sliding-layers convert converts every layer)"
+        )
     served = serving(src) or {}
     source = 2 * src.spec.num_kv_heads * src.spec.head_dim
     for engine, row in served.items():
@@ -108,3 +148,14 @@ def notes(req: MLARequest, src: MLASource) -> list[str]:
             "Gemma: norm weights stored as 1 + w, embeddings pre-multiplied by sqrt(hidden) and untied from lm_head"
         )
     return notes
+
+
+def _ranges(layers: tuple[int, ...]) -> str:
+    """0,1,2,4 -> '0-2, 4'."""
+    spans: list[list[int]] = []
+    for i in layers:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

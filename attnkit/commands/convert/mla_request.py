@@ -44,6 +44,13 @@ class MLARequest(RewriteRequest):
     latent_norm: str = "auto"  # auto | anchor | span (engine-safe, attnkit.ops.latent_norm) | bias (transformers)
     engine: str = "any"  # serving engines the output must run in (attnkit.engines.targets)
     target: str = DEFAULT_TARGET  # the output's layout (attnkit.commands.convert.mla_target.TARGETS)
+    sliding_layers: str = "auto"  # keep | convert | auto (keep where the target keeps windows): SLIDING_LAYERS
+
+
+#: --sliding-layers: `keep` writes a source's sliding-window layers unchanged (their cache is bounded by the window)
+#: and spends --kv-budget on its global layers; `convert` converts every layer; `auto` keeps them where the target
+#: keeps windows and the source has global layers too.
+SLIDING_LAYERS = ("auto", "keep", "convert")
 
 
 LATENT_NORMS = ("auto", "anchor", "span", "bias")  # and "none", which a target no engine serves sets
@@ -83,6 +90,12 @@ class MLASource(Source):
     target: MLATarget = TARGETS[DEFAULT_TARGET]
     hf_config: object = None  # the source's transformers config, read once (check_request)
     layer_types: list[str] | None = None  # per layer (sliding_attention / full_attention) where the config has them
+    plain_layers: tuple[int, ...] = ()  # layers written unchanged (--sliding-layers keep)
+
+    @property
+    def converted_layers(self) -> list[int]:
+        """The layers converted to MLA."""
+        return [i for i in range(self.spec.num_layers) if i not in self.plain_layers]
 
     @property
     def rank(self) -> int:
@@ -139,11 +152,49 @@ def max_rank(spec, augmented: bool) -> int:
     return min(2 * spec.num_kv_heads * spec.head_dim, spec.hidden_size + int(augmented)) + 1
 
 
+def plain_layers(req: MLARequest, target: MLATarget, spec, context: int) -> tuple[int, ...]:
+    """The layers --sliding-layers keeps unchanged: the sliding-window ones, where the target keeps windows and the
+    source has global layers too and a longest context (`context`, what --kv-budget is counted at) (`auto`,
+    `keep`); none with `convert`."""
+    if req.sliding_layers not in SLIDING_LAYERS:
+        raise UsageError(f"--sliding-layers must be one of {', '.join(SLIDING_LAYERS)}, got {req.sliding_layers!r}")
+    sliding = tuple(i for i, w in enumerate(spec.layer_windows) if w is not None)
+    usable = target.keeps_windows and 0 < len(sliding) < spec.num_layers and context > 0
+    if req.sliding_layers == "keep" and not usable:
+        why = (
+            f"--target {target.name} drops sliding windows"
+            if not target.keeps_windows
+            else "the source has no sliding-window layers beside global ones (and a longest context)"
+        )
+        raise UsageError(f"--sliding-layers keep: {why}")
+    return sliding if usable and req.sliding_layers != "convert" else ()
+
+
+def budget_values(budget: float, spec, plain: tuple[int, ...], context: int) -> int:
+    """Cached values per token in each converted layer for a whole cache of `budget` times the source's at
+    `context` tokens: every layer at that share, or where `plain` layers stay as they are (sliding layers, whose
+    cache the window bounds) the converted layers take what those leave."""
+    width = 2 * spec.num_kv_heads * spec.head_dim
+    held = [context if w is None else min(context, w) for w in spec.layer_windows]  # tokens each layer caches
+    if not plain:
+        return int(round(budget * width))
+    kept = sum(held[i] for i in plain) * width
+    converted = sum(h for i, h in enumerate(held) if i not in plain)
+    return int((budget * sum(held) * width - kept) // converted)
+
+
 def _ranks(
-    req: MLARequest, target: MLATarget, route: Route, spec, augmented: bool, rotating: int = 0
+    req: MLARequest,
+    target: MLATarget,
+    route: Route,
+    spec,
+    augmented: bool,
+    rotating: int = 0,
+    plain: tuple[int, ...] = (),
+    context: int = 0,
 ) -> tuple[int, int]:
-    """(R, P) from --kv-budget (snapped to a shape the --engine kernels take; `rotating`: budget_split's) or
-    --kv-lora-rank/--rope-dim."""
+    """(R, P) from --kv-budget (snapped to a shape the --engine kernels take; `rotating`: budget_split's; `plain`:
+    the layers kept unchanged, the budget counted at `context` tokens then) or --kv-lora-rank/--rope-dim."""
 
     d = spec.head_dim
     source = 2 * spec.num_kv_heads * d
@@ -153,9 +204,13 @@ def _ranks(
             raise UsageError("give either --kv-budget or --kv-lora-rank with --rope-dim, not both")
         if not 0 < req.kv_budget < 1:
             raise UsageError(f"--kv-budget must be a fraction between 0 and 1, got {req.kv_budget}")
-        total = int(round(req.kv_budget * source))
+        total = budget_values(req.kv_budget, spec, plain, context)
         if total < 4:
-            raise UsageError(f"--kv-budget {req.kv_budget} leaves {total} cached values per token; need at least 4")
+            kept = f" in each global layer once the sliding layers keep theirs at {context:,} tokens" if plain else ""
+            instead = "; give more, or --sliding-layers convert" if plain else ""
+            raise UsageError(
+                f"--kv-budget {req.kv_budget} leaves {total} cached values per token{kept}; need at least 4{instead}"
+            )
         if shapes is None:
             exact_keys = target.exact_keys_mqa and spec.num_kv_heads == 1
             rank, rope = (exact_keys and exact_key_split(total, d)) or budget_split(total, d, rotating)
@@ -237,7 +292,9 @@ def check_request(req: MLARequest) -> MLASource:
             )
         if spec.partial_rotary_factor != 1.0:
             raise AttnkitError(f"{req.model}: partial rotary embeddings are not converted")
-        _ranks(req, target, route, spec, augmented=True)  # the loosest bounds; checked again once biases are known
+        context = arch.config_value(config, "max_positions") or 0
+        plain = plain_layers(req, target, spec, context)
+        _ranks(req, target, route, spec, True, plain=plain, context=context)  # checked again once biases are known
 
     src = open_source(req.model, "convert", check)
     check_texts(req, src, calibrates=True)
@@ -260,7 +317,9 @@ def check_request(req: MLARequest) -> MLASource:
         from attnkit.commands.convert.mla_layer import pair_frequencies
 
         rotating = rotating_pairs(pair_frequencies(hf_config, rope, spec.head_dim))
-    rank, rope_dim = _ranks(req, target, route, spec, augmented, rotating)
+    context = arch.config_value(src.config, "max_positions") or 0
+    plain = plain_layers(req, target, spec, context)
+    rank, rope_dim = _ranks(req, target, route, spec, augmented, rotating, plain, context)
     extra = target.besides_latent(spec)  # cached besides the latent proper
     if not target.engines:
         _check_plain_layout(target, spec, rank, rope_dim, augmented, extra)
@@ -276,6 +335,7 @@ def check_request(req: MLARequest) -> MLASource:
         target=target,
         hf_config=hf_config,
         layer_types=layer_types,
+        plain_layers=plain,
     )
     _check_engine(req, mla_src)
     return mla_src

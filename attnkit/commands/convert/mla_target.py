@@ -70,14 +70,19 @@ def target_config(src: MLASource, bias_route: bool):
 
 
 def gemma3_mla_config(src: MLASource, bias_route: bool = False):
-    """The source's Gemma 3 text config with the MLA shape (kv_lora_rank R, qk_rope_head_dim P) added (no bias
-    route: the layout writes no biases)."""
+    """The source's Gemma 3 text config with the MLA shape (kv_lora_rank R, qk_rope_head_dim P) and the layers kept
+    as Gemma 3's own attention added (no bias route: the layout writes no biases)."""
     from attnkit.modeling.gemma3_mla import ARCHITECTURE, Gemma3MLAConfig
 
     fields = src.hf_config.to_dict()
     for key in ("model_type", "architectures", "transformers_version", "quantization_config"):
         fields.pop(key, None)
-    config = Gemma3MLAConfig(**fields, kv_lora_rank=src.shape.latent_rank, qk_rope_head_dim=src.shape.rope_dim)
+    config = Gemma3MLAConfig(
+        **fields,
+        kv_lora_rank=src.shape.latent_rank,
+        qk_rope_head_dim=src.shape.rope_dim,
+        gemma_attention_layers=list(src.plain_layers) or None,
+    )
     config.architectures = [ARCHITECTURE]
     return config
 
