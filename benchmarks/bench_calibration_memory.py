@@ -140,7 +140,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(_child(args.child, args.command, args.model)))
         return
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     lines = [
         "| command | checkpoint | anon: full / streamed (MiB) | anon ratio | RSS: full / streamed (MiB) | time ratio |",

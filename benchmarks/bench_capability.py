@@ -108,11 +108,11 @@ def perplexity(path: Path, source) -> dict:
 
 
 def run(work: Path, only: list[str]) -> None:
+    from attnkit.realmodels import smollm2_folder
     from attnkit.runtime import load_model
     from attnkit.scoring.capability import side_by_side
     from attnkit.scoring.passkey import compare_passkey
     from attnkit.scoring.tasks import public
-    from tests.realmodel import smollm2_folder
 
     source = smollm2_folder()
     tasks = prepare(work)

@@ -183,8 +183,8 @@ def speed() -> dict:
 def quality(only: str | None) -> list[dict]:
     from attnkit.commands.convert.gqa import ConvertRequest, convert_gqa
     from attnkit.ops.gqa import MergeOptions
+    from attnkit.realmodels import smollm2_folder
     from attnkit.scoring.options import EvalOptions
-    from tests.realmodel import smollm2_folder
 
     model = smollm2_folder()
     rows = []

@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from attnkit.commands.convert.mla import MLARequest, convert_mla  # noqa: E402
 from attnkit.ops.mla import MLAOptions  # noqa: E402
+from attnkit.realmodels import smollm2_folder  # noqa: E402
 from attnkit.scoring.options import EvalOptions  # noqa: E402
 from benchmarks.docsection import replace_section  # noqa: E402
-from tests.realmodel import smollm2_folder  # noqa: E402
 
 CALIB = str(ROOT / "tests/data/prose/calib.txt")
 HELDOUT = str(ROOT / "tests/data/prose/heldout.txt")

@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/bench_families.py run --work DIR [--family smollm2|gemma3|qwen ...] [--only NAME ...]
        python benchmarks/bench_families.py render [--write]
-  run: for each family (SmolLM2-135M, Gemma 3 270M, Qwen2.5-Coder-1.5B; tests/realmodel.py's folders), writes each
+  run: for each family (SmolLM2-135M, Gemma 3 270M, Qwen2.5-Coder-1.5B; attnkit/realmodels.py's folders), writes each
        rewrite with attnkit's own command at its defaults (calibration: tests/data/prose/calib.txt, the docs' own
        sample text; REWRITES), keeping its report (the self-check's verdict, what it cost), then scores the source and
        each result with `attnkit eval`: by distance on WINDOWS windows of 4,096 tokens of two held-out texts
@@ -44,7 +44,7 @@ DEPTHS, TRIALS = 3, 2
 QKNORM = "retrofit qknorm {src} {out} --calib " + CALIB
 MLA = "convert mla {src} {out} --kv-budget 0.5 --calib " + MLA_CALIB
 MQA = "convert mqa {src} {out} --method merge --calib " + CALIB
-#: family -> (tests/realmodel.py's folder function, the dtype eval runs it in, its rewrites). Gemma 3 has QK-norm
+#: family -> (attnkit/realmodels.py's folder function, the dtype eval runs it in, its rewrites). Gemma 3 has QK-norm
 #: already (no qknorm) and one KV head (no MQA merge); its MLA is --target gemma3-mla.
 FAMILIES = {
     "smollm2": ("smollm2_folder", "float32", {"qknorm": QKNORM, "mla-50": MLA, "mqa-merge": MQA}),
@@ -97,13 +97,13 @@ def scores(path: Path, source: Path, texts: dict, dtype: str, work: Path, passke
 
 
 def run(work: Path, families: list[str], only: list[str]) -> None:
-    import tests.realmodel
+    import attnkit.realmodels
 
     work.mkdir(parents=True, exist_ok=True)
     texts = prepare(work)
     for family in families:
         folder, dtype, rewrites = FAMILIES[family]
-        source = getattr(tests.realmodel, folder)()
+        source = getattr(attnkit.realmodels, folder)()
         for name in only or ["source", *rewrites]:
             if name != "source" and name not in rewrites:
                 continue

@@ -359,7 +359,7 @@ def main() -> None:
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     if args.run:
-        from tests.realmodel import smollm2_folder
+        from attnkit.realmodels import smollm2_folder
 
         source = str(smollm2_folder())
         for name in args.run:

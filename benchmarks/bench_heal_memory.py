@@ -62,8 +62,8 @@ def heal_args(student: Path, source: Path, data: Path, out: Path, options: list[
 
 
 def run(work: Path, only: list[str]) -> None:
+    from attnkit.realmodels import smollm2_folder
     from benchmarks.wiki_corpus import wiki_corpus
-    from tests.realmodel import smollm2_folder
 
     source = smollm2_folder()
     work.mkdir(parents=True, exist_ok=True)

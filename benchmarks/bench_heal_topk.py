@@ -39,7 +39,7 @@ def attnkit(*args: str) -> dict:
 
 
 def run(work: Path, rounds: int, tokens: str) -> list[dict]:
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     teacher = smollm2_folder()
     student = work / "mqa-merge"

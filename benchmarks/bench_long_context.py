@@ -11,7 +11,7 @@ Usage: python benchmarks/bench_long_context.py run --work DIR [--family smollm2|
        when DIR holds it), then scores each with `attnkit eval` (the command lines are in the rows): by distance
        (--reference SRC) on --windows windows of each length of each text, and pass keys (both variants,
        --passkey lengths, none when empty; DEPTHS depths x --trials keys). --family gemma3: the rewrites of
-       GEMMA3_MODELS, of Gemma 3 270M (tests/realmodel.py's fp32 folder of the Q4_K_M GGUF; its source rows are
+       GEMMA3_MODELS, of Gemma 3 270M (attnkit/realmodels.py's fp32 folder of the Q4_K_M GGUF; its source rows are
        named "gemma3-source"). Rows go to DIR/long_context.jsonl and
        benchmarks/results/long_context.jsonl (one per model, text and length, or model and variant).
   render: "## long context" of docs/benchmarks.md from benchmarks/results/long_context.jsonl.
@@ -262,11 +262,11 @@ def score(name: str, path: Path, source: Path, texts: dict, work: Path, windows:
 
 
 def run(work: Path, family: str, only: list[str], windows: dict, passkey: str, trials: int) -> None:
-    import tests.realmodel
+    import attnkit.realmodels
 
     folder, models, source_name = FAMILIES[family]
     work.mkdir(parents=True, exist_ok=True)
-    source = getattr(tests.realmodel, folder)()
+    source = getattr(attnkit.realmodels, folder)()
     texts = prepare(work)
     names = only or [source_name, *models]
     write_models(work, source, [n for n in names if n != source_name], models)

@@ -56,10 +56,10 @@ VARIANTS = {
 
 def score(model_dir: Path, texts: Path) -> dict:
     """{text: {ppl, src, kl}} against the source, on the first 4096 tokens of each text."""
+    from attnkit.realmodels import smollm2_folder
     from attnkit.runtime import load_model
     from attnkit.runtime.texts import make_windows, read_texts
     from attnkit.scoring.perplexity import evaluate
-    from tests.realmodel import smollm2_folder
 
     src = load_model(str(smollm2_folder()), device="cpu", dtype="float32")
     model = load_model(str(model_dir), device="cpu", dtype="float32")
@@ -72,7 +72,7 @@ def score(model_dir: Path, texts: Path) -> dict:
 
 
 def run(args) -> None:
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     for name, (values, options) in VARIANTS.items():
         if args.only and not re.search(args.only, name):

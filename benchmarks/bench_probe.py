@@ -58,7 +58,7 @@ def _child(mode: str, model_dir: str, seq_len: int, threads: int | None) -> dict
 
 
 def _model_dir() -> str:
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     return str(smollm2_folder())
 

@@ -31,7 +31,7 @@ TOKENS = 2048
 
 
 def sources(work: Path) -> dict[str, Path]:
-    from tests.realmodel import gemma3_folder, smollm2_folder
+    from attnkit.realmodels import gemma3_folder, smollm2_folder
 
     qwen3 = work / "qwen3"
     if not (qwen3 / "attnkit.json").is_file():

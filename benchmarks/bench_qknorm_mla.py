@@ -36,7 +36,7 @@ REFERENCE = "smollm2 (no QK-norm)"
 
 
 def make_qwen3(work: Path) -> Path:
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     out = work / "qwen3"
     if not (out / "attnkit.json").is_file():
@@ -77,7 +77,7 @@ def score(source: Path, model_dir: Path) -> dict:
 
 
 def run(work: Path) -> list[dict]:
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     sources = {"qwen3": make_qwen3(work), "smollm2": smollm2_folder()}
     rows = []

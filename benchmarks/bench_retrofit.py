@@ -97,8 +97,8 @@ def main() -> None:
     args = parser.parse_args()
     args.only = set(args.only.split(","))
     from attnkit.commands.retrofit.common import load
+    from attnkit.realmodels import smollm2_folder
     from attnkit.runtime.texts import make_windows, read_texts
-    from tests.realmodel import smollm2_folder
 
     src = str(smollm2_folder())
     source = load(src, "cpu")

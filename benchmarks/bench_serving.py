@@ -19,8 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from attnkit.realmodels import gemma3_gguf, smollm2_folder  # noqa: E402
 from benchmarks.docsection import replace_section  # noqa: E402
-from tests.realmodel import gemma3_gguf, smollm2_folder  # noqa: E402
 
 CALIB = str(ROOT / "tests/data/prose/calib.txt")
 MLA_512 = ["convert", "mla", "{src}", "{out}", "--kv-lora-rank", "512", "--rope-dim", "64", "--calib", CALIB]

@@ -13,7 +13,7 @@ Steps, each timed and with the peak GPU memory torch allocated (torch.cuda.max_m
      (`--layer-stream always`) and whole (`--layer-stream never`), 2048 tokens: time, peak memory, and whether
      the statistics are equal.
 The CLI steps run in a child interpreter that reports its own peak (`--child`). MODEL defaults to the test
-suite's SmolLM2 folder (tests/realmodel.py). Rows in --out (default benchmarks/results/gpu_check.json).
+suite's SmolLM2 folder (attnkit/realmodels.py). Rows in --out (default benchmarks/results/gpu_check.json).
 `--device cpu` with a short --seq-len, --heal-time and --geometry-layers runs the same steps as a smoke test
 (peak GPU memory then null).
 """
@@ -263,7 +263,7 @@ def main() -> None:
     if args.work:
         args.work.mkdir(parents=True, exist_ok=True)
         if args.model is None:
-            from tests.realmodel import smollm2_folder
+            from attnkit.realmodels import smollm2_folder
 
             args.model = str(smollm2_folder())
         result = run(args.work, args.model, args)

@@ -15,7 +15,7 @@ Usage: python benchmarks/hostile_battery.py [--parts readers,cli,classes,signals
            work, options that must be checked before loading, config values and weights that cannot be right,
            GGUF tensors missing, twice, misaligned or misshapen, FIFOs and symlink loops, unbounded numbers,
            and library errors (hub ids, degenerate calibration text).
-  signals  `convert mqa --method mean` on SmolLM2-135M (fp32 folder, tests/realmodel.py) in a subprocess:
+  signals  `convert mqa --method mean` on SmolLM2-135M (fp32 folder, attnkit/realmodels.py) in a subprocess:
            SIGTERM at four moments (during the checks and reads, while the shard is written, after the
            weights, just before the rename), SIGINT and SIGHUP, and SIGKILL at two moments, each followed
            by a clean run that must remove what the killed one left.
@@ -745,7 +745,7 @@ def folder_signals(tally: Tally, work: Path) -> None:
     """convert mqa --method mean of the SmolLM2 folder, signalled at moments seen from outside: after a share
     of a warm run's time (checks, reading), while the shard is written, after the weights (verification,
     config, fsync), and just before the rename."""
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     smol = smollm2_folder()
     stats = stat_digest(smol)
@@ -792,7 +792,7 @@ def folder_signals(tally: Tally, work: Path) -> None:
 
 def gguf_signals(tally: Tally, work: Path) -> None:
     """convert mqa of the SmolLM2 GGUF into a fresh cache, signalled while the dequantized model is written."""
-    from tests.realmodel import smollm2_gguf
+    from attnkit.realmodels import smollm2_gguf
 
     cache, out_parent = work / "gguf-cache", work / "gguf-signals"
     out_parent.mkdir()

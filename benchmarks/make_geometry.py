@@ -83,7 +83,7 @@ def write(config: dict, out: Path, dtype: str, shard_bytes: int, seed: int, toke
     import torch
     from safetensors.torch import save_file
 
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     state = meta_state(config, dtype)
     total = sum(_nbytes(shape, dt) for shape, dt in state.values())
