@@ -15,18 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from attnkit.commands.convert.mla import MLARequest, convert_mla  # noqa: E402
-from attnkit.ops.mla import MLAOptions  # noqa: E402
-from attnkit.realmodels import smollm2_folder  # noqa: E402
-from attnkit.scoring.options import EvalOptions  # noqa: E402
-from benchmarks.docsection import replace_section  # noqa: E402
+import benchlib
+from benchlib import ROOT
 
 CALIB = str(ROOT / "tests/data/prose/calib.txt")
 HELDOUT = str(ROOT / "tests/data/prose/heldout.txt")
@@ -35,6 +29,10 @@ HELDOUT = str(ROOT / "tests/data/prose/heldout.txt")
 def run(
     model: Path, rank: int, rope: int, *, calib: str = CALIB, heldout: str = HELDOUT, sequential: bool = True, **opts
 ) -> dict:
+    from attnkit.commands.convert.mla import MLARequest, convert_mla
+    from attnkit.ops.mla import MLAOptions
+    from attnkit.scoring.options import EvalOptions
+
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         req = MLARequest(
             model=str(model),
@@ -64,12 +62,7 @@ def row(label: str, rep: dict) -> dict:
         "P": rep["rope_dim"],
         "values": kv["elements_after"],
         "fraction": kv["elements_after"] / kv["elements_before"],
-        "ppl": e["perplexity"],
-        "source_ppl": e["source_perplexity"],
-        "kl": e["kl_mean"],
-        "top1": e["top1_agreement"],
-        "k_err": sum(r["k_err"] for r in layers) / len(layers),
-        "v_err": sum(r["v_err"] for r in layers) / len(layers),
+        **benchlib.report_scores(rep),
         "position_free": sum(r["position_free"] for r in layers) / len(layers),
         "cache": e["cache"]["values_per_token_layer"],
         "seconds": rep["wall"],
@@ -211,16 +204,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.from_json:
         rows = [r for f in args.from_json.split(",") for r in json.loads(Path(f).read_text())]
-        transmla = (
-            [json.loads(line) for line in Path(args.transmla).read_text().splitlines() if line.strip()]
-            if args.transmla
-            else []
-        )
-        section = markdown(rows, transmla, args.transmla_commit)
-        print(section)
-        if args.write:
-            replace_section(ROOT / "docs" / "benchmarks.md", section)
+        transmla = benchlib.read_jsonl(args.transmla) if args.transmla else []
+        benchlib.publish(markdown(rows, transmla, args.transmla_commit), args.write)
         return
+    from attnkit.realmodels import smollm2_folder
+
     model = smollm2_folder()
     rows = []
     for label, rank, rope, opts in PLANS[args.plan]:

@@ -21,17 +21,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import sysconfig
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from benchmarks.docsection import publish, run_render_parser  # noqa: E402
+import benchlib
+from benchlib import ROOT, portable
 
 RESULTS = ROOT / "benchmarks" / "results" / "long_context.jsonl"
 CALIB = "--calib " + str(ROOT / "tests/data/prose/calib.txt")
@@ -193,38 +189,14 @@ def mixed_heal_data(article_lines: list[str]) -> str:
     return "\n".join(out + modules) + "\n"
 
 
-def attnkit(*args: str) -> dict:
-    """Run `attnkit ARGS --format json` in a fresh process; its JSON report."""
-    out = subprocess.run([sys.executable, "-m", "attnkit", *args, "--format", "json"], check=True, capture_output=True)
-    return json.loads(out.stdout)
-
-
-def portable(command: str, work: Path, source: Path) -> str:
-    """A command line with this machine's folders replaced by SRC and DIR."""
-    return command.replace(str(source), "SRC").replace(str(work), "DIR").replace(str(ROOT) + "/", "")
-
-
-def write_models(work: Path, source: Path, names: list[str], models: dict) -> None:
-    for name in names:
-        out = work / name
-        if (out / "attnkit.json").is_file():
-            continue
-        started = time.perf_counter()
-        args = models[name].format(src=source, out=out, work=work).split()
-        subprocess.run([sys.executable, "-m", "attnkit", *args], check=True, stdout=subprocess.DEVNULL)
-        print(f"{name}: written in {time.perf_counter() - started:.0f}s", file=sys.stderr)
-
-
 def score(name: str, path: Path, source: Path, texts: dict, work: Path, windows: dict, passkey: str, trials: int):
     """By-distance rows of every text and length ({length: windows}), and pass keys of both variants at the
     lengths `passkey` names, of one model."""
     rows = []
     for text, file in texts.items():
         for length, count in windows.items():
-            args = [str(path), str(file), "--reference", str(source), "--seq-len", str(length)]
-            args += ["--max-tokens", str(length * count), "--device", "cpu"]
             started = time.perf_counter()
-            doc = attnkit("eval", *args)
+            doc, args = benchlib.eval_distance(path, file, source, length, count, "--device", "cpu")
             rows.append(
                 {
                     "model": name,
@@ -241,16 +213,14 @@ def score(name: str, path: Path, source: Path, texts: dict, work: Path, windows:
                 }
             )
     for variant in VARIANTS if passkey else ():
-        args = [str(path), "--passkey", passkey, "--passkey-variant", variant, "--depths", str(DEPTHS)]
-        args += ["--trials", str(trials), "--device", "cpu"]
         started = time.perf_counter()
-        doc = attnkit("eval", *args)
+        found, doc, args = benchlib.eval_passkey(path, passkey, variant, DEPTHS, trials, "--device", "cpu")
         rows.append(
             {
                 "model": name,
                 "kind": "passkey",
                 "variant": variant,
-                "by_length": {r["length"]: r["accuracy"] for r in doc["passkey"]["model"]["by_length"]},
+                "by_length": found,
                 "chance": doc["passkey"]["model"]["chance"],
                 "depths": DEPTHS,
                 "trials": trials,
@@ -269,22 +239,18 @@ def run(work: Path, family: str, only: list[str], windows: dict, passkey: str, t
     source = getattr(attnkit.realmodels, folder)()
     texts = prepare(work)
     names = only or [source_name, *models]
-    write_models(work, source, [n for n in names if n != source_name], models)
+    benchlib.write_models(work, source, models, [n for n in names if n != source_name])
     for name in names:
         path = source if name == source_name else work / name
         rows = score(name, path, source, texts, work, windows, passkey, trials)
         for target in (work / "long_context.jsonl", RESULTS):
-            with target.open("a") as fh:
-                fh.writelines(json.dumps(row) + "\n" for row in rows)
+            benchlib.append_jsonl(target, rows)
         print(f"{name}: scored", file=sys.stderr)
 
 
-def latest(rows: list[dict]) -> dict:
-    """The last row of each (model, kind, text or variant, length)."""
-    out = {}
-    for row in rows:
-        out[(row["model"], row["kind"], row.get("text") or row.get("variant"), row.get("seq_len"))] = row
-    return out
+def _key(row: dict) -> tuple:
+    """(model, kind, text or variant, length): the rows of a key after its last replace it."""
+    return row["model"], row["kind"], row.get("text") or row.get("variant"), row.get("seq_len")
 
 
 def _share(value: float | None) -> str:
@@ -292,7 +258,7 @@ def _share(value: float | None) -> str:
 
 
 def render(write: bool) -> None:
-    rows = latest([json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()])
+    rows = benchlib.latest(benchlib.read_jsonl(RESULTS), _key)
     lines = [
         "## long context",
         "",
@@ -321,7 +287,7 @@ def render(write: bool) -> None:
             "",
             *family_tables(rows, "gemma3"),
         ]
-    publish("\n".join(lines), write)
+    benchlib.publish("\n".join(lines), write)
 
 
 def family_tables(rows: dict, family: str) -> list[str]:
@@ -336,24 +302,24 @@ def family_tables(rows: dict, family: str) -> list[str]:
             found = [rows[k] for k in rows if k[1] == "distance" and k[2] == text and k[3] == length]
             if not found:
                 continue
-            buckets = [(r["start"], r["end"]) for r in found[0]["by_distance"]]
+            buckets = benchlib.buckets(found[0]["by_distance"])
             lines += [
                 f"**{text}, windows of {length:,} tokens** ({found[0]['windows']} windows; KL: mean over the window)",
                 "",
-                "| model | " + " | ".join(f"{a:,}-{b:,}" for a, b in buckets) + " | all | KL |",
+                "| model | " + " | ".join(buckets) + " | all | KL |",
                 "|---|" + "---:|" * (len(buckets) + 2),
             ]
             source = found[0]
             lines.append(
                 "| source (perplexity) | "
-                + " | ".join(f"{r['reference_perplexity']:.2f}" for r in source["by_distance"])
+                + " | ".join(benchlib.source_cells(source["by_distance"]))
                 + f" | {source['source_perplexity']:.2f} | |"
             )
             for model in models:
                 row = rows.get((model, "distance", text, length))
                 if row is None or model == source_name:
                     continue
-                cells = [f"{r['ratio']:.2f}x" for r in row["by_distance"]]
+                cells = benchlib.ratio_cells(row["by_distance"])
                 ratio = row["perplexity"] / row["source_perplexity"]
                 lines.append(f"| {model} | " + " | ".join(cells) + f" | {ratio:.2f}x | {row['kl_mean']:.3f} |")
             lines.append("")
@@ -387,7 +353,7 @@ def family_tables(rows: dict, family: str) -> list[str]:
 
 
 def main() -> None:
-    parser, r = run_render_parser(__doc__)
+    parser, r = benchlib.run_render_parser(__doc__)
     r.add_argument("--windows", default=",".join(f"{k}:{v}" for k, v in WINDOWS.items()), help="LENGTH:COUNT,...")
     r.add_argument("--passkey", default=PASSKEY)
     r.add_argument("--trials", type=int, default=TRIALS)

@@ -17,13 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.docsection import publish  # noqa: E402
+import benchlib
+from benchlib import ROOT
 
 CALIB = ["--calib", str(ROOT / "tests/data/prose/calib.txt"), "--calib-tokens", "2048", "--calib-seq-len", "512"]
 TEXTS = {"prose": ROOT / "tests/data/prose/heldout.txt", "legal": "legal_gpl3.txt", "technical": "technical_pyref.txt"}
@@ -57,18 +54,11 @@ VARIANTS = {
 def score(model_dir: Path, texts: Path) -> dict:
     """{text: {ppl, src, kl}} against the source, on the first 4096 tokens of each text."""
     from attnkit.realmodels import smollm2_folder
-    from attnkit.runtime import load_model
-    from attnkit.runtime.texts import make_windows, read_texts
-    from attnkit.scoring.perplexity import evaluate
 
-    src = load_model(str(smollm2_folder()), device="cpu", dtype="float32")
-    model = load_model(str(model_dir), device="cpu", dtype="float32")
-    out = {}
-    for name, path in TEXTS.items():
-        windows = make_windows(src.tokenizer, read_texts([str(texts / path)]), 512, 4096)
-        r = evaluate(model, windows, reference=src)
-        out[name] = {"ppl": r.perplexity, "src": r.reference_perplexity, "kl": r.kl_mean}
-    return out
+    src = benchlib.load(smollm2_folder())
+    files = {name: texts / path for name, path in TEXTS.items()}
+    scores = benchlib.score_texts(benchlib.load(model_dir), src, files, 4096)
+    return {t: {"ppl": r.perplexity, "src": r.reference_perplexity, "kl": r.kl_mean} for t, r in scores.items()}
 
 
 def run(args) -> None:
@@ -78,23 +68,7 @@ def run(args) -> None:
         if args.only and not re.search(args.only, name):
             continue
         out = args.work / re.sub(r"\W+", "_", name)
-        cmd = [
-            sys.executable,
-            "-m",
-            "attnkit",
-            "convert",
-            "mla",
-            str(smollm2_folder()),
-            str(out),
-            *CALIB,
-            *options,
-            "--format",
-            "json",
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.exit(f"{name}: {proc.stderr.strip().splitlines()[-1]}")
-        rep = json.loads(proc.stdout)
+        rep = benchlib.attnkit("convert", "mla", str(smollm2_folder()), str(out), *CALIB, *options)
         print(
             json.dumps(
                 {
@@ -121,8 +95,7 @@ def _transmla_best(rows: list[dict], values: int, text: str) -> tuple[float, str
 
 
 def render(args) -> str:
-    rows = [json.loads(line) for line in Path(args.rows).read_text().splitlines() if line.strip()]
-    tm = [json.loads(line) for line in Path(args.transmla).read_text().splitlines() if line.strip()]
+    rows, tm = benchlib.read_jsonl(args.rows), benchlib.read_jsonl(args.transmla)
     src = next(r for r in tm if r["variant"] == "source")
     src_ppl = {"prose": src["ppl"], **src["texts"]}
     lines = [
@@ -183,8 +156,7 @@ def main() -> None:
     if args.cmd == "run":
         run(args)
         return
-    section = render(args)
-    publish(section, args.write)
+    benchlib.publish(render(args), args.write)
 
 
 if __name__ == "__main__":

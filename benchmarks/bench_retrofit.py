@@ -9,14 +9,12 @@ Calibration: tests/data/prose/calib.txt; evaluation: tests/data/prose/heldout.tx
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.docsection import replace_section  # noqa: E402
+import benchlib
+from benchlib import ROOT
 
 PROSE = ROOT / "tests" / "data" / "prose"
 
@@ -125,8 +123,8 @@ def main() -> None:
         "| retrofit | variant | source ppl | ppl | KL | top-1 agree | detail | s |\n"
         "|---|---|---:|---:|---:|---:|---|---:|\n" + "\n".join(rows)
     )
+    benchlib.publish("## retrofit\n\n" + body, bool(args.write), args.write)
     if args.write:
-        replace_section(Path(args.write), "## retrofit\n\n" + body)
         print(f"wrote the '## retrofit' section of {args.write}")
 
 
