@@ -4,7 +4,8 @@ Usage: python benchmarks/bench_convert_mla.py [--plan sweep|budgets] [--only REG
        python benchmarks/bench_convert_mla.py ... --swap   (calibrate on heldout.txt, evaluate on calib.txt)
        python benchmarks/bench_convert_mla.py --from-json rows.json[,more.json] [--transmla t.jsonl] [--write]
 Prints one JSON row per run; --from-json renders rows as markdown and --write replaces/appends the
-"## convert mla" section of docs/benchmarks.md. --transmla adds the rows that
+"## convert mla" section of docs/ablations.md (rows of the defaults before today's and their ablations; today's
+defaults: bench_mla_texts.py). --transmla adds the rows that
 benchmarks/transmla_side_by_side.py printed (TransMLA run on the same text, in its own environment).
 Calibration: the first 2048 tokens of tests/data/prose/calib.txt (4 windows of 512); evaluation: up to
 4096 tokens of tests/data/prose/heldout.txt (8 windows of 512). Runs on CPU.
@@ -146,7 +147,7 @@ def transmla_grid(transmla: list[dict]) -> list[str]:
 
 
 def markdown(rows: list[dict], transmla: list[dict], commit: str) -> str:
-    """The "## convert mla" section of docs/benchmarks.md from benchmark rows (and TransMLA's, if run)."""
+    """The "## convert mla" section of docs/ablations.md from benchmark rows (and TransMLA's, if run)."""
     src = rows[0]["source_ppl"]
     best = best_transmla(transmla)
     lines = [
@@ -195,7 +196,7 @@ def main() -> None:
     ap.add_argument("--from-json", default=None, help="render saved rows instead of running")
     ap.add_argument("--transmla", default=None, help="rows printed by transmla_side_by_side.py (JSON lines)")
     ap.add_argument("--transmla-commit", default="9c0d254", help="the TransMLA commit those rows came from")
-    ap.add_argument("--write", action="store_true", help="write the section into docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true", help="write the section into docs/ablations.md")
     ap.add_argument(
         "--swap",
         action="store_true",
@@ -205,7 +206,7 @@ def main() -> None:
     if args.from_json:
         rows = [r for f in args.from_json.split(",") for r in json.loads(Path(f).read_text())]
         transmla = benchlib.read_jsonl(args.transmla) if args.transmla else []
-        benchlib.publish(markdown(rows, transmla, args.transmla_commit), args.write)
+        benchlib.publish(markdown(rows, transmla, args.transmla_commit), args.write, benchlib.ABLATIONS)
         return
     from attnkit.realmodels import smollm2_folder
 

@@ -7,7 +7,7 @@ by the first top-k run (its cost is reported apart: a cache serves every later r
 read by the others. Data: tests/data/prose/calib.txt; held-out scoring: 2048 tokens of
 tests/data/prose/heldout.txt against the teacher (the same full KL for both kinds of run). Rows in
 benchmarks/results/heal_topk.json; --write renders "## heal: live teacher against cached top-k" in
-docs/benchmarks.md.
+docs/ablations.md.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main() -> None:
     if args.work:
         args.work.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(run(args.work, args.rounds, args.tokens), indent=1) + "\n")
-    benchlib.publish(render(json.loads(RESULTS.read_text())), args.write)
+    benchlib.publish(render(json.loads(RESULTS.read_text())), args.write, benchlib.ABLATIONS)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ Usage: python benchmarks/bench_long_context.py run --work DIR [--family smollm2|
        GEMMA3_MODELS, of Gemma 3 270M (attnkit/realmodels.py's fp32 folder of the Q4_K_M GGUF; its source rows are
        named "gemma3-source"). Rows go to DIR/long_context.jsonl and
        benchmarks/results/long_context.jsonl (one per model, text and length, or model and variant).
-  render: "## long context" of docs/benchmarks.md from benchmarks/results/long_context.jsonl.
+  render: "## long context" of docs/benchmarks.md (the defaults and the recipe: SHOWN) and "## long context, variants"
+       of docs/ablations.md (every other row: CHANGED) from benchmarks/results/long_context.jsonl.
 """
 
 from __future__ import annotations
@@ -145,6 +146,47 @@ FAMILIES = {
     "smollm2": ("smollm2_folder", MODELS, "source"),
     "gemma3": ("gemma3_folder", GEMMA3_MODELS, "gemma3-source"),
 }
+#: The rows docs/benchmarks.md shows, "## long context": the defaults and the recipe, each with what it is (its name
+#: in the rows file in parentheses).
+SHOWN = {
+    "mla-50": "convert mla at 50% of the cache, defaults",
+    "mqa-merge": "convert mqa, defaults: the merge",
+    "qknorm": "retrofit qknorm, defaults",
+    "mla-25": "convert mla at 25%, defaults",
+    "mla-50-calib-mixed": "convert mla at 50%, calibrated on prose and code",
+    "mla-50-calib-mixed-healed-mixed-bf16": "the recipe: that, healed 30 minutes on prose and code in bf16",
+    "mqa-merge-healed-mixed-bf16": "convert mqa, healed as the recipe",
+    "gemma3-mla-50-calib-mixed": "convert mla --target gemma3-mla at 50%, the default split, prose and code",
+    "gemma3-mla-75-p256-calib-mixed": "the recipe: 75%, every key pair in the RoPE key, 128 + 256",
+}
+#: Every other row, on docs/ablations.md ("## long context, variants"): what changed from the row it varies.
+#: Calibration on "Wikipedia" is heal.jsonl, 512-token windows unless said; "the recipe" is
+#: mla-50-calib-mixed-healed-mixed-bf16, "Gemma's recipe" gemma3-mla-75-p256-calib-mixed.
+CHANGED = {
+    "mqa-mean": "convert mqa: mean pooling instead of the merge",
+    "mla-50-calib-1x2048": "mla-50, calibration: calib.txt's first 2048 tokens as one window",
+    "mla-50-calib-512x4": "mla-50, calibration: 2048 tokens of Wikipedia",
+    "mla-50-calib-512x16": "mla-50, calibration: 8,192 tokens of Wikipedia",
+    "mla-50-calib-2048": "mla-50, calibration: 8,192 tokens of Wikipedia in 2048-token windows",
+    "mla-50-calib-2048-code": "mla-50, calibration: 8,192 tokens of Python source in 2048-token windows",
+    "mla-25-calib-2048": "mla-25, calibration: 8,192 tokens of Wikipedia in 2048-token windows",
+    "mqa-merge-calib-512x16": "mqa-merge, calibration: 8,192 tokens of Wikipedia",
+    "mqa-merge-calib-2048": "mqa-merge, calibration: 8,192 tokens of Wikipedia in 2048-token windows",
+    "mla-50-healed": "the recipe started from mla-50, healed on Wikipedia alone, in fp32",
+    "mla-50-calib-mixed-healed": "the recipe healed on Wikipedia alone, in fp32",
+    "mla-50-calib-mixed-healed-mixed": "the recipe in fp32",
+    "mla-50-calib-mixed-healed-mixed-bf16-4k": "the recipe on 4096-token windows, batch 2",
+    "mla-50-calib-mixed-healed-mixed-bf16-20m": "the recipe stopped at 20 minutes",
+    "mla-50-calib-mixed-healed-mixed-bf16-20m-4k": "the recipe: 20 minutes, then 10 on 4096-token windows",
+    "mla-50-calib-mixed-healed-mixed-bf16-15m": "the recipe stopped at 15 minutes",
+    "mla-50-calib-mixed-healed-mixed-bf16-15m-4k": "the recipe: 15 minutes, then 15 on 4096-token windows",
+    "mqa-merge-healed": "mqa-merge healed as the recipe, but on Wikipedia alone in fp32",
+    "mqa-merge-healed-mixed": "mqa-merge healed as the recipe, but in fp32",
+    "gemma3-mla-75-calib-mixed": "Gemma's recipe with the split 256 + 128, --kv-budget 0.75's before",
+    "gemma3-mla-50-p192-calib-mixed": "Gemma 3 at 50%, three quarters of the key pairs in the RoPE key: 64 + 192",
+}
+if set(SHOWN) | set(CHANGED) != set(MODELS) | set(GEMMA3_MODELS) or set(SHOWN) & set(CHANGED):
+    raise ValueError("every model of MODELS and GEMMA3_MODELS is in SHOWN or CHANGED, once")
 
 
 def prepare(work: Path) -> dict:
@@ -258,8 +300,10 @@ def _share(value: float | None) -> str:
 
 
 def render(write: bool) -> None:
+    """ "## long context" of docs/benchmarks.md (the source, SHOWN) and "## long context, variants" of
+    docs/ablations.md (the source, CHANGED)."""
     rows = benchlib.latest(benchlib.read_jsonl(RESULTS), _key)
-    lines = [
+    shown = [
         "## long context",
         "",
         "`python benchmarks/bench_long_context.py run --work DIR`, then `render --write`: SmolLM2-135M-Instruct "
@@ -274,27 +318,47 @@ def render(write: bool) -> None:
         "same with 21 standard-library modules interleaved, a third of its characters (CODE_MODULES); code.txt, "
         "argparse.py; prose-2.jsonl, two articles of heal.jsonl cut to 10,000 characters.",
         "",
-        *family_tables(rows, "smollm2"),
+        "Shown here: the defaults and the recipe (the 50% result calibrated on prose and code, then healed 30 "
+        "minutes on prose and code in bf16), each row named by what it is, its name in the rows file in "
+        "parentheses. The other calibrations, methods and heals, named by what changed: "
+        '[ablations.md](ablations.md), "## long context, variants".',
+        "",
+        *family_tables(rows, "smollm2", SHOWN),
+    ]
+    variants = [
+        "## long context, variants",
+        "",
+        "The rows of `python benchmarks/bench_long_context.py` that are not a default or the recipe "
+        '(docs/benchmarks.md, "## long context": the same texts, windows and scoring, the commands there), each '
+        "named by what changed from the row it varies, its name in the rows file (benchmarks/results/"
+        "long_context.jsonl) in parentheses. Calibration on Wikipedia: DIR/heal.jsonl, in 512-token windows "
+        "unless said; mla-50, mla-25 and mqa-merge: the defaults, calibrated on tests/data/prose/calib.txt; the "
+        "recipe: mla-50-calib-mixed healed 30 minutes on DIR/heal-mixed.jsonl in bf16 on 2048-token windows.",
+        "",
+        *family_tables(rows, "smollm2", CHANGED),
     ]
     if any(key[0] == FAMILIES["gemma3"][2] for key in rows):
-        lines += [
-            "",
-            "### Gemma 3 270M",
-            "",
+        gemma = (
             "`run --family gemma3`: Gemma 3 270M (the Q4_K_M GGUF dequantized to fp32; 18 layers, 4 heads, 1 KV head "
             "of 256, QK-norm, 5 sliding layers of 512 tokens per global one, 32,768 positions) and its rewrites, "
-            "the same texts and scoring.",
-            "",
-            *family_tables(rows, "gemma3"),
-        ]
-    benchlib.publish("\n".join(lines), write)
+            "the same texts and scoring."
+        )
+        shown += ["", "### Gemma 3 270M", "", gemma, "", *family_tables(rows, "gemma3", SHOWN)]
+        variants += ["", "### Gemma 3 270M", "", gemma, "", *family_tables(rows, "gemma3", CHANGED)]
+    benchlib.publish("\n".join(shown), write)
+    benchlib.publish("\n".join(variants), write, benchlib.ABLATIONS)
 
 
-def family_tables(rows: dict, family: str) -> list[str]:
-    """The by-distance tables, pass keys and commands of one --family's source and rewrites."""
+def family_tables(rows: dict, family: str, labels: dict[str, str]) -> list[str]:
+    """The by-distance tables, pass keys and commands of one --family's source and the rewrites `labels` names,
+    each row named "label (name)"."""
     _, commands, source_name = FAMILIES[family]
     gemma = FAMILIES["gemma3"][2], *GEMMA3_MODELS
-    models = [m for m in dict.fromkeys(key[0] for key in rows) if (m in gemma) == (family == "gemma3")]
+    models = [
+        m
+        for m in dict.fromkeys(key[0] for key in rows)
+        if (m in gemma) == (family == "gemma3") and (m == source_name or m in labels)
+    ]
     rows = {key: row for key, row in rows.items() if key[0] in models}
     lines = []
     for text in ("prose", "technical"):
@@ -321,7 +385,9 @@ def family_tables(rows: dict, family: str) -> list[str]:
                     continue
                 cells = benchlib.ratio_cells(row["by_distance"])
                 ratio = row["perplexity"] / row["source_perplexity"]
-                lines.append(f"| {model} | " + " | ".join(cells) + f" | {ratio:.2f}x | {row['kl_mean']:.3f} |")
+                lines.append(
+                    f"| {_name(model, labels)} | " + " | ".join(cells) + f" | {ratio:.2f}x | {row['kl_mean']:.3f} |"
+                )
             lines.append("")
     keys = [r for r in rows.values() if r["kind"] == "passkey"]
     lengths = list(keys[0]["by_length"]) if keys else []
@@ -337,19 +403,24 @@ def family_tables(rows: dict, family: str) -> list[str]:
         if None in pairs:
             continue
         cells = [" / ".join(_share(p["by_length"].get(n)) for p in pairs) for n in lengths]
-        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_name(model, labels)} | " + " | ".join(cells) + " |")
     lines += ["", "Commands (SRC: the source folder, DIR: --work):", ""]
     for model in models:
         if model in commands:
             command = commands[model].format(src="SRC", out=f"DIR/{model}", work="DIR")
             lines.append(f"- {model}: `attnkit {portable(command, Path('DIR'), Path('SRC'))}`")
-    missing = [m for m in commands if m not in models]
+    missing = [m for m in commands if m in labels and m not in models]
     if missing:
         lines += ["", "Not measured yet (in MODELS, no rows): " + ", ".join(missing) + "."]
     example = next((r["command"] for r in rows.values() if r["kind"] == "distance" and r["model"] != source_name), None)
     if example:
         lines += ["", f"Scored with e.g. `{re.sub(r'^attnkit eval DIR/[^ ]+ ', 'attnkit eval MODEL ', example)}`."]
     return lines
+
+
+def _name(model: str, labels: dict[str, str]) -> str:
+    """A row's name in the docs: what it is or what changed, its name in the rows file in parentheses."""
+    return f"{labels[model]} ({model})" if model in labels else model
 
 
 def main() -> None:

@@ -9,7 +9,8 @@ tokens of tests/data/prose/calib.txt, windows of 512) and scored against the sou
 reference (technical): perplexity, the source's, KL(source || result). One JSON row per variant.
 tm.jsonl: `benchmarks/transmla_side_by_side.py --settings 32:4,64:2,64:4 --eval legal=... --eval
 technical=...` on the same tokens (its own venv). render writes "## convert mla, three texts" of
-docs/benchmarks.md.
+docs/benchmarks.md (today's defaults, TransMLA) and "## convert mla, three texts: the defaults before" of
+docs/ablations.md (the other rows).
 """
 
 from __future__ import annotations
@@ -94,10 +95,14 @@ def _transmla_best(rows: list[dict], values: int, text: str) -> tuple[float, str
     return min(found) if found else None
 
 
-def render(args) -> str:
+def render(args) -> tuple[str, str]:
+    """ "## convert mla, three texts" of docs/benchmarks.md (today's defaults, TransMLA) and "## convert mla, three
+    texts: the defaults before" of docs/ablations.md (every other row)."""
     rows, tm = benchlib.read_jsonl(args.rows), benchlib.read_jsonl(args.transmla)
     src = next(r for r in tm if r["variant"] == "source")
     src_ppl = {"prose": src["ppl"], **src["texts"]}
+    source = "Source perplexity: " + ", ".join(f"{k} {v:.2f}" for k, v in src_ppl.items()) + "."
+    header = ["| variant | R + P | command | prose | legal | technical |", "|---|---:|---|---:|---:|---:|"]
     lines = [
         "## convert mla, three texts",
         "",
@@ -111,20 +116,29 @@ def render(args) -> str:
         "language reference (pydoc_data.topics). Perplexity (x source); TransMLA: the best of its three "
         "best settings of the prose grid (rope dim 64 with freqfold 2 or 4, rope dim 32 with freqfold 4) "
         "per text and budget. attnkit's defaults otherwise (sequential calibration, o_proj refit 0.1, "
-        "engine latent norm, `--key-weight output`); `--key-weight query (before)` rows are the default before "
-        "the output key weight (issue 29), `--shrink 0 (before)` rows the default before the shrinkage; the "
-        "shrinkage rows were measured with `--key-weight query`. "
-        "Source perplexity: " + ", ".join(f"{k} {v:.2f}" for k, v in src_ppl.items()) + ".",
+        "engine latent norm, `--key-weight output`); the defaults before (`--key-weight query`, `--shrink 0`) "
+        'and other shrinkages, on the same tokens: [ablations.md](ablations.md), "## convert mla, three texts: '
+        'the defaults before". ' + source,
         "",
-        "| variant | R + P | command | prose | legal | technical |",
-        "|---|---:|---|---:|---:|---:|",
+        *header,
+    ]
+    before = [
+        "## convert mla, three texts: the defaults before",
+        "",
+        "The rows of `python benchmarks/bench_mla_texts.py` that are not today's defaults (docs/benchmarks.md, "
+        '"## convert mla, three texts": the same model, texts, tokens and scoring), each named by what changed: '
+        "`--key-weight query (before)` rows are the default before the output key weight (issue 29), `--shrink 0 "
+        "(before)` rows the default before the shrinkage; the shrinkage rows were measured with `--key-weight "
+        "query`. " + source,
+        "",
+        *header,
     ]
 
     def cell(ppl: float, text: str) -> str:
         return f"{ppl:.2f} ({ppl / src_ppl[text]:.2f}x)"
 
     for r in rows:
-        lines.append(
+        (lines if r["variant"].startswith("default ") else before).append(
             f"| {r['variant']} | {r['R']} + {r['P']} | `{r['command']}` | "
             + " | ".join(cell(r["texts"][t]["ppl"], t) for t in TEXTS)
             + " |"
@@ -138,7 +152,7 @@ def render(args) -> str:
             + " | ".join(cell(best[t][0], t) for t in TEXTS)
             + " |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n", "\n".join(before) + "\n"
 
 
 def main() -> None:
@@ -156,7 +170,9 @@ def main() -> None:
     if args.cmd == "run":
         run(args)
         return
-    benchlib.publish(render(args), args.write)
+    shown, before = render(args)
+    benchlib.publish(shown, args.write)
+    benchlib.publish(before, args.write, benchlib.ABLATIONS)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Each run is a fresh `attnkit probe --layer-stream always` (2048 tokens of held-o
 benchlib.measure (peak anonymous RSS, wall time); the two modes alternate so both see the same
 load. "whole" replaces slice_linears by a no-op in the child, so read_layer widens every weight up front.
 Rows in benchmarks/results/sliced_layers.json; --write puts "## layer streaming: sliced against whole layers" in
-docs/benchmarks.md.
+docs/ablations.md.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def render(rows: list[dict]) -> str:
         "run a fresh process, the two modes alternating. *whole*: each decoder layer's weights widened to float32 as "
         "the layer is read (3.19 GiB for one 70B layer); *sliced*: its linear weights kept as stored (memory-mapped) "
         "and widened 2^24 elements of rows at a time as they are used (attnkit/runtime/sliced_linear.py). Peak anon "
-        'RSS as in "big checkpoints"; load: the 1-minute load average when the run ended.',
+        'RSS as in docs/benchmarks.md "## big checkpoints"; load: the 1-minute load average when the run ended.',
         "",
         "| mode | round | seconds | peak anon RSS | max RSS | load |",
         "|---|---:|---:|---:|---:|---:|",
@@ -101,7 +101,7 @@ def main() -> None:
         rows = run(args.work, args.layers, args.rounds)
     else:
         rows = json.loads(RESULTS.read_text())
-    benchlib.publish(render(rows), args.write)
+    benchlib.publish(render(rows), args.write, benchlib.ABLATIONS)
 
 
 if __name__ == "__main__":

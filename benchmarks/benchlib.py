@@ -143,7 +143,7 @@ def replace_section(path: Path, section: str) -> None:
     heading = section.split("\n", 1)[0]
     if not heading.startswith("## "):
         raise ValueError(f"a section starts with '## ', not {heading!r}")
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    text = path.read_text() if path.exists() else f"# {path.stem.capitalize()}\n"
     block = section.strip("\n") + "\n\n"
     pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)
     text = pattern.sub(lambda _m: block, text, count=1) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block
