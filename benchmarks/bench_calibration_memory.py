@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.docsection import replace_section  # noqa: E402
+import benchlib
+from benchlib import ROOT
 
 CALIB = str(ROOT / "tests/data/prose/calib.txt")
 MODES = ("full", "streamed")
@@ -34,14 +30,8 @@ checkpoint (file-backed, reclaimable).\
 COMMANDS = ("mla", "mqa merge")
 
 
-def _anon_mib() -> float:
-    return int(re.search(r"^RssAnon:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1)) / 1024
-
-
 def _child(mode: str, command: str, model: str) -> dict:
-    """Run one conversion in this process; report wall time and peak memory."""
-    import resource
-
+    """Run one conversion in this process; report its wall time (the parent measures the memory)."""
     import torch
 
     import attnkit.runtime.streaming as streaming
@@ -53,14 +43,6 @@ def _child(mode: str, command: str, model: str) -> dict:
             raise streaming.StreamingUnsupported(f"{ref}: streaming disabled for the baseline")
 
         streaming.load_streaming = refuse
-    peak = {"anon": _anon_mib()}
-
-    def sample():
-        while True:
-            peak["anon"] = max(peak["anon"], _anon_mib())
-            time.sleep(0.01)
-
-    threading.Thread(target=sample, daemon=True).start()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         out = Path(tmp) / "out"
@@ -99,11 +81,7 @@ def _child(mode: str, command: str, model: str) -> dict:
                     max_shard_bytes=64 << 20,
                 )
             )
-    return {
-        "seconds": time.perf_counter() - started,
-        "peak_anon_mib": peak["anon"],
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }
+    return {"seconds": time.perf_counter() - started}
 
 
 def _bf16_copy(source: Path, folder: Path) -> Path:
@@ -125,9 +103,15 @@ def _bf16_copy(source: Path, folder: Path) -> Path:
 
 
 def _measure(mode: str, command: str, model: Path) -> dict:
+    """One conversion in a fresh interpreter: its seconds (the child's own), peak anonymous RSS (polled every 10 ms)
+    and maximum RSS, in MiB."""
     cmd = [sys.executable, __file__, "--child", mode, "--command", command, "--model", str(model)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    m = benchlib.measure(cmd, interval=0.01, stdout=True)
+    return {
+        "seconds": json.loads(m["stdout"].strip().splitlines()[-1])["seconds"],
+        "peak_anon_mib": m["peak_anon_bytes"] / 2**20,
+        "peak_rss_mib": m["max_rss_bytes"] / 2**20,
+    }
 
 
 def main() -> None:
@@ -140,7 +124,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(_child(args.child, args.command, args.model)))
         return
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     lines = [
         "| command | checkpoint | anon: full / streamed (MiB) | anon ratio | RSS: full / streamed (MiB) | time ratio |",
@@ -178,7 +162,7 @@ def main() -> None:
     print()
     print(body)
     if args.write:
-        replace_section(Path(args.write), "## calibration memory\n\n" + body)
+        benchlib.publish("## calibration memory\n\n" + body, True, args.write)
 
 
 if __name__ == "__main__":

@@ -19,16 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from benchmarks.docsection import replace_section  # noqa: E402
+import benchlib
+from benchlib import ROOT
 
 RESULTS = ROOT / "benchmarks" / "results" / "capability.json"
 CALIB = ["--calib", str(ROOT / "tests/data/prose/calib.txt")]
@@ -63,26 +59,14 @@ def prepare(work: Path) -> Path:
     return tasks
 
 
-def write_models(work: Path, source: Path, names: list[str]) -> None:
-    for name in names:
-        out = work / name
-        if (out / "attnkit.json").is_file():
-            continue
-        args = MODELS[name].format(src=source, out=out, work=work).split()
-        started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "attnkit", *args], check=True, stdout=subprocess.DEVNULL)
-        print(f"{name}: written in {time.perf_counter() - started:.0f}s", file=sys.stderr)
-
-
 def score(path: Path, tasks: Path, name: str) -> dict:
     """Every score of one model, the per-item task values included."""
-    from attnkit.runtime import load_model
     from attnkit.scoring.capability import CapabilitySpec, check_capability, run_capability
     from attnkit.scoring.passkey import PasskeySpec
     from attnkit.scoring.tasks import TaskSpec
 
     started = time.perf_counter()
-    loaded = load_model(str(path), device="cpu", dtype="float32")
+    loaded = benchlib.load(path)
     spec = CapabilitySpec(TaskSpec(("wiki_cloze", "wiki_lastword"), str(tasks), batch_size=8))
     out = run_capability(loaded, spec, check_capability(spec, []), name)
     for variant in VARIANTS:
@@ -94,30 +78,22 @@ def score(path: Path, tasks: Path, name: str) -> dict:
 
 
 def perplexity(path: Path, source) -> dict:
-    from attnkit.runtime import load_model
-    from attnkit.runtime.texts import make_windows, read_texts
-    from attnkit.scoring.perplexity import evaluate
-
-    model = load_model(str(path), device="cpu", dtype="float32")
-    rows = {}
-    for text, file in TEXTS.items():
-        windows = make_windows(source.tokenizer, read_texts([str(file)]), 512, 4096)
-        r = evaluate(model, windows, reference=source)
-        rows[text] = {"perplexity": r.perplexity, "source": r.reference_perplexity, "kl": r.kl_mean}
-    return rows
+    scores = benchlib.score_texts(benchlib.load(path), source, TEXTS, 4096)
+    return {
+        t: {"perplexity": r.perplexity, "source": r.reference_perplexity, "kl": r.kl_mean} for t, r in scores.items()
+    }
 
 
 def run(work: Path, only: list[str]) -> None:
-    from attnkit.runtime import load_model
+    from attnkit.realmodels import smollm2_folder
     from attnkit.scoring.capability import side_by_side
     from attnkit.scoring.passkey import compare_passkey
     from attnkit.scoring.tasks import public
-    from tests.realmodel import smollm2_folder
 
     source = smollm2_folder()
     tasks = prepare(work)
     names = only or list(MODELS)
-    write_models(work, source, names)
+    benchlib.write_models(work, source, MODELS, names)
     cache = work / "source-scores.json"
     if cache.is_file():
         base = json.loads(cache.read_text())
@@ -125,7 +101,7 @@ def run(work: Path, only: list[str]) -> None:
     else:
         base = score(source, tasks, "source")
         cache.write_text(json.dumps(base))
-    reference = load_model(str(source), device="cpu", dtype="float32")
+    reference = benchlib.load(source)
     rows = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     rows["source"] = {"tasks": public(base["tasks"]), **{f"passkey_{v}": base[f"passkey_{v}"] for v in VARIANTS}}
     for name in names:
@@ -234,9 +210,7 @@ def main() -> None:
     if args.work:
         args.work.mkdir(parents=True, exist_ok=True)
         run(args.work, args.only)
-    if args.write:
-        replace_section(ROOT / "docs" / "benchmarks.md", render())
-    print(render())
+    benchlib.publish(render(), args.write)
 
 
 if __name__ == "__main__":

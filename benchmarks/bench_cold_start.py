@@ -32,7 +32,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import benchlib
+from benchlib import ROOT
+
 PRESET = "llama-3.1-8b"
 BASE = "python -c pass"
 
@@ -161,7 +163,6 @@ def main() -> None:
         "--write", action="store_true", help="replace the '## cold start' section of docs/benchmarks.md"
     )
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
     from attnkit.presets import find_preset
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -198,10 +199,7 @@ def main() -> None:
         f"config.json is the {PRESET} preset's config in a temporary folder. Python {platform.python_version()} on "
         f"{platform.machine()}.\n\n{result}\n\n{NOTES}"
     )
-    sys.path.insert(0, str(Path(__file__).parent))
-    from docsection import publish
-
-    publish(section, args.write)
+    benchlib.publish(section, args.write)
 
 
 NOTES = """Where the time goes (`python -X importtime`, and the commands timed phase by phase in one interpreter):

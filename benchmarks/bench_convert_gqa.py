@@ -16,15 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.docsection import replace_section  # noqa: E402
+import benchlib
+from benchlib import ROOT
 
 CALIB = str(ROOT / "tests/data/prose/calib.txt")
 HELDOUT = str(ROOT / "tests/data/prose/heldout.txt")
@@ -101,27 +99,13 @@ def _numel(shape) -> int:
 
 
 def _timed(cmd: list[str]) -> tuple[float, int, int]:
-    """Wall seconds until the output is on disk (the command, then `sync`), peak RSS and peak anonymous
-    RSS (bytes; /proc polled every 20 ms). Dirty pages are flushed first, so runs start alike.
+    """Wall seconds until the output is on disk (the command, then `sync`; dirty pages are flushed first, so runs
+    start alike), maximum RSS and peak anonymous RSS (bytes; /proc polled every 20 ms): benchlib.measure.
 
     RSS counts the touched pages of memory-mapped input files; RssAnon is the process's own memory.
     """
-    subprocess.run(["sync"], check=True)
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    peak = peak_anon = 0
-    while proc.poll() is None:
-        try:
-            fields = dict(line.split(":", 1) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines())
-            peak = max(peak, int(fields["VmRSS"].split()[0]) * 1024)
-            peak_anon = max(peak_anon, int(fields["RssAnon"].split()[0]) * 1024)
-        except (OSError, KeyError, ValueError):
-            pass
-        time.sleep(0.02)
-    if proc.returncode:
-        raise RuntimeError(f"{cmd[0]} failed with exit code {proc.returncode}")
-    subprocess.run(["sync"], check=True)
-    return time.perf_counter() - started, peak, peak_anon
+    m = benchlib.measure(cmd, interval=0.02, sync=True)
+    return m["seconds"], m["max_rss_bytes"], m["peak_anon_bytes"]
 
 
 def speed() -> dict:
@@ -129,40 +113,15 @@ def speed() -> dict:
         src = Path(tmp) / "src"
         sizes = build_checkpoint(src)
         attnkit = str(Path(sys.executable).parent / "attnkit")
+
+        def convert(out: str, *options: str) -> tuple[float, int, int]:
+            args = ["convert", "gqa", str(src), str(Path(tmp) / out), "--kv-heads", "2", "--method", "mean"]
+            return _timed([attnkit, *args, *options, "--format", "json"])
+
         cp1 = _timed(["cp", "-r", str(src), str(Path(tmp) / "copy1")])
-        conv = _timed(
-            [
-                attnkit,
-                "convert",
-                "gqa",
-                str(src),
-                str(Path(tmp) / "out"),
-                "--kv-heads",
-                "2",
-                "--method",
-                "mean",
-                "--format",
-                "json",
-            ]
-        )
+        conv = convert("out")
         cp2 = _timed(["cp", "-r", str(src), str(Path(tmp) / "copy2")])
-        small = _timed(
-            [
-                attnkit,
-                "convert",
-                "gqa",
-                str(src),
-                str(Path(tmp) / "out-small"),
-                "--kv-heads",
-                "2",
-                "--method",
-                "mean",
-                "--max-shard-size",
-                "256MiB",
-                "--format",
-                "json",
-            ]
-        )
+        small = convert("out-small", "--max-shard-size", "256MiB")
         out_bytes = sum(p.stat().st_size for p in (Path(tmp) / "out").glob("*.safetensors"))
     cp_wall = min(cp1[0], cp2[0])
     return {
@@ -183,8 +142,8 @@ def speed() -> dict:
 def quality(only: str | None) -> list[dict]:
     from attnkit.commands.convert.gqa import ConvertRequest, convert_gqa
     from attnkit.ops.gqa import MergeOptions
+    from attnkit.realmodels import smollm2_folder
     from attnkit.scoring.options import EvalOptions
-    from tests.realmodel import smollm2_folder
 
     model = smollm2_folder()
     rows = []
@@ -207,15 +166,9 @@ def quality(only: str | None) -> list[dict]:
             )
             started = time.perf_counter()
             rep = convert_gqa(req)
-        e, layers = rep["eval"], rep["layers"]
         row = {
             "variant": label,
-            "ppl": e["perplexity"],
-            "source_ppl": e["source_perplexity"],
-            "kl": e["kl_mean"],
-            "top1": e["top1_agreement"],
-            "k_err": sum(r["k_err"] for r in layers) / len(layers),
-            "v_err": sum(r["v_err"] for r in layers) / len(layers),
+            **benchlib.report_scores(rep),
             "error_basis": rep["error_basis"],
             "seconds": time.perf_counter() - started,
         }
@@ -293,11 +246,9 @@ def main() -> None:
             print(json.dumps(sp), flush=True)
         rows = quality(args.only) if args.quality else []
     text = markdown(sp, rows)
-    print(text)
     if args.json:
         Path(args.json).write_text(json.dumps({"speed": sp, "quality": rows}, indent=1))
-    if args.write:
-        replace_section(ROOT / "docs" / "benchmarks.md", text)
+    benchlib.publish(text, args.write)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Usage: python benchmarks/bench_convert_mla.py [--plan sweep|budgets] [--only REG
        python benchmarks/bench_convert_mla.py ... --swap   (calibrate on heldout.txt, evaluate on calib.txt)
        python benchmarks/bench_convert_mla.py --from-json rows.json[,more.json] [--transmla t.jsonl] [--write]
 Prints one JSON row per run; --from-json renders rows as markdown and --write replaces/appends the
-"## convert mla" section of docs/benchmarks.md. --transmla adds the rows that
+"## convert mla" section of docs/ablations.md (rows of the defaults before today's and their ablations; today's
+defaults: bench_mla_texts.py). --transmla adds the rows that
 benchmarks/transmla_side_by_side.py printed (TransMLA run on the same text, in its own environment).
 Calibration: the first 2048 tokens of tests/data/prose/calib.txt (4 windows of 512); evaluation: up to
 4096 tokens of tests/data/prose/heldout.txt (8 windows of 512). Runs on CPU.
@@ -15,18 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from attnkit.commands.convert.mla import MLARequest, convert_mla  # noqa: E402
-from attnkit.ops.mla import MLAOptions  # noqa: E402
-from attnkit.scoring.options import EvalOptions  # noqa: E402
-from benchmarks.docsection import replace_section  # noqa: E402
-from tests.realmodel import smollm2_folder  # noqa: E402
+import benchlib
+from benchlib import ROOT
 
 CALIB = str(ROOT / "tests/data/prose/calib.txt")
 HELDOUT = str(ROOT / "tests/data/prose/heldout.txt")
@@ -35,6 +30,10 @@ HELDOUT = str(ROOT / "tests/data/prose/heldout.txt")
 def run(
     model: Path, rank: int, rope: int, *, calib: str = CALIB, heldout: str = HELDOUT, sequential: bool = True, **opts
 ) -> dict:
+    from attnkit.commands.convert.mla import MLARequest, convert_mla
+    from attnkit.ops.mla import MLAOptions
+    from attnkit.scoring.options import EvalOptions
+
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         req = MLARequest(
             model=str(model),
@@ -64,12 +63,7 @@ def row(label: str, rep: dict) -> dict:
         "P": rep["rope_dim"],
         "values": kv["elements_after"],
         "fraction": kv["elements_after"] / kv["elements_before"],
-        "ppl": e["perplexity"],
-        "source_ppl": e["source_perplexity"],
-        "kl": e["kl_mean"],
-        "top1": e["top1_agreement"],
-        "k_err": sum(r["k_err"] for r in layers) / len(layers),
-        "v_err": sum(r["v_err"] for r in layers) / len(layers),
+        **benchlib.report_scores(rep),
         "position_free": sum(r["position_free"] for r in layers) / len(layers),
         "cache": e["cache"]["values_per_token_layer"],
         "seconds": rep["wall"],
@@ -153,7 +147,7 @@ def transmla_grid(transmla: list[dict]) -> list[str]:
 
 
 def markdown(rows: list[dict], transmla: list[dict], commit: str) -> str:
-    """The "## convert mla" section of docs/benchmarks.md from benchmark rows (and TransMLA's, if run)."""
+    """The "## convert mla" section of docs/ablations.md from benchmark rows (and TransMLA's, if run)."""
     src = rows[0]["source_ppl"]
     best = best_transmla(transmla)
     lines = [
@@ -202,7 +196,7 @@ def main() -> None:
     ap.add_argument("--from-json", default=None, help="render saved rows instead of running")
     ap.add_argument("--transmla", default=None, help="rows printed by transmla_side_by_side.py (JSON lines)")
     ap.add_argument("--transmla-commit", default="9c0d254", help="the TransMLA commit those rows came from")
-    ap.add_argument("--write", action="store_true", help="write the section into docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true", help="write the section into docs/ablations.md")
     ap.add_argument(
         "--swap",
         action="store_true",
@@ -211,16 +205,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.from_json:
         rows = [r for f in args.from_json.split(",") for r in json.loads(Path(f).read_text())]
-        transmla = (
-            [json.loads(line) for line in Path(args.transmla).read_text().splitlines() if line.strip()]
-            if args.transmla
-            else []
-        )
-        section = markdown(rows, transmla, args.transmla_commit)
-        print(section)
-        if args.write:
-            replace_section(ROOT / "docs" / "benchmarks.md", section)
+        transmla = benchlib.read_jsonl(args.transmla) if args.transmla else []
+        benchlib.publish(markdown(rows, transmla, args.transmla_commit), args.write, benchlib.ABLATIONS)
         return
+    from attnkit.realmodels import smollm2_folder
+
     model = smollm2_folder()
     rows = []
     for label, rank, rope, opts in PLANS[args.plan]:

@@ -15,18 +15,14 @@ Usage: python benchmarks/bench_engine_capacity.py run --work DIR --model NAME=FO
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.docsection import replace_section, run_render_parser  # noqa: E402
+import benchlib
+from benchlib import ROOT
 
 RESULTS = ROOT / "benchmarks" / "results" / "engine_capacity.jsonl"
-SERVING = ROOT / "docs" / "serving.md"
 MIB = 1 << 20
 
 
@@ -78,18 +74,13 @@ def run(work: Path, models: list[str], contexts: list[int], depths: list[int], r
         rows.append({"source": i == 0, **measure(name, Path(folder), work, contexts, tools)})
         print(f"{name}: cache measured", file=sys.stderr)
     speeds = decode(work, [r["model"] for r in rows], depths, rounds, tools) if depths else {}
-    with RESULTS.open("a") as fh:
-        for row in rows:
-            fh.write(json.dumps({**row, "decode": speeds.get(row["model"])}) + "\n")
+    benchlib.append_jsonl(RESULTS, [{**row, "decode": speeds.get(row["model"])} for row in rows])
 
 
 def render(write: bool) -> None:
-    rows = {}
-    for line in RESULTS.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            row["decode"] = {int(d): v for d, v in (row.get("decode") or {}).items()}  # JSON keys are strings
-            rows[row["model"]] = row
+    rows = benchlib.latest(benchlib.read_jsonl(RESULTS), lambda row: row["model"])
+    for row in rows.values():
+        row["decode"] = {int(d): v for d, v in (row.get("decode") or {}).items()}  # JSON keys are strings
     source = next(r for r in rows.values() if r["source"])
     contexts = [c["n_ctx"] for c in source["contexts"]]
     depths = sorted({d for r in rows.values() for d in r["decode"]})
@@ -139,15 +130,11 @@ def render(write: bool) -> None:
             else:
                 cells = [f"{row['decode'][d] / base[d]:.2f}x" for d in depths]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    section = "\n".join(lines) + "\n"
-    if write:
-        replace_section(SERVING, section)
-    else:
-        print(section)
+    benchlib.publish("\n".join(lines) + "\n", write, benchlib.SERVING)
 
 
 def main() -> None:
-    parser, r = run_render_parser(__doc__)
+    parser, r = benchlib.run_render_parser(__doc__)
     r.add_argument("--model", nargs="+", required=True, help="NAME=FOLDER, the source first")
     r.add_argument("--contexts", default="1024,4096,8192")
     r.add_argument("--decode-depths", default="1024,4096,8192", help="llama-bench -d; empty: no decode speed")

@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/bench_families.py run --work DIR [--family smollm2|gemma3|qwen ...] [--only NAME ...]
        python benchmarks/bench_families.py render [--write]
-  run: for each family (SmolLM2-135M, Gemma 3 270M, Qwen2.5-Coder-1.5B; tests/realmodel.py's folders), writes each
+  run: for each family (SmolLM2-135M, Gemma 3 270M, Qwen2.5-Coder-1.5B; attnkit/realmodels.py's folders), writes each
        rewrite with attnkit's own command at its defaults (calibration: tests/data/prose/calib.txt, the docs' own
        sample text; REWRITES), keeping its report (the self-check's verdict, what it cost), then scores the source and
        each result with `attnkit eval`: by distance on WINDOWS windows of 4,096 tokens of two held-out texts
@@ -16,18 +16,13 @@ Usage: python benchmarks/bench_families.py run --work DIR [--family smollm2|gemm
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_long_context import VARIANTS, attnkit, portable, prepare  # noqa: E402
-
-from benchmarks.docsection import publish, run_render_parser  # noqa: E402
+import benchlib
+from bench_long_context import VARIANTS, prepare
+from benchlib import ROOT
 
 RESULTS = ROOT / "benchmarks" / "results" / "families.jsonl"
 CALIB = str(ROOT / "tests/data/prose/calib.txt")
@@ -44,7 +39,7 @@ DEPTHS, TRIALS = 3, 2
 QKNORM = "retrofit qknorm {src} {out} --calib " + CALIB
 MLA = "convert mla {src} {out} --kv-budget 0.5 --calib " + MLA_CALIB
 MQA = "convert mqa {src} {out} --method merge --calib " + CALIB
-#: family -> (tests/realmodel.py's folder function, the dtype eval runs it in, its rewrites). Gemma 3 has QK-norm
+#: family -> (attnkit/realmodels.py's folder function, the dtype eval runs it in, its rewrites). Gemma 3 has QK-norm
 #: already (no qknorm) and one KV head (no MQA merge); its MLA is --target gemma3-mla.
 FAMILIES = {
     "smollm2": ("smollm2_folder", "float32", {"qknorm": QKNORM, "mla-50": MLA, "mqa-merge": MQA}),
@@ -60,11 +55,7 @@ def rewrite(command: str, source: Path, out: Path) -> dict:
     if saved.is_file() and (out / "attnkit.json").is_file():
         return json.loads(saved.read_text())
     started = time.perf_counter()
-    args = command.format(src=source, out=out).split()
-    done = subprocess.run([sys.executable, "-m", "attnkit", *args, "--format", "json"], capture_output=True, text=True)
-    if done.returncode not in (0, 3):
-        raise SystemExit(f"attnkit {' '.join(args)} failed:\n{done.stderr[-2000:]}")
-    report = json.loads(done.stdout)
+    report = benchlib.attnkit(*command.format(src=source, out=out).split(), ok=(0, 3))
     report["wall_seconds"] = time.perf_counter() - started
     saved.write_text(json.dumps(report))
     return report
@@ -75,9 +66,7 @@ def scores(path: Path, source: Path, texts: dict, dtype: str, work: Path, passke
     rows = []
     common = ["--device", "cpu", "--dtype", dtype]
     for text, file in texts.items():
-        args = [str(path), str(file), "--reference", str(source), "--seq-len", str(LENGTH)]
-        args += ["--max-tokens", str(LENGTH * WINDOWS), *common]
-        doc = attnkit("eval", *args)
+        doc, args = benchlib.eval_distance(path, file, source, LENGTH, WINDOWS, *common)
         rows.append(
             {
                 "kind": "distance",
@@ -85,25 +74,23 @@ def scores(path: Path, source: Path, texts: dict, dtype: str, work: Path, passke
                 "perplexity": doc["perplexity"],
                 "source_perplexity": doc["source_perplexity"],
                 "by_distance": doc["by_distance"],
-                "command": portable("attnkit eval " + " ".join(args), work, source),
+                "command": benchlib.portable("attnkit eval " + " ".join(args), work, source),
             }
         )
     for variant in variants:
-        args = [str(path), "--passkey", passkey, "--passkey-variant", variant, "--depths", str(DEPTHS)]
-        doc = attnkit("eval", *args, "--trials", str(TRIALS), *common)
-        found = {r["length"]: r["accuracy"] for r in doc["passkey"]["model"]["by_length"]}
+        found, _, _ = benchlib.eval_passkey(path, passkey, variant, DEPTHS, TRIALS, *common)
         rows.append({"kind": "passkey", "variant": variant, "by_length": found})
     return rows
 
 
 def run(work: Path, families: list[str], only: list[str]) -> None:
-    import tests.realmodel
+    import attnkit.realmodels
 
     work.mkdir(parents=True, exist_ok=True)
     texts = prepare(work)
     for family in families:
         folder, dtype, rewrites = FAMILIES[family]
-        source = getattr(tests.realmodel, folder)()
+        source = getattr(attnkit.realmodels, folder)()
         for name in only or ["source", *rewrites]:
             if name != "source" and name not in rewrites:
                 continue
@@ -124,16 +111,12 @@ def run(work: Path, families: list[str], only: list[str]) -> None:
                 )
             rows = [{**head, **row} for row in scores(path, source, texts, dtype, work, PASSKEYS[family], variants)]
             for target in (work / "families.jsonl", RESULTS):
-                with target.open("a") as fh:
-                    fh.writelines(json.dumps(row) + "\n" for row in rows)
+                benchlib.append_jsonl(target, rows)
             print(f"{family} {name}: scored", file=sys.stderr)
 
 
-def _latest(rows: list[dict]) -> dict:
-    out = {}
-    for row in rows:
-        out[(row["family"], row["model"], row["kind"], row.get("text") or row.get("variant"))] = row
-    return out
+def _key(row: dict) -> tuple:
+    return row["family"], row["model"], row["kind"], row.get("text") or row.get("variant")
 
 
 def _keys(rows: dict, family: str, model: str) -> str:
@@ -156,7 +139,7 @@ def _verdict(check: dict | None) -> str:
 
 
 def render(write: bool) -> None:
-    rows = _latest([json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()])
+    rows = benchlib.latest(benchlib.read_jsonl(RESULTS), _key)
     lines = [
         "## families",
         "",
@@ -182,21 +165,21 @@ def render(write: bool) -> None:
             source = rows.get((family, "source", "distance", text))
             if source is None:
                 continue
-            buckets = [(r["start"], r["end"]) for r in source["by_distance"]]
+            buckets = benchlib.buckets(source["by_distance"])
             lines += [
                 f"**{text}**",
                 "",
-                "| rewrite | written as | " + " | ".join(f"{a:,}-{b:,}" for a, b in buckets) + " | all |",
+                "| rewrite | written as | " + " | ".join(buckets) + " | all |",
                 "|---|---|" + "---:|" * (len(buckets) + 1),
                 "| source (perplexity) | | "
-                + " | ".join(f"{r['reference_perplexity']:.2f}" for r in source["by_distance"])
+                + " | ".join(benchlib.source_cells(source["by_distance"]))
                 + f" | {source['source_perplexity']:.2f} |",
             ]
             for model in models:
                 row = rows.get((family, model, "distance", text))
                 if model == "source" or row is None:
                     continue
-                cells = " | ".join(f"{r['ratio']:.2f}x" for r in row["by_distance"])
+                cells = " | ".join(benchlib.ratio_cells(row["by_distance"]))
                 lines.append(
                     f"| {model} | {_written(row)} | {cells} | {row['perplexity'] / row['source_perplexity']:.2f}x |"
                 )
@@ -225,7 +208,7 @@ def render(write: bool) -> None:
                 )
                 lines.append(f"- {model}: `attnkit {line}`")
         lines.append("")
-    publish("\n".join(lines), write)
+    benchlib.publish("\n".join(lines), write)
 
 
 def _summary(rows: dict) -> list[str]:
@@ -268,7 +251,7 @@ def _written(row: dict) -> str:
 
 
 def main() -> None:
-    parser, r = run_render_parser(__doc__)
+    parser, r = benchlib.run_render_parser(__doc__)
     r.add_argument("--family", nargs="*", choices=sorted(FAMILIES), default=list(FAMILIES))
     args = parser.parse_args()
     if args.cmd == "run":

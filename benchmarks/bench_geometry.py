@@ -6,28 +6,23 @@ Usage: python benchmarks/bench_geometry.py run --work DIR [--only NAME ...] [--c
 Geometries (GEOMETRIES): Llama-3.1-8B (all 32 layers) and Llama-3.1-70B at 2, 8 and 16 layers, bf16, ~5 GB
 shards; each is built in DIR, measured, and removed. Per geometry: `cp -r` of the folder, then `convert gqa
 --method mean`, `convert mqa --method merge` and `convert mla --kv-budget 0.25` (2048 calibration tokens of
-tests/data/prose/calib.txt, windows of 512) and `probe --layer-stream always` (2048 tokens), each under `/usr/bin/time -v` (maximum RSS) while a poller reads
-the process's anonymous RSS (RssAnon, /proc/PID/status, every 0.2 s): the peak of what the process itself
-holds, page cache of the memory-mapped weights excluded. Rows in benchmarks/results/geometry.json; render
-writes "## big checkpoints" in docs/benchmarks.md.
+tests/data/prose/calib.txt, windows of 512) and `probe --layer-stream always` (2048 tokens), each under
+benchlib.measure: `/usr/bin/time -v` (maximum RSS) while a poller reads the process's anonymous RSS (RssAnon,
+/proc/PID/status, every 0.2 s): the peak of what the process itself holds, page cache of the memory-mapped
+weights excluded. Rows in benchmarks/results/geometry.json; render writes "## big checkpoints" in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.docsection import publish, run_render_parser  # noqa: E402
+import benchlib
+from benchlib import ROOT, measure
 
 RESULTS = ROOT / "benchmarks" / "results" / "geometry.json"
 CALIB = ["--calib", str(ROOT / "tests/data/prose/calib.txt"), "--calib-tokens", "2048", "--calib-seq-len", "512"]
@@ -67,60 +62,6 @@ COMMANDS = {
     ],
     "probe --layer-stream always": ["probe", "{src}", *PROBE],
 }
-
-
-def _anon_kib(pid: int) -> int:
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0
-    found = re.search(r"^RssAnon:\s+(\d+) kB", text, re.M)
-    return int(found.group(1)) if found else 0
-
-
-def _descendants(pid: int) -> list[int]:
-    """The processes below `pid` (the command under /usr/bin/time and its children), from /proc/*/stat."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    found, frontier = [], [pid]
-    while frontier:
-        kids = [p for p, parent in parents.items() if parent in frontier]
-        found += kids
-        frontier = kids
-    return found
-
-
-def measure(cmd: list[str]) -> dict:
-    """Wall seconds, /usr/bin/time's maximum RSS and the polled peak anonymous RSS of `cmd` (and its children)."""
-    proc = subprocess.Popen(["/usr/bin/time", "-v", *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    peak = {"anon": 0}
-
-    def poll() -> None:
-        while proc.poll() is None:
-            peak["anon"] = max(peak["anon"], sum(_anon_kib(p) for p in _descendants(proc.pid)))
-            time.sleep(0.2)
-
-    started = time.perf_counter()
-    poller = threading.Thread(target=poll)
-    poller.start()
-    _, err = proc.communicate()
-    seconds = time.perf_counter() - started
-    poller.join()
-    if proc.returncode != 0:
-        lines = [line for line in err.splitlines() if line.startswith("error")] or err.splitlines()[-3:]
-        raise SystemExit(f"{' '.join(cmd[:4])}: failed: {lines[-1] if lines else proc.returncode}")
-    max_rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", err).group(1))
-    return {
-        "seconds": seconds,
-        "max_rss_bytes": max_rss * 1024,
-        "peak_anon_bytes": peak["anon"] * 1024,
-        "load_after": round(os.getloadavg()[0], 1),  # other work on the machine stretches the seconds
-    }
 
 
 def run(work: Path, only: list[str], commands: list[str]) -> None:
@@ -197,15 +138,14 @@ def render() -> str:
 
 
 def main() -> None:
-    ap, r = run_render_parser(__doc__.split("\n")[0])
+    ap, r = benchlib.run_render_parser(__doc__.split("\n")[0])
     r.add_argument("--commands", nargs="*", default=[], help="run the COMMANDS whose name contains one of these")
     args = ap.parse_args()
     if args.cmd == "run":
         args.work.mkdir(parents=True, exist_ok=True)
         run(args.work, args.only, args.commands)
         return
-    section = render()
-    publish(section, args.write)
+    benchlib.publish(render(), args.write)
 
 
 if __name__ == "__main__":

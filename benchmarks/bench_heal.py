@@ -17,15 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.docsection import replace_section  # noqa: E402
-from benchmarks.wiki_corpus import NAME, wiki_corpus  # noqa: E402
+import benchlib
+from benchlib import ROOT
+from wiki_corpus import NAME, wiki_corpus
 
 CALIB = ROOT / "tests/data/prose/calib.txt"
 HELDOUT = ROOT / "tests/data/prose/heldout.txt"
@@ -58,12 +55,11 @@ RUNS = {
 SAMPLE_TOKENS = {"final": "96k", "trial": "24k"}
 
 
-def _attnkit(*args: str, out: Path | None = None) -> dict | None:
-    """Run the attnkit CLI in a subprocess; JSON stdout parsed when `out` is None."""
-    cmd = [sys.executable, "-m", "attnkit", *args]
-    print("$", " ".join(cmd[2:]), flush=True)
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True, cwd=ROOT)
-    return json.loads(done.stdout) if "--format" in args else None
+def _attnkit(*args: str) -> dict:
+    """Run `attnkit ARGS` in a subprocess from the repository root (a relative ATTNKIT_CACHE is the repository's),
+    its log on this terminal; its JSON report."""
+    print("$ attnkit", " ".join(args), flush=True)
+    return benchlib.attnkit(*args, cwd=ROOT, log=True)
 
 
 def _student(work: Path, name: str, source: str) -> Path:
@@ -87,11 +83,9 @@ def _load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def _score(folder: Path, teacher, windows) -> dict:
-    from attnkit.runtime import load_model
-    from attnkit.scoring.perplexity import evaluate
-
-    r = evaluate(load_model(str(folder), device="cpu", dtype="float32"), windows, reference=teacher)
+def _score(folder: Path, teacher) -> dict:
+    """Perplexity and KL of a model against the teacher on all of benchmarks/data/technical.txt (windows of 512)."""
+    r = benchlib.score_texts(benchlib.load(folder), teacher, {"technical": TECHNICAL}, None)["technical"]
     return {
         "perplexity": r.perplexity,
         "kl_mean": r.kl_mean,
@@ -102,8 +96,6 @@ def _score(folder: Path, teacher, windows) -> dict:
 
 def run(name: str, work: Path, source: str) -> dict:
     """Heal one student as RUNS[name] says; returns the stored entry."""
-    from attnkit.runtime import load_model, make_windows, read_texts
-
     student_name, extra = RUNS[name]
     student = _student(work, student_name, source)
     out = work / f"healed-{name}"
@@ -131,9 +123,8 @@ def run(name: str, work: Path, source: str) -> dict:
     wall = time.perf_counter() - started
     technical = None
     if name.startswith("final-"):
-        teacher = load_model(source, device="cpu", dtype="float32")
-        windows = make_windows(teacher.tokenizer, read_texts([str(TECHNICAL)]), 512)
-        technical = {"before": _score(student, teacher, windows), "after": _score(out, teacher, windows)}
+        teacher = benchlib.load(source)
+        technical = {"before": _score(student, teacher), "after": _score(out, teacher)}
     entry = {
         "name": name,
         "student": student_name,
@@ -346,7 +337,7 @@ def write(work: Path) -> None:
         "",
         f"![heal curve]({PLOT.name})",
     ]
-    replace_section(ROOT / "docs/benchmarks.md", "\n".join(body))
+    benchlib.publish("\n".join(body), True)
     if finals:
         plot(results, PLOT)
 
@@ -359,7 +350,7 @@ def main() -> None:
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     if args.run:
-        from tests.realmodel import smollm2_folder
+        from attnkit.realmodels import smollm2_folder
 
         source = str(smollm2_folder())
         for name in args.run:

@@ -4,7 +4,7 @@ Usage: python benchmarks/bench_heal_memory.py run --work DIR [--only NAME ...]
        python benchmarks/bench_heal_memory.py render [--write]
   run: for each entry of RUNS, the plan (`attnkit heal --dry-run --format json`: its total) and a short real run
        of the same options (one or two optimizer steps; /usr/bin/time's maximum RSS and the polled peak anonymous
-       RSS, benchmarks/bench_geometry.py's `measure`). Students are written first with `attnkit convert` when DIR
+       RSS, benchlib.measure). Students are written first with `attnkit convert` when DIR
        lacks them (calibration: tests/data/prose/calib.txt); training data: the Wikipedia excerpt of
        benchmarks/wiki_corpus.py (built in DIR). Rows are appended to
        benchmarks/results/heal_memory.jsonl, each with the commit it ran on.
@@ -13,16 +13,12 @@ Usage: python benchmarks/bench_heal_memory.py run --work DIR [--only NAME ...]
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.bench_geometry import measure  # noqa: E402
-from benchmarks.docsection import publish, run_render_parser  # noqa: E402
+import benchlib
+from benchlib import ROOT
 
 RESULTS = ROOT / "benchmarks" / "results" / "heal_memory.jsonl"
 CALIB = str(ROOT / "tests/data/prose/calib.txt")
@@ -44,13 +40,6 @@ RUNS = {
 }
 
 
-def attnkit_json(args: list[str]) -> dict:
-    out = subprocess.run([sys.executable, "-m", "attnkit", *args, "--format", "json"], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"attnkit {' '.join(args[:2])}: {out.stderr.strip().splitlines()[-1]}")
-    return json.loads(out.stdout)
-
-
 def heal_args(student: Path, source: Path, data: Path, out: Path, options: list[str]) -> list[str]:
     seq_len = int(options[options.index("--seq-len") + 1])
     batch = int(options[options.index("--batch-size") + 1])
@@ -62,8 +51,9 @@ def heal_args(student: Path, source: Path, data: Path, out: Path, options: list[
 
 
 def run(work: Path, only: list[str]) -> None:
-    from benchmarks.wiki_corpus import wiki_corpus
-    from tests.realmodel import smollm2_folder
+    from wiki_corpus import wiki_corpus
+
+    from attnkit.realmodels import smollm2_folder
 
     source = smollm2_folder()
     work.mkdir(parents=True, exist_ok=True)
@@ -73,11 +63,10 @@ def run(work: Path, only: list[str]) -> None:
         student, options = RUNS[name]
         path = work / student
         if not (path / "attnkit.json").is_file():
-            cmd = [a.format(src=source, out=path) for a in STUDENTS[student]]
-            subprocess.run([sys.executable, "-m", "attnkit", *cmd], check=True, stdout=subprocess.DEVNULL)
+            benchlib.attnkit(*[a.format(src=source, out=path) for a in STUDENTS[student]], log=True)
         args = heal_args(path, source, data, work / "healed", options)
-        plan = attnkit_json([*args, "--dry-run"])["memory"]
-        measured = measure([sys.executable, "-m", "attnkit", *args])
+        plan = benchlib.attnkit(*args, "--dry-run")["memory"]
+        measured = benchlib.measure([sys.executable, "-m", "attnkit", *args])
         row = {
             "name": name,
             "commit": commit.stdout.strip(),
@@ -86,17 +75,12 @@ def run(work: Path, only: list[str]) -> None:
             **measured,
             "command": "attnkit " + " ".join(args).replace(str(work), "DIR").replace(str(source), "SRC"),
         }
-        with RESULTS.open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
+        benchlib.append_jsonl(RESULTS, [row])
         print(f"{name}: plan {plan['total'] / 2**30:.2f} GiB, peak {measured['max_rss_bytes'] / 2**30:.2f} GiB")
 
 
 def render(write: bool) -> None:
-    rows = {}
-    for line in RESULTS.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            rows[row["name"]] = row
+    rows = benchlib.latest(benchlib.read_jsonl(RESULTS), lambda row: row["name"])
     lines = [
         "## heal memory plan at long windows",
         "",
@@ -124,11 +108,11 @@ def render(write: bool) -> None:
             + " | ".join(f"{c / gib:.2f}" for c in cells)
             + f" | {r['peak_anon_bytes'] / r['plan_total']:.2f} |"
         )
-    publish("\n".join(lines) + "\n", write)
+    benchlib.publish("\n".join(lines) + "\n", write)
 
 
 def main() -> None:
-    parser, _ = run_render_parser(__doc__)
+    parser, _ = benchlib.run_render_parser(__doc__)
     args = parser.parse_args()
     run(args.work, args.only) if args.cmd == "run" else render(args.write)
 

@@ -7,21 +7,18 @@ by the first top-k run (its cost is reported apart: a cache serves every later r
 read by the others. Data: tests/data/prose/calib.txt; held-out scoring: 2048 tokens of
 tests/data/prose/heldout.txt against the teacher (the same full KL for both kinds of run). Rows in
 benchmarks/results/heal_topk.json; --write renders "## heal: live teacher against cached top-k" in
-docs/benchmarks.md.
+docs/ablations.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.docsection import publish  # noqa: E402
+import benchlib
+from benchlib import ROOT
 
 RESULTS = ROOT / "benchmarks" / "results" / "heal_topk.json"
 SETTINGS = [
@@ -31,21 +28,14 @@ SETTINGS = [
 ]  # fmt: skip
 
 
-def attnkit(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "attnkit", *args], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"attnkit {' '.join(args[:3])}: {proc.stderr.strip().splitlines()[-1]}")
-    return json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else {}
-
-
 def run(work: Path, rounds: int, tokens: str) -> list[dict]:
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     teacher = smollm2_folder()
     student = work / "mqa-merge"
     if not (student / "attnkit.json").is_file():
         calib = ["--calib", str(ROOT / "tests/data/prose/calib.txt")]
-        attnkit("convert", "mqa", str(teacher), str(student), "--method", "merge", *calib)
+        benchlib.attnkit("convert", "mqa", str(teacher), str(student), "--method", "merge", *calib)
     cache = work / "cache"
     rows = []
     for i in range(rounds):
@@ -53,7 +43,7 @@ def run(work: Path, rounds: int, tokens: str) -> list[dict]:
             out = work / f"{mode}-{i}"
             args = ["heal", str(student), str(out), "--teacher", str(teacher), "--tokens", tokens, *SETTINGS]
             args += ["--teacher-logits", mode, "--sample-cache", str(cache), "--overwrite", "--format", "json"]
-            report = attnkit(*args)
+            report = benchlib.attnkit(*args)
             t, e = report["training"], report["eval"]
             row = {
                 "mode": mode,
@@ -116,8 +106,7 @@ def main() -> None:
     if args.work:
         args.work.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(run(args.work, args.rounds, args.tokens), indent=1) + "\n")
-    section = render(json.loads(RESULTS.read_text()))
-    publish(section, args.write)
+    benchlib.publish(render(json.loads(RESULTS.read_text())), args.write, benchlib.ABLATIONS)
 
 
 if __name__ == "__main__":

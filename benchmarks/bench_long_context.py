@@ -11,27 +11,24 @@ Usage: python benchmarks/bench_long_context.py run --work DIR [--family smollm2|
        when DIR holds it), then scores each with `attnkit eval` (the command lines are in the rows): by distance
        (--reference SRC) on --windows windows of each length of each text, and pass keys (both variants,
        --passkey lengths, none when empty; DEPTHS depths x --trials keys). --family gemma3: the rewrites of
-       GEMMA3_MODELS, of Gemma 3 270M (tests/realmodel.py's fp32 folder of the Q4_K_M GGUF; its source rows are
+       GEMMA3_MODELS, of Gemma 3 270M (attnkit/realmodels.py's fp32 folder of the Q4_K_M GGUF; its source rows are
        named "gemma3-source"). Rows go to DIR/long_context.jsonl and
        benchmarks/results/long_context.jsonl (one per model, text and length, or model and variant).
-  render: "## long context" of docs/benchmarks.md from benchmarks/results/long_context.jsonl.
+  render: "## long context" of docs/benchmarks.md (the defaults and the recipe: SHOWN) and "## long context, variants"
+       of docs/ablations.md (every other row: CHANGED) from benchmarks/results/long_context.jsonl.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import sysconfig
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from benchmarks.docsection import publish, run_render_parser  # noqa: E402
+import benchlib
+from benchlib import ROOT, portable
 
 RESULTS = ROOT / "benchmarks" / "results" / "long_context.jsonl"
 CALIB = "--calib " + str(ROOT / "tests/data/prose/calib.txt")
@@ -149,6 +146,47 @@ FAMILIES = {
     "smollm2": ("smollm2_folder", MODELS, "source"),
     "gemma3": ("gemma3_folder", GEMMA3_MODELS, "gemma3-source"),
 }
+#: The rows docs/benchmarks.md shows, "## long context": the defaults and the recipe, each with what it is (its name
+#: in the rows file in parentheses).
+SHOWN = {
+    "mla-50": "convert mla at 50% of the cache, defaults",
+    "mqa-merge": "convert mqa, defaults: the merge",
+    "qknorm": "retrofit qknorm, defaults",
+    "mla-25": "convert mla at 25%, defaults",
+    "mla-50-calib-mixed": "convert mla at 50%, calibrated on prose and code",
+    "mla-50-calib-mixed-healed-mixed-bf16": "the recipe: that, healed 30 minutes on prose and code in bf16",
+    "mqa-merge-healed-mixed-bf16": "convert mqa, healed as the recipe",
+    "gemma3-mla-50-calib-mixed": "convert mla --target gemma3-mla at 50%, the default split, prose and code",
+    "gemma3-mla-75-p256-calib-mixed": "the recipe: 75%, every key pair in the RoPE key, 128 + 256",
+}
+#: Every other row, on docs/ablations.md ("## long context, variants"): what changed from the row it varies.
+#: Calibration on "Wikipedia" is heal.jsonl, 512-token windows unless said; "the recipe" is
+#: mla-50-calib-mixed-healed-mixed-bf16, "Gemma's recipe" gemma3-mla-75-p256-calib-mixed.
+CHANGED = {
+    "mqa-mean": "convert mqa: mean pooling instead of the merge",
+    "mla-50-calib-1x2048": "mla-50, calibration: calib.txt's first 2048 tokens as one window",
+    "mla-50-calib-512x4": "mla-50, calibration: 2048 tokens of Wikipedia",
+    "mla-50-calib-512x16": "mla-50, calibration: 8,192 tokens of Wikipedia",
+    "mla-50-calib-2048": "mla-50, calibration: 8,192 tokens of Wikipedia in 2048-token windows",
+    "mla-50-calib-2048-code": "mla-50, calibration: 8,192 tokens of Python source in 2048-token windows",
+    "mla-25-calib-2048": "mla-25, calibration: 8,192 tokens of Wikipedia in 2048-token windows",
+    "mqa-merge-calib-512x16": "mqa-merge, calibration: 8,192 tokens of Wikipedia",
+    "mqa-merge-calib-2048": "mqa-merge, calibration: 8,192 tokens of Wikipedia in 2048-token windows",
+    "mla-50-healed": "the recipe started from mla-50, healed on Wikipedia alone, in fp32",
+    "mla-50-calib-mixed-healed": "the recipe healed on Wikipedia alone, in fp32",
+    "mla-50-calib-mixed-healed-mixed": "the recipe in fp32",
+    "mla-50-calib-mixed-healed-mixed-bf16-4k": "the recipe on 4096-token windows, batch 2",
+    "mla-50-calib-mixed-healed-mixed-bf16-20m": "the recipe stopped at 20 minutes",
+    "mla-50-calib-mixed-healed-mixed-bf16-20m-4k": "the recipe: 20 minutes, then 10 on 4096-token windows",
+    "mla-50-calib-mixed-healed-mixed-bf16-15m": "the recipe stopped at 15 minutes",
+    "mla-50-calib-mixed-healed-mixed-bf16-15m-4k": "the recipe: 15 minutes, then 15 on 4096-token windows",
+    "mqa-merge-healed": "mqa-merge healed as the recipe, but on Wikipedia alone in fp32",
+    "mqa-merge-healed-mixed": "mqa-merge healed as the recipe, but in fp32",
+    "gemma3-mla-75-calib-mixed": "Gemma's recipe with the split 256 + 128, --kv-budget 0.75's before",
+    "gemma3-mla-50-p192-calib-mixed": "Gemma 3 at 50%, three quarters of the key pairs in the RoPE key: 64 + 192",
+}
+if set(SHOWN) | set(CHANGED) != set(MODELS) | set(GEMMA3_MODELS) or set(SHOWN) & set(CHANGED):
+    raise ValueError("every model of MODELS and GEMMA3_MODELS is in SHOWN or CHANGED, once")
 
 
 def prepare(work: Path) -> dict:
@@ -193,38 +231,14 @@ def mixed_heal_data(article_lines: list[str]) -> str:
     return "\n".join(out + modules) + "\n"
 
 
-def attnkit(*args: str) -> dict:
-    """Run `attnkit ARGS --format json` in a fresh process; its JSON report."""
-    out = subprocess.run([sys.executable, "-m", "attnkit", *args, "--format", "json"], check=True, capture_output=True)
-    return json.loads(out.stdout)
-
-
-def portable(command: str, work: Path, source: Path) -> str:
-    """A command line with this machine's folders replaced by SRC and DIR."""
-    return command.replace(str(source), "SRC").replace(str(work), "DIR").replace(str(ROOT) + "/", "")
-
-
-def write_models(work: Path, source: Path, names: list[str], models: dict) -> None:
-    for name in names:
-        out = work / name
-        if (out / "attnkit.json").is_file():
-            continue
-        started = time.perf_counter()
-        args = models[name].format(src=source, out=out, work=work).split()
-        subprocess.run([sys.executable, "-m", "attnkit", *args], check=True, stdout=subprocess.DEVNULL)
-        print(f"{name}: written in {time.perf_counter() - started:.0f}s", file=sys.stderr)
-
-
 def score(name: str, path: Path, source: Path, texts: dict, work: Path, windows: dict, passkey: str, trials: int):
     """By-distance rows of every text and length ({length: windows}), and pass keys of both variants at the
     lengths `passkey` names, of one model."""
     rows = []
     for text, file in texts.items():
         for length, count in windows.items():
-            args = [str(path), str(file), "--reference", str(source), "--seq-len", str(length)]
-            args += ["--max-tokens", str(length * count), "--device", "cpu"]
             started = time.perf_counter()
-            doc = attnkit("eval", *args)
+            doc, args = benchlib.eval_distance(path, file, source, length, count, "--device", "cpu")
             rows.append(
                 {
                     "model": name,
@@ -241,16 +255,14 @@ def score(name: str, path: Path, source: Path, texts: dict, work: Path, windows:
                 }
             )
     for variant in VARIANTS if passkey else ():
-        args = [str(path), "--passkey", passkey, "--passkey-variant", variant, "--depths", str(DEPTHS)]
-        args += ["--trials", str(trials), "--device", "cpu"]
         started = time.perf_counter()
-        doc = attnkit("eval", *args)
+        found, doc, args = benchlib.eval_passkey(path, passkey, variant, DEPTHS, trials, "--device", "cpu")
         rows.append(
             {
                 "model": name,
                 "kind": "passkey",
                 "variant": variant,
-                "by_length": {r["length"]: r["accuracy"] for r in doc["passkey"]["model"]["by_length"]},
+                "by_length": found,
                 "chance": doc["passkey"]["model"]["chance"],
                 "depths": DEPTHS,
                 "trials": trials,
@@ -262,29 +274,25 @@ def score(name: str, path: Path, source: Path, texts: dict, work: Path, windows:
 
 
 def run(work: Path, family: str, only: list[str], windows: dict, passkey: str, trials: int) -> None:
-    import tests.realmodel
+    import attnkit.realmodels
 
     folder, models, source_name = FAMILIES[family]
     work.mkdir(parents=True, exist_ok=True)
-    source = getattr(tests.realmodel, folder)()
+    source = getattr(attnkit.realmodels, folder)()
     texts = prepare(work)
     names = only or [source_name, *models]
-    write_models(work, source, [n for n in names if n != source_name], models)
+    benchlib.write_models(work, source, models, [n for n in names if n != source_name])
     for name in names:
         path = source if name == source_name else work / name
         rows = score(name, path, source, texts, work, windows, passkey, trials)
         for target in (work / "long_context.jsonl", RESULTS):
-            with target.open("a") as fh:
-                fh.writelines(json.dumps(row) + "\n" for row in rows)
+            benchlib.append_jsonl(target, rows)
         print(f"{name}: scored", file=sys.stderr)
 
 
-def latest(rows: list[dict]) -> dict:
-    """The last row of each (model, kind, text or variant, length)."""
-    out = {}
-    for row in rows:
-        out[(row["model"], row["kind"], row.get("text") or row.get("variant"), row.get("seq_len"))] = row
-    return out
+def _key(row: dict) -> tuple:
+    """(model, kind, text or variant, length): the rows of a key after its last replace it."""
+    return row["model"], row["kind"], row.get("text") or row.get("variant"), row.get("seq_len")
 
 
 def _share(value: float | None) -> str:
@@ -292,8 +300,10 @@ def _share(value: float | None) -> str:
 
 
 def render(write: bool) -> None:
-    rows = latest([json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()])
-    lines = [
+    """ "## long context" of docs/benchmarks.md (the source, SHOWN) and "## long context, variants" of
+    docs/ablations.md (the source, CHANGED)."""
+    rows = benchlib.latest(benchlib.read_jsonl(RESULTS), _key)
+    shown = [
         "## long context",
         "",
         "`python benchmarks/bench_long_context.py run --work DIR`, then `render --write`: SmolLM2-135M-Instruct "
@@ -308,27 +318,47 @@ def render(write: bool) -> None:
         "same with 21 standard-library modules interleaved, a third of its characters (CODE_MODULES); code.txt, "
         "argparse.py; prose-2.jsonl, two articles of heal.jsonl cut to 10,000 characters.",
         "",
-        *family_tables(rows, "smollm2"),
+        "Shown here: the defaults and the recipe (the 50% result calibrated on prose and code, then healed 30 "
+        "minutes on prose and code in bf16), each row named by what it is, its name in the rows file in "
+        "parentheses. The other calibrations, methods and heals, named by what changed: "
+        '[ablations.md](ablations.md), "## long context, variants".',
+        "",
+        *family_tables(rows, "smollm2", SHOWN),
+    ]
+    variants = [
+        "## long context, variants",
+        "",
+        "The rows of `python benchmarks/bench_long_context.py` that are not a default or the recipe "
+        '(docs/benchmarks.md, "## long context": the same texts, windows and scoring, the commands there), each '
+        "named by what changed from the row it varies, its name in the rows file (benchmarks/results/"
+        "long_context.jsonl) in parentheses. Calibration on Wikipedia: DIR/heal.jsonl, in 512-token windows "
+        "unless said; mla-50, mla-25 and mqa-merge: the defaults, calibrated on tests/data/prose/calib.txt; the "
+        "recipe: mla-50-calib-mixed healed 30 minutes on DIR/heal-mixed.jsonl in bf16 on 2048-token windows.",
+        "",
+        *family_tables(rows, "smollm2", CHANGED),
     ]
     if any(key[0] == FAMILIES["gemma3"][2] for key in rows):
-        lines += [
-            "",
-            "### Gemma 3 270M",
-            "",
+        gemma = (
             "`run --family gemma3`: Gemma 3 270M (the Q4_K_M GGUF dequantized to fp32; 18 layers, 4 heads, 1 KV head "
             "of 256, QK-norm, 5 sliding layers of 512 tokens per global one, 32,768 positions) and its rewrites, "
-            "the same texts and scoring.",
-            "",
-            *family_tables(rows, "gemma3"),
-        ]
-    publish("\n".join(lines), write)
+            "the same texts and scoring."
+        )
+        shown += ["", "### Gemma 3 270M", "", gemma, "", *family_tables(rows, "gemma3", SHOWN)]
+        variants += ["", "### Gemma 3 270M", "", gemma, "", *family_tables(rows, "gemma3", CHANGED)]
+    benchlib.publish("\n".join(shown), write)
+    benchlib.publish("\n".join(variants), write, benchlib.ABLATIONS)
 
 
-def family_tables(rows: dict, family: str) -> list[str]:
-    """The by-distance tables, pass keys and commands of one --family's source and rewrites."""
+def family_tables(rows: dict, family: str, labels: dict[str, str]) -> list[str]:
+    """The by-distance tables, pass keys and commands of one --family's source and the rewrites `labels` names,
+    each row named "label (name)"."""
     _, commands, source_name = FAMILIES[family]
     gemma = FAMILIES["gemma3"][2], *GEMMA3_MODELS
-    models = [m for m in dict.fromkeys(key[0] for key in rows) if (m in gemma) == (family == "gemma3")]
+    models = [
+        m
+        for m in dict.fromkeys(key[0] for key in rows)
+        if (m in gemma) == (family == "gemma3") and (m == source_name or m in labels)
+    ]
     rows = {key: row for key, row in rows.items() if key[0] in models}
     lines = []
     for text in ("prose", "technical"):
@@ -336,26 +366,28 @@ def family_tables(rows: dict, family: str) -> list[str]:
             found = [rows[k] for k in rows if k[1] == "distance" and k[2] == text and k[3] == length]
             if not found:
                 continue
-            buckets = [(r["start"], r["end"]) for r in found[0]["by_distance"]]
+            buckets = benchlib.buckets(found[0]["by_distance"])
             lines += [
                 f"**{text}, windows of {length:,} tokens** ({found[0]['windows']} windows; KL: mean over the window)",
                 "",
-                "| model | " + " | ".join(f"{a:,}-{b:,}" for a, b in buckets) + " | all | KL |",
+                "| model | " + " | ".join(buckets) + " | all | KL |",
                 "|---|" + "---:|" * (len(buckets) + 2),
             ]
             source = found[0]
             lines.append(
                 "| source (perplexity) | "
-                + " | ".join(f"{r['reference_perplexity']:.2f}" for r in source["by_distance"])
+                + " | ".join(benchlib.source_cells(source["by_distance"]))
                 + f" | {source['source_perplexity']:.2f} | |"
             )
             for model in models:
                 row = rows.get((model, "distance", text, length))
                 if row is None or model == source_name:
                     continue
-                cells = [f"{r['ratio']:.2f}x" for r in row["by_distance"]]
+                cells = benchlib.ratio_cells(row["by_distance"])
                 ratio = row["perplexity"] / row["source_perplexity"]
-                lines.append(f"| {model} | " + " | ".join(cells) + f" | {ratio:.2f}x | {row['kl_mean']:.3f} |")
+                lines.append(
+                    f"| {_name(model, labels)} | " + " | ".join(cells) + f" | {ratio:.2f}x | {row['kl_mean']:.3f} |"
+                )
             lines.append("")
     keys = [r for r in rows.values() if r["kind"] == "passkey"]
     lengths = list(keys[0]["by_length"]) if keys else []
@@ -371,13 +403,13 @@ def family_tables(rows: dict, family: str) -> list[str]:
         if None in pairs:
             continue
         cells = [" / ".join(_share(p["by_length"].get(n)) for p in pairs) for n in lengths]
-        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_name(model, labels)} | " + " | ".join(cells) + " |")
     lines += ["", "Commands (SRC: the source folder, DIR: --work):", ""]
     for model in models:
         if model in commands:
             command = commands[model].format(src="SRC", out=f"DIR/{model}", work="DIR")
             lines.append(f"- {model}: `attnkit {portable(command, Path('DIR'), Path('SRC'))}`")
-    missing = [m for m in commands if m not in models]
+    missing = [m for m in commands if m in labels and m not in models]
     if missing:
         lines += ["", "Not measured yet (in MODELS, no rows): " + ", ".join(missing) + "."]
     example = next((r["command"] for r in rows.values() if r["kind"] == "distance" and r["model"] != source_name), None)
@@ -386,8 +418,13 @@ def family_tables(rows: dict, family: str) -> list[str]:
     return lines
 
 
+def _name(model: str, labels: dict[str, str]) -> str:
+    """A row's name in the docs: what it is or what changed, its name in the rows file in parentheses."""
+    return f"{labels[model]} ({model})" if model in labels else model
+
+
 def main() -> None:
-    parser, r = run_render_parser(__doc__)
+    parser, r = benchlib.run_render_parser(__doc__)
     r.add_argument("--windows", default=",".join(f"{k}:{v}" for k, v in WINDOWS.items()), help="LENGTH:COUNT,...")
     r.add_argument("--passkey", default=PASSKEY)
     r.add_argument("--trials", type=int, default=TRIALS)

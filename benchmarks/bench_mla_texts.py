@@ -9,7 +9,8 @@ tokens of tests/data/prose/calib.txt, windows of 512) and scored against the sou
 reference (technical): perplexity, the source's, KL(source || result). One JSON row per variant.
 tm.jsonl: `benchmarks/transmla_side_by_side.py --settings 32:4,64:2,64:4 --eval legal=... --eval
 technical=...` on the same tokens (its own venv). render writes "## convert mla, three texts" of
-docs/benchmarks.md.
+docs/benchmarks.md (today's defaults, TransMLA) and "## convert mla, three texts: the defaults before" of
+docs/ablations.md (the other rows).
 """
 
 from __future__ import annotations
@@ -17,13 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.docsection import publish  # noqa: E402
+import benchlib
+from benchlib import ROOT
 
 CALIB = ["--calib", str(ROOT / "tests/data/prose/calib.txt"), "--calib-tokens", "2048", "--calib-seq-len", "512"]
 TEXTS = {"prose": ROOT / "tests/data/prose/heldout.txt", "legal": "legal_gpl3.txt", "technical": "technical_pyref.txt"}
@@ -56,45 +54,22 @@ VARIANTS = {
 
 def score(model_dir: Path, texts: Path) -> dict:
     """{text: {ppl, src, kl}} against the source, on the first 4096 tokens of each text."""
-    from attnkit.runtime import load_model
-    from attnkit.runtime.texts import make_windows, read_texts
-    from attnkit.scoring.perplexity import evaluate
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
-    src = load_model(str(smollm2_folder()), device="cpu", dtype="float32")
-    model = load_model(str(model_dir), device="cpu", dtype="float32")
-    out = {}
-    for name, path in TEXTS.items():
-        windows = make_windows(src.tokenizer, read_texts([str(texts / path)]), 512, 4096)
-        r = evaluate(model, windows, reference=src)
-        out[name] = {"ppl": r.perplexity, "src": r.reference_perplexity, "kl": r.kl_mean}
-    return out
+    src = benchlib.load(smollm2_folder())
+    files = {name: texts / path for name, path in TEXTS.items()}
+    scores = benchlib.score_texts(benchlib.load(model_dir), src, files, 4096)
+    return {t: {"ppl": r.perplexity, "src": r.reference_perplexity, "kl": r.kl_mean} for t, r in scores.items()}
 
 
 def run(args) -> None:
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     for name, (values, options) in VARIANTS.items():
         if args.only and not re.search(args.only, name):
             continue
         out = args.work / re.sub(r"\W+", "_", name)
-        cmd = [
-            sys.executable,
-            "-m",
-            "attnkit",
-            "convert",
-            "mla",
-            str(smollm2_folder()),
-            str(out),
-            *CALIB,
-            *options,
-            "--format",
-            "json",
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.exit(f"{name}: {proc.stderr.strip().splitlines()[-1]}")
-        rep = json.loads(proc.stdout)
+        rep = benchlib.attnkit("convert", "mla", str(smollm2_folder()), str(out), *CALIB, *options)
         print(
             json.dumps(
                 {
@@ -120,11 +95,14 @@ def _transmla_best(rows: list[dict], values: int, text: str) -> tuple[float, str
     return min(found) if found else None
 
 
-def render(args) -> str:
-    rows = [json.loads(line) for line in Path(args.rows).read_text().splitlines() if line.strip()]
-    tm = [json.loads(line) for line in Path(args.transmla).read_text().splitlines() if line.strip()]
+def render(args) -> tuple[str, str]:
+    """ "## convert mla, three texts" of docs/benchmarks.md (today's defaults, TransMLA) and "## convert mla, three
+    texts: the defaults before" of docs/ablations.md (every other row)."""
+    rows, tm = benchlib.read_jsonl(args.rows), benchlib.read_jsonl(args.transmla)
     src = next(r for r in tm if r["variant"] == "source")
     src_ppl = {"prose": src["ppl"], **src["texts"]}
+    source = "Source perplexity: " + ", ".join(f"{k} {v:.2f}" for k, v in src_ppl.items()) + "."
+    header = ["| variant | R + P | command | prose | legal | technical |", "|---|---:|---|---:|---:|---:|"]
     lines = [
         "## convert mla, three texts",
         "",
@@ -138,20 +116,29 @@ def render(args) -> str:
         "language reference (pydoc_data.topics). Perplexity (x source); TransMLA: the best of its three "
         "best settings of the prose grid (rope dim 64 with freqfold 2 or 4, rope dim 32 with freqfold 4) "
         "per text and budget. attnkit's defaults otherwise (sequential calibration, o_proj refit 0.1, "
-        "engine latent norm, `--key-weight output`); `--key-weight query (before)` rows are the default before "
-        "the output key weight (issue 29), `--shrink 0 (before)` rows the default before the shrinkage; the "
-        "shrinkage rows were measured with `--key-weight query`. "
-        "Source perplexity: " + ", ".join(f"{k} {v:.2f}" for k, v in src_ppl.items()) + ".",
+        "engine latent norm, `--key-weight output`); the defaults before (`--key-weight query`, `--shrink 0`) "
+        'and other shrinkages, on the same tokens: [ablations.md](ablations.md), "## convert mla, three texts: '
+        'the defaults before". ' + source,
         "",
-        "| variant | R + P | command | prose | legal | technical |",
-        "|---|---:|---|---:|---:|---:|",
+        *header,
+    ]
+    before = [
+        "## convert mla, three texts: the defaults before",
+        "",
+        "The rows of `python benchmarks/bench_mla_texts.py` that are not today's defaults (docs/benchmarks.md, "
+        '"## convert mla, three texts": the same model, texts, tokens and scoring), each named by what changed: '
+        "`--key-weight query (before)` rows are the default before the output key weight (issue 29), `--shrink 0 "
+        "(before)` rows the default before the shrinkage; the shrinkage rows were measured with `--key-weight "
+        "query`. " + source,
+        "",
+        *header,
     ]
 
     def cell(ppl: float, text: str) -> str:
         return f"{ppl:.2f} ({ppl / src_ppl[text]:.2f}x)"
 
     for r in rows:
-        lines.append(
+        (lines if r["variant"].startswith("default ") else before).append(
             f"| {r['variant']} | {r['R']} + {r['P']} | `{r['command']}` | "
             + " | ".join(cell(r["texts"][t]["ppl"], t) for t in TEXTS)
             + " |"
@@ -165,7 +152,7 @@ def render(args) -> str:
             + " | ".join(cell(best[t][0], t) for t in TEXTS)
             + " |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n", "\n".join(before) + "\n"
 
 
 def main() -> None:
@@ -183,8 +170,9 @@ def main() -> None:
     if args.cmd == "run":
         run(args)
         return
-    section = render(args)
-    publish(section, args.write)
+    shown, before = render(args)
+    benchlib.publish(shown, args.write)
+    benchlib.publish(before, args.write, benchlib.ABLATIONS)
 
 
 if __name__ == "__main__":

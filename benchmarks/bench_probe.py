@@ -1,6 +1,8 @@
 """`probe` against a plain sdpa forward of the same model on the same tokens: wall time and peak memory (CPU).
 
-Each measurement runs in a fresh interpreter (so peak RSS is its own); modes alternate, best of --repeat.
+Each measurement runs in a fresh interpreter (so peak RSS is its own); modes alternate, best of --repeat. The child
+measures the run alone: it resets its high-water mark once the model is loaded and warmed up, and reports the peak
+and the growth over the loaded model ("extra"), which a measurement of the whole child (benchlib.measure) cannot.
 Usage: python benchmarks/bench_probe.py [--seq-lens 512,2048] [--repeat 2] [--write docs/benchmarks.md]
 """
 
@@ -9,23 +11,20 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # tests.realmodel locates the SmolLM2 model
-from benchmarks.docsection import replace_section  # noqa: E402
+import benchlib
+from benchlib import ROOT
 
 TEXTS = [ROOT / "tests/data/prose/heldout.txt", ROOT / "tests/data/prose/calib.txt"]
 MODES = ("forward", "probe")
 
 
 def _rss_mib(field: str) -> float:
-    status = Path("/proc/self/status").read_text()
-    return int(re.search(rf"^{field}:\s+(\d+) kB", status, re.M).group(1)) / 1024
+    return benchlib.status_kib("self", field) / 1024
 
 
 def _child(mode: str, model_dir: str, seq_len: int, threads: int | None) -> dict:
@@ -58,7 +57,7 @@ def _child(mode: str, model_dir: str, seq_len: int, threads: int | None) -> dict
 
 
 def _model_dir() -> str:
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     return str(smollm2_folder())
 
@@ -124,7 +123,7 @@ def main() -> None:
     print()
     print(body)
     if args.write:
-        replace_section(Path(args.write), "## probe\n\n" + body)
+        benchlib.publish("## probe\n\n" + body, True, args.write)
 
 
 if __name__ == "__main__":

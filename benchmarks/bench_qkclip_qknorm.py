@@ -18,10 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.docsection import publish  # noqa: E402
+import benchlib
+from benchlib import ROOT
 
 RESULTS = ROOT / "benchmarks" / "results" / "qkclip_qknorm.json"
 CALIB = ROOT / "tests/data/prose/calib.txt"
@@ -31,39 +29,28 @@ TOKENS = 2048
 
 
 def sources(work: Path) -> dict[str, Path]:
-    from tests.realmodel import gemma3_folder, smollm2_folder
+    from attnkit.realmodels import gemma3_folder, smollm2_folder
 
     qwen3 = work / "qwen3"
     if not (qwen3 / "attnkit.json").is_file():
-        cmd = ["retrofit", "qknorm", str(smollm2_folder()), str(qwen3), "--calib", str(CALIB)]
-        subprocess.run([sys.executable, "-m", "attnkit", *cmd], check=True, stdout=subprocess.DEVNULL)
+        benchlib.attnkit("retrofit", "qknorm", str(smollm2_folder()), str(qwen3), "--calib", str(CALIB), log=True)
     return {"Gemma 3 270M": gemma3_folder(), "Qwen3 (retrofit qknorm of SmolLM2)": qwen3}
 
 
 def max_logit(model: Path, text: Path) -> float:
     """The largest pre-cap attention logit over layers and heads on the first TOKENS tokens of text."""
-    from attnkit.runtime import load_model
     from attnkit.runtime.texts import make_windows, read_texts
     from attnkit.scoring.attention_stats import probe
 
-    loaded = load_model(str(model), device="cpu", dtype="float32")
+    loaded = benchlib.load(model)
     windows = make_windows(loaded.tokenizer, read_texts([str(text)]), 512, TOKENS)
     return max(r["max_logit_precap"] for r in probe(loaded, windows).heads)
 
 
 def perplexities(source: Path, model: Path) -> dict:
-    from attnkit.runtime import load_model
-    from attnkit.runtime.texts import make_windows, read_texts
-    from attnkit.scoring.perplexity import evaluate
-
-    src = load_model(str(source), device="cpu", dtype="float32")
-    out = load_model(str(model), device="cpu", dtype="float32")
-    result = {}
-    for name, path in TEXTS.items():
-        windows = make_windows(src.tokenizer, read_texts([str(path)]), 512, TOKENS)
-        r = evaluate(out, windows, reference=src)
-        result[name] = {"ppl": r.perplexity, "src": r.reference_perplexity, "kl": r.kl_mean}
-    return result
+    src = benchlib.load(source)
+    scores = benchlib.score_texts(benchlib.load(model), src, TEXTS, TOKENS)
+    return {t: {"ppl": r.perplexity, "src": r.reference_perplexity, "kl": r.kl_mean} for t, r in scores.items()}
 
 
 def run(work: Path) -> list[dict]:
@@ -75,11 +62,8 @@ def run(work: Path) -> list[dict]:
             tau = round(top * fraction, 2)
             out = work / f"{name.split()[0].lower()}-{fraction}"
             subprocess.run(["rm", "-rf", str(out)], check=True)
-            cmd = ["retrofit", "qkclip", str(source), str(out), "--tau", str(tau), "--calib", str(CALIB), "-f", "json"]
-            report = json.loads(
-                subprocess.run(
-                    [sys.executable, "-m", "attnkit", *cmd], check=True, capture_output=True, text=True
-                ).stdout
+            report = benchlib.attnkit(
+                "retrofit", "qkclip", str(source), str(out), "--tau", str(tau), "--calib", str(CALIB), "-f", "json"
             )
             row = {
                 "model": name,
@@ -133,8 +117,7 @@ def main() -> None:
     if args.work:
         args.work.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(run(args.work), indent=1) + "\n")
-    section = render(json.loads(RESULTS.read_text()))
-    publish(section, args.write)
+    benchlib.publish(render(json.loads(RESULTS.read_text())), args.write)
 
 
 if __name__ == "__main__":

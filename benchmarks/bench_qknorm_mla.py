@@ -21,10 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.docsection import publish  # noqa: E402
+import benchlib
+from benchlib import ROOT
 
 RESULTS = ROOT / "benchmarks" / "results" / "qknorm_mla.json"
 CALIB = ROOT / "tests/data/prose/calib.txt"
@@ -36,12 +34,11 @@ REFERENCE = "smollm2 (no QK-norm)"
 
 
 def make_qwen3(work: Path) -> Path:
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     out = work / "qwen3"
     if not (out / "attnkit.json").is_file():
-        cmd = ["retrofit", "qknorm", str(smollm2_folder()), str(out), "--calib", str(CALIB)]
-        subprocess.run([sys.executable, "-m", "attnkit", *cmd], check=True, stdout=subprocess.DEVNULL)
+        benchlib.attnkit("retrofit", "qknorm", str(smollm2_folder()), str(out), "--calib", str(CALIB), log=True)
     return out
 
 
@@ -62,22 +59,13 @@ def convert(source: Path, out: Path, budget: float, search: bool) -> dict:
 
 def score(source: Path, model_dir: Path) -> dict:
     """{text: {ppl, src, kl}} against the source on the first 4096 tokens of each text."""
-    from attnkit.runtime import load_model
-    from attnkit.runtime.texts import make_windows, read_texts
-    from attnkit.scoring.perplexity import evaluate
-
-    src = load_model(str(source), device="cpu", dtype="float32")
-    model = load_model(str(model_dir), device="cpu", dtype="float32")
-    out = {}
-    for name, path in TEXTS.items():
-        windows = make_windows(src.tokenizer, read_texts([str(path)]), 512, 4096)
-        r = evaluate(model, windows, reference=src)
-        out[name] = {"ppl": r.perplexity, "src": r.reference_perplexity, "kl": r.kl_mean}
-    return out
+    src = benchlib.load(source)
+    scores = benchlib.score_texts(benchlib.load(model_dir), src, TEXTS, 4096)
+    return {t: {"ppl": r.perplexity, "src": r.reference_perplexity, "kl": r.kl_mean} for t, r in scores.items()}
 
 
 def run(work: Path) -> list[dict]:
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     sources = {"qwen3": make_qwen3(work), "smollm2": smollm2_folder()}
     rows = []
@@ -146,8 +134,7 @@ def main() -> None:
         args.work.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(run(args.work), indent=1) + "\n")
     rows = json.loads(RESULTS.read_text())
-    section = render(rows)
-    publish(section, args.write)
+    benchlib.publish(render(rows), args.write)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,12 @@ Calibration: tests/data/prose/calib.txt; evaluation: tests/data/prose/heldout.tx
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.docsection import replace_section  # noqa: E402
+import benchlib
+from benchlib import ROOT
 
 PROSE = ROOT / "tests" / "data" / "prose"
 
@@ -97,8 +95,8 @@ def main() -> None:
     args = parser.parse_args()
     args.only = set(args.only.split(","))
     from attnkit.commands.retrofit.common import load
+    from attnkit.realmodels import smollm2_folder
     from attnkit.runtime.texts import make_windows, read_texts
-    from tests.realmodel import smollm2_folder
 
     src = str(smollm2_folder())
     source = load(src, "cpu")
@@ -125,8 +123,8 @@ def main() -> None:
         "| retrofit | variant | source ppl | ppl | KL | top-1 agree | detail | s |\n"
         "|---|---|---:|---:|---:|---:|---|---:|\n" + "\n".join(rows)
     )
+    benchlib.publish("## retrofit\n\n" + body, bool(args.write), args.write)
     if args.write:
-        replace_section(Path(args.write), "## retrofit\n\n" + body)
         print(f"wrote the '## retrofit' section of {args.write}")
 
 

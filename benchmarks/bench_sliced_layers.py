@@ -4,10 +4,10 @@ read before), side by side on one real-geometry checkpoint (benchmarks/make_geom
 
 Usage: python benchmarks/bench_sliced_layers.py --work DIR [--layers 2] [--rounds 2] [--write]
 Each run is a fresh `attnkit probe --layer-stream always` (2048 tokens of held-out prose in windows of 512) under
-benchmarks/bench_geometry.measure (peak anonymous RSS, wall time); the two modes alternate so both see the same
+benchlib.measure (peak anonymous RSS, wall time); the two modes alternate so both see the same
 load. "whole" replaces slice_linears by a no-op in the child, so read_layer widens every weight up front.
 Rows in benchmarks/results/sliced_layers.json; --write puts "## layer streaming: sliced against whole layers" in
-docs/benchmarks.md.
+docs/ablations.md.
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.bench_geometry import PROBE, measure  # noqa: E402
-from benchmarks.docsection import publish  # noqa: E402
+import benchlib
+from bench_geometry import PROBE
+from benchlib import ROOT
 
 RESULTS = ROOT / "benchmarks" / "results" / "sliced_layers.json"
 PRESET = "llama-3.1-70b"
@@ -48,7 +46,7 @@ def run(work: Path, layers: int, rounds: int) -> list[dict]:
     try:
         for round_ in range(1, rounds + 1):
             for mode in ("whole", "sliced"):
-                result = measure([sys.executable, "-c", CHILD, mode, "probe", str(src), *PROBE])
+                result = benchlib.measure([sys.executable, "-c", CHILD, mode, "probe", str(src), *PROBE])
                 row = {"mode": mode, "round": round_, "geometry": f"70b@{layers}", **result}
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 rows.append(row)
@@ -68,7 +66,7 @@ def render(rows: list[dict]) -> str:
         "run a fresh process, the two modes alternating. *whole*: each decoder layer's weights widened to float32 as "
         "the layer is read (3.19 GiB for one 70B layer); *sliced*: its linear weights kept as stored (memory-mapped) "
         "and widened 2^24 elements of rows at a time as they are used (attnkit/runtime/sliced_linear.py). Peak anon "
-        'RSS as in "big checkpoints"; load: the 1-minute load average when the run ended.',
+        'RSS as in docs/benchmarks.md "## big checkpoints"; load: the 1-minute load average when the run ended.',
         "",
         "| mode | round | seconds | peak anon RSS | max RSS | load |",
         "|---|---:|---:|---:|---:|---:|",
@@ -103,8 +101,7 @@ def main() -> None:
         rows = run(args.work, args.layers, args.rounds)
     else:
         rows = json.loads(RESULTS.read_text())
-    section = render(rows)
-    publish(section, args.write)
+    benchlib.publish(render(rows), args.write, benchlib.ABLATIONS)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ Steps, each timed and with the peak GPU memory torch allocated (torch.cuda.max_m
   4. the 8B geometry (benchmarks/make_geometry.py llama-3.1-8b, bf16, random weights) probed layer by layer
      (`--layer-stream always`) and whole (`--layer-stream never`), 2048 tokens: time, peak memory, and whether
      the statistics are equal.
-The CLI steps run in a child interpreter that reports its own peak (`--child`). MODEL defaults to the test
-suite's SmolLM2 folder (tests/realmodel.py). Rows in --out (default benchmarks/results/gpu_check.json).
+The CLI steps run in a child interpreter that reports its own peak (`--child`). MODEL defaults to
+attnkit.realmodels' SmolLM2 folder. Rows in --out (default benchmarks/results/gpu_check.json).
 `--device cpu` with a short --seq-len, --heal-time and --geometry-layers runs the same steps as a smoke test
 (peak GPU memory then null).
 """
@@ -31,10 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.docsection import publish  # noqa: E402
+import benchlib
+from benchlib import ROOT
 
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_check.json"
 CALIB = str(ROOT / "tests/data/prose/calib.txt")
@@ -56,20 +54,13 @@ def child(argv: list[str]) -> None:
 
 
 def attnkit(work: Path, *args: str) -> dict:
-    """`attnkit ARGS -f json` in a child: its JSON, wall seconds and peak GPU bytes."""
+    """`attnkit ARGS -f json` in a child (this script's --child): its JSON, wall seconds and peak GPU bytes."""
     peak = work / "peak.txt"
     peak.unlink(missing_ok=True)
     started = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", *args, "-f", "json"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, PEAK_FILE: str(peak)},
-    )
+    report = benchlib.attnkit(*args, "-f", "json", entry=(__file__, "--child"), env={PEAK_FILE: str(peak)})
     seconds = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise SystemExit(f"attnkit {' '.join(args[:2])} failed: {proc.stderr.strip()[-2000:]}")
-    return {"report": json.loads(proc.stdout), "seconds": seconds, "peak_gpu_bytes": json.loads(peak.read_text())}
+    return {"report": report, "seconds": seconds, "peak_gpu_bytes": json.loads(peak.read_text())}
 
 
 def _peak(torch) -> int | None:
@@ -253,7 +244,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", type=Path)
     ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--model", help="a SmolLM2-135M folder (default: the test suite's)")
+    ap.add_argument("--model", help="a SmolLM2-135M folder (default: attnkit.realmodels' SmolLM2)")
     ap.add_argument("--geometry-layers", type=int, default=32)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seq-len", type=int, default=8192)
@@ -263,14 +254,14 @@ def main() -> None:
     if args.work:
         args.work.mkdir(parents=True, exist_ok=True)
         if args.model is None:
-            from tests.realmodel import smollm2_folder
+            from attnkit.realmodels import smollm2_folder
 
             args.model = str(smollm2_folder())
         result = run(args.work, args.model, args)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     section = render(json.loads(args.out.read_text()) if args.out.is_file() else None)
-    publish(section, args.write)
+    benchlib.publish(section, args.write)
 
 
 if __name__ == "__main__":

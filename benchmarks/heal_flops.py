@@ -11,10 +11,6 @@ The student is the preset's own architecture (a rewrite changes the attention's 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def count(preset: str, seq_len: int, train: str) -> tuple[float, float, int]:

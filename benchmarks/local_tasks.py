@@ -14,15 +14,14 @@ bench_capability heals on the others):
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from wiki_corpus import wiki_corpus  # noqa: E402
+from wiki_corpus import wiki_corpus
 
 HELD_OUT = 30
 CONTEXT_WORDS = 80
@@ -133,6 +132,8 @@ def build(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    target = Path(sys.argv[1])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", type=Path)
+    target = ap.parse_args().folder
     target.mkdir(parents=True, exist_ok=True)
     build(target)

@@ -7,7 +7,7 @@ Usage: python benchmarks/make_geometry.py PRESET OUT [--layers N] [--dtype bf16]
   layers (at most the preset's); the names and shapes come from the transformers class built on the meta
   device, so they are the published checkpoint's. Shards of --shard-size (the published ones are ~5 GB) with
   model.safetensors.index.json; weights N(0, 0.02) (norm weights 1), seeded; SmolLM2's tokenizer (its ids are
-  a subset of every preset's vocabulary): the test suite's, or the one in --tokenizer DIR. OUT must be absent or empty; written into OUT.partial and renamed; the
+  a subset of every preset's vocabulary): attnkit.realmodels' folder, or the one in --tokenizer DIR. OUT must be absent or empty; written into OUT.partial and renamed; the
   free disk space is checked before anything is written. Not part of the test suite.
 """
 
@@ -18,9 +18,6 @@ import json
 import shutil
 import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -83,7 +80,7 @@ def write(config: dict, out: Path, dtype: str, shard_bytes: int, seed: int, toke
     import torch
     from safetensors.torch import save_file
 
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     state = meta_state(config, dtype)
     total = sum(_nbytes(shape, dt) for shape, dt in state.values())
@@ -137,7 +134,7 @@ def main() -> None:
     ap.add_argument("--shard-size", default="5GB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--tokenizer", type=Path, help="a folder with SmolLM2's tokenizer files (default: the test suite's)"
+        "--tokenizer", type=Path, help="a folder with SmolLM2's tokenizer files (default: attnkit.realmodels' SmolLM2)"
     )
     args = ap.parse_args()
     config = geometry_config(args.preset, args.layers)

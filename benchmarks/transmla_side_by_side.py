@@ -70,7 +70,7 @@ def perplexity(model, ids: torch.Tensor) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--transmla", required=True, type=Path, help="a TransMLA checkout")
-    ap.add_argument("--model", required=True, type=Path, help="SmolLM2 fp32 folder (tests.realmodel.smollm2_folder)")
+    ap.add_argument("--model", required=True, type=Path, help="SmolLM2 fp32 folder (attnkit.realmodels.smollm2_folder)")
     ap.add_argument(
         "--swap",
         action="store_true",

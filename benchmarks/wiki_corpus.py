@@ -10,6 +10,7 @@ benchmark time, not stored in this repository.
 
 from __future__ import annotations
 
+import argparse
 import bz2
 import hashlib
 import importlib.util
@@ -77,4 +78,6 @@ def articles(xml: bytes):
 
 
 if __name__ == "__main__":
-    print(wiki_corpus(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".cache/bench-heal")))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", type=Path, nargs="?", default=Path(".cache/bench-heal"))
+    print(wiki_corpus(ap.parse_args().folder))

@@ -7,10 +7,10 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from tests.realmodel import CACHE
+from attnkit.realmodels import CACHE
 from tests.tiny import make_checkpoint
 
-# attnkit's GGUF cache and the real-model helpers share one folder (see tests/realmodel.py), outside the checkout.
+# attnkit's GGUF cache and the real-model helpers share one folder (see attnkit/realmodels.py), outside the checkout.
 os.environ["ATTNKIT_CACHE"] = str(CACHE)
 
 

@@ -1,5 +1,5 @@
 """Seeded mutators of checkpoint metadata (safetensors headers, index JSON, GGUF headers), shared by the fuzz
-tests and benchmarks/hostile_battery.py. Every mutator returns bytes; the readers must answer them with a
+tests and tests/hostile_battery.py. Every mutator returns bytes; the readers must answer them with a
 result or an AttnkitError, nothing else."""
 
 from __future__ import annotations

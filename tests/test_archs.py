@@ -452,7 +452,7 @@ def test_gemma3_multimodal_config_reads_text_config(tmp_path):
 def test_real_minilm_bert_through_inspect():
     from attnkit.commands.analyse.inspect import inspect_model
     from attnkit.commands.analyse.modelinfo import model_info
-    from tests.realmodel import minilm_folder
+    from attnkit.realmodels import minilm_folder
 
     folder = minilm_folder()
     doc = inspect_model(str(folder))
@@ -480,7 +480,7 @@ def test_real_smollm2_through_inspect():
     from attnkit.commands.analyse.inspect import inspect_model
     from attnkit.commands.analyse.modelinfo import model_info
     from attnkit.io.safetensors_header import read_headers
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     folder = smollm2_folder()
     doc = inspect_model(str(folder))

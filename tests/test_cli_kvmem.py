@@ -134,7 +134,7 @@ def test_offline_hub_id_not_cached(runner, monkeypatch, tmp_path):
 
 @pytest.mark.real_model
 def test_inspect_real_gguf(runner):
-    from tests.realmodel import smollm2_gguf
+    from attnkit.realmodels import smollm2_gguf
 
     doc = run_json(runner, ["inspect", str(smollm2_gguf()), "--format", "json"])
     assert doc["kind"] == "gguf"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from attnkit.cli import app
-from tests.realmodel import smollm2_folder, smollm2_gguf
+from attnkit.realmodels import smollm2_folder, smollm2_gguf
 
 PROSE = Path(__file__).parent / "data" / "prose"
 SHORT = ["--eval", str(PROSE / "heldout.txt"), "--eval-tokens", "1024", "--eval-seq-len", "256", "--no-check"]

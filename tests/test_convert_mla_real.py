@@ -8,10 +8,10 @@ import pytest
 
 from attnkit.commands.convert.mla import MLARequest, convert_mla
 from attnkit.ops.mla import MLAOptions
+from attnkit.realmodels import smollm2_folder
 from attnkit.runtime.generate import cache_check
 from attnkit.scoring.options import EvalOptions
 from attnkit.scoring.selfcheck import CheckOptions
-from tests.realmodel import smollm2_folder
 
 PROSE = Path(__file__).parent / "data" / "prose"
 

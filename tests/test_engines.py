@@ -31,7 +31,7 @@ def sources(tmp_path_factory):
     """Source name -> path, made on first use (the Qwen3: `retrofit qknorm` of SmolLM2)."""
     from typer.testing import CliRunner
 
-    from tests.realmodel import gemma3_gguf, smollm2_folder
+    from attnkit.realmodels import gemma3_gguf, smollm2_folder
 
     made = {}
 

@@ -32,7 +32,7 @@ def test_kvmem_llamacpp_paging_equals_llamacpp(runner, model, context, args):
     import sys
 
     from attnkit.engines.llamacpp import find_llama_cpp, kv_allocation
-    from tests.realmodel import gemma3_gguf, smollm2_gguf
+    from attnkit.realmodels import gemma3_gguf, smollm2_gguf
 
     tools = find_llama_cpp(None, sys.executable)
     assert not isinstance(tools, str), tools
@@ -55,7 +55,7 @@ def test_verify_measures_what_an_mqa_output_saves_beside_its_source(runner, tmp_
     """`verify OUT --source SRC --decode-depths`: llama.cpp's cache of SmolLM2's MQA output is a third of the
     source's at -c 512, as kvmem's is, and decode tokens/s of both are measured side by side (not compared: speeds
     are for the benchmarks)."""
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     source, out = smollm2_folder(), tmp_path / "mqa"
     result = runner.invoke(app, ["convert", "mqa", str(source), str(out), "--no-check", "--format", "json"])

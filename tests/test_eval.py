@@ -182,8 +182,8 @@ def test_eval_cli_short_text_is_one_line_error(tiny, runner):
 
 @pytest.mark.real_model
 def test_eval_smollm2_matches_model_loss():
+    from attnkit.realmodels import smollm2_folder
     from attnkit.runtime import load_model, make_windows
-    from tests.realmodel import smollm2_folder
 
     loaded = load_model(str(smollm2_folder()), device="cpu")
     windows = make_windows(loaded.tokenizer, [PROSE * 4], seq_len=64, max_tokens=128)
@@ -228,8 +228,8 @@ def test_every_model_and_option_is_checked_before_one_loads(tiny, runner, tmp_pa
 @pytest.mark.real_model
 def test_a_gguf_model_runs_from_its_cache_folder():
     from attnkit.io.gguf_load import gguf_cache_folder
+    from attnkit.realmodels import smollm2_folder, smollm2_gguf
     from attnkit.runtime import load_model
-    from tests.realmodel import smollm2_folder, smollm2_gguf
 
     gguf = smollm2_gguf()
     smollm2_folder()  # dequantized into the test cache once, as a first eval would

@@ -78,7 +78,7 @@ def test_export_refuses_what_is_not_gguf_and_a_full_target(runner, gguf_and_cach
 def test_export_smollm2_loads_in_transformers(runner, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from tests.realmodel import smollm2_gguf
+    from attnkit.realmodels import smollm2_gguf
 
     out = tmp_path / "smollm2"
     result = runner.invoke(app, ["export", str(smollm2_gguf()), str(out), "--format", "json"])

@@ -1,7 +1,7 @@
 """Seeded fuzzing of the metadata readers: any exception other than AttnkitError is a failure.
 
 Each reader gets CASES mutated inputs from tests/hostile.py (a few seconds in all on 2 CPU cores).
-benchmarks/hostile_battery.py runs the same mutators with many more cases.
+tests/hostile_battery.py runs the same mutators with many more cases.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from attnkit.cli import app
-from tests.realmodel import gemma3_folder, gemma3_gguf
+from attnkit.realmodels import gemma3_folder, gemma3_gguf
 
 pytestmark = pytest.mark.real_model
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from attnkit.cli import app
-from tests.realmodel import smollm2_folder
+from attnkit.realmodels import smollm2_folder
 
 CALIB = Path(__file__).parent / "data" / "prose" / "calib.txt"
 

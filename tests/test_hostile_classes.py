@@ -1,4 +1,4 @@
-"""One test per class of bad input a hostile battery found (benchmarks/hostile_battery.py, part `classes`): each
+"""One test per class of bad input a hostile battery found (tests/hostile_battery.py, part `classes`): each
 gets one attnkit-worded line and exit 1 or 2, before any long work, with the input untouched and nothing left
 behind."""
 

@@ -122,7 +122,7 @@ def test_empty_file_list_is_an_error():
 
 @pytest.mark.real_model
 def test_real_gguf_source_materializes_once():
-    from tests.realmodel import smollm2_gguf
+    from attnkit.realmodels import smollm2_gguf
 
     src = open_source(str(smollm2_gguf()), "read")
     assert src.record()["kind"] == "gguf" and src.record()["dequantized"] == str(src.root)

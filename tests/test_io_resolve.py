@@ -143,7 +143,7 @@ def test_synthetic_gguf_config_and_folder_with_one_gguf(tmp_path):
 
 @pytest.mark.real_model
 def test_real_smollm2_gguf_metadata(tmp_path):
-    from tests.realmodel import smollm2_gguf
+    from attnkit.realmodels import smollm2_gguf
 
     gguf_file = smollm2_gguf()
     config, tensors = read_gguf(gguf_file)
@@ -170,7 +170,7 @@ def test_fast_gguf_header_agrees_with_gguf_reader():
     from gguf import GGUFReader, GGUFValueType
 
     from attnkit.io.gguf_header import parse_gguf_header
-    from tests.realmodel import smollm2_gguf
+    from attnkit.realmodels import smollm2_gguf
 
     path = smollm2_gguf()
     reference = GGUFReader(str(path))

@@ -27,6 +27,7 @@ LAYERS = {
     "param_count": 3,
     "runtime": 4,
     "engines": 4,
+    "realmodels": 4,
     "scoring": 5,
     "commands": 6,
     "cli": 7,

@@ -114,7 +114,7 @@ def test_a_gguf_cannot_be_streamed_and_says_so(runner, tmp_path):
 
 @pytest.mark.real_model
 def test_smollm2_layer_streamed_probe_equals_the_whole_model(runner):
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     args = ["probe", str(smollm2_folder()), HELDOUT, "--max-tokens", "1024", "--seq-len", "256", "--batch-size", "2"]
     whole = _json(runner, [*args, "--layer-stream", "never"])["models"][0]

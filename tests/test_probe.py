@@ -203,8 +203,8 @@ def test_probe_cli_bad_rule_is_usage_error(two_models, runner):
 
 @pytest.mark.real_model
 def test_probe_smollm2_matches_manual_head():
+    from attnkit.realmodels import smollm2_folder
     from attnkit.runtime import load_model, make_windows
-    from tests.realmodel import smollm2_folder
 
     loaded = load_model(str(smollm2_folder()), device="cpu")
     ids = make_windows(loaded.tokenizer, [PROSE * 4], seq_len=64, max_tokens=64)

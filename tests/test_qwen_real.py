@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from attnkit.cli import app
-from tests.realmodel import gemma3_folder, qwen_folder, smollm2_folder
+from attnkit.realmodels import gemma3_folder, qwen_folder, smollm2_folder
 
 pytestmark = pytest.mark.real_model
 

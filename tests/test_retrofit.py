@@ -458,7 +458,7 @@ def test_qkclip_refuses_mla_and_bad_tau(runner, tiny, text, tmp_path):
 
 @pytest.mark.real_model
 def test_smollm2_through_all_three_retrofits(runner, tmp_path):
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     src = smollm2_folder()
     prose = "tests/data/prose/"
@@ -493,7 +493,7 @@ def test_softcap_that_changes_nothing_is_refused(runner, tiny, tmp_path):
 
 @pytest.mark.real_model
 def test_a_gguf_source_is_recorded_as_gguf(runner, tmp_path):
-    from tests.realmodel import smollm2_gguf
+    from attnkit.realmodels import smollm2_gguf
 
     res, doc = _run(runner, "softcap", smollm2_gguf(), tmp_path / "s", "--attn-cap", "50", "--no-check", "-f", "json")
     assert res.exit_code == 0, res.output

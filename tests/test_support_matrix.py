@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 from attnkit.cli import app
-from benchmarks.docsection import replace_section
 from tests.engine_outputs import OUTPUTS, RESULT_FAMILY, SOURCES
 from tests.helpers import HELDOUT, char_tokenizer
 from tests.tiny import FAMILIES, build_model, extra_model, save_model
@@ -114,6 +113,14 @@ def test_support_matrix_is_what_the_docs_say(runner, tmp_path):
         ]
     )
     if os.environ.get("ATTNKIT_WRITE_DOCS"):
-        replace_section(DOC, section)
+        _rewrite(section)
     text = DOC.read_text()
     assert section.strip() in text, "docs/architectures.md's support matrix is stale: ATTNKIT_WRITE_DOCS=1 rewrites it"
+
+
+def _rewrite(section: str) -> None:
+    """Put `section` in place of the docs' section of the same `## ` heading (which the docs already have)."""
+    heading = section.split("\n", 1)[0]
+    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)
+    text = pattern.sub(lambda _m: section.strip("\n") + "\n\n", DOC.read_text(), count=1)
+    DOC.write_text(text.rstrip("\n") + "\n")

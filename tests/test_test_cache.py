@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests import realmodel
+from attnkit import realmodels
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -14,12 +14,12 @@ def test_default_cache_is_outside_the_checkout_and_shared_with_attnkit(monkeypat
     for name in ("ATTNKIT_TEST_CACHE", "ATTNKIT_CACHE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert realmodel._cache() == tmp_path / "xdg" / "attnkit" / "tests"
+    assert realmodels._cache() == tmp_path / "xdg" / "attnkit" / "tests"
     monkeypatch.setenv("ATTNKIT_TEST_CACHE", str(tmp_path / "mine"))
-    assert realmodel._cache() == tmp_path / "mine"
+    assert realmodels._cache() == tmp_path / "mine"
 
 
 def test_this_run_uses_one_cache_folder_outside_the_checkout():
-    assert os.environ["ATTNKIT_CACHE"] == str(realmodel.CACHE)
+    assert os.environ["ATTNKIT_CACHE"] == str(realmodels.CACHE)
     if not os.environ.get("ATTNKIT_TEST_CACHE"):
-        assert not realmodel.CACHE.resolve().is_relative_to(ROOT)
+        assert not realmodels.CACHE.resolve().is_relative_to(ROOT)

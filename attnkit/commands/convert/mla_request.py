@@ -126,7 +126,7 @@ def rotating_pairs(freqs) -> int:
 
 def budget_split(total: int, head_dim: int, rotating: int = 0) -> tuple[int, int]:
     """(R, P) for `total` cached values per token per layer: P = the largest power of two <= total / 3 and
-    <= D (at least 2; measured on SmolLM2, docs/benchmarks.md: RoPE dims help while the latent keeps about two
+    <= D (at least 2; measured on SmolLM2, docs/ablations.md: RoPE dims help while the latent keeps about two
     thirds of the budget), widened to hold the `rotating` fastest pairs (rotating_pairs; 2 dims each, rounded up to
     ROPE_STEP, at most total / 3) where total / 3 holds them all (a partial widening is not measured); R = total - P."""
     third = min(head_dim, total // 3)

@@ -2,8 +2,8 @@
 source's by distance of the predicted token, on the first 4096 tokens (one window, BOS first) of the two held-out
 texts of bench_long_context.py (prose_heldout.jsonl and technical_pyref.txt in its --work folder).
 
-Usage: python benchmarks/ablate_gemma3_mla.py --work DIR SRC MODEL [MODEL ...]
-  SRC: Gemma 3's fp32 folder (tests/realmodel.py gemma3_folder); MODEL: folders written by `attnkit convert mla SRC
+Usage: python benchmarks/experiments/ablate_gemma3_mla.py --work DIR SRC MODEL [MODEL ...]
+  SRC: Gemma 3's fp32 folder (attnkit/realmodels.py gemma3_folder); MODEL: folders written by `attnkit convert mla SRC
   MODEL --target gemma3-mla ...` (the commands are in docs/convert-mla.md). Prints one line per model and text:
   the ratio in the buckets 0-128, 128-256, 256-512, 512-1k, 1k-2k, 2k-4k. One fp32 forward per model and text,
   logits 512 positions at a time (Gemma's 262k vocabulary).

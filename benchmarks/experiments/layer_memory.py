@@ -1,7 +1,7 @@
 """Anonymous memory layer by layer of an attnkit command run in this process: what it holds after each layer and
 its peak during it (RssAnon, /proc/self/status, sampled every 5 ms). Linux only.
 
-Usage: python benchmarks/layer_memory.py --at put|drop [--stop-after N] -- ATTNKIT ARGS
+Usage: python benchmarks/experiments/layer_memory.py --at put|drop [--stop-after N] -- ATTNKIT ARGS
   --at put:  after each calibrated layer's tensors go to the layer spill (convert gqa|mqa|mla)
   --at drop: after each streamed layer is dropped (probe or eval --layer-stream)
   --stop-after N: exit after layer N (a calibration measured without the write, where the disk has no room)
@@ -16,9 +16,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def _anon_gib() -> float:

@@ -13,21 +13,20 @@ layer's input with the source's W_q, W_k; an attention function registered in tr
 multiplies query and key by them before eager attention) and scores it, the output as written and the source on
 the first 4096 tokens of two texts.
 
-Usage: python benchmarks/proto_qknorm_exact.py SOURCE CONVERTED [CONVERTED ...]
+Usage: python benchmarks/experiments/proto_qknorm_exact.py SOURCE CONVERTED [CONVERTED ...]
 (SOURCE: the Qwen3 folder; CONVERTED: `convert mla` outputs of it, whose attnkit.json holds the fold's constants.)
 Prints one JSON row per converted model.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 TEXTS = {"prose": ROOT / "tests/data/prose/heldout.txt", "technical": ROOT / "benchmarks/data/technical.txt"}
 NAME = "attnkit_qknorm_exact"
@@ -116,7 +115,11 @@ def score(source: Path, converted: Path) -> dict:
 
 
 def main() -> None:
-    source, *converted = (Path(p) for p in sys.argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("source", type=Path)
+    ap.add_argument("converted", type=Path, nargs="+")
+    args = ap.parse_args()
+    source, converted = args.source, args.converted
     for folder in converted:
         print(json.dumps(score(source, folder)), flush=True)
 

@@ -1,8 +1,8 @@
 """Ablation (issue 29, docs/convert-gqa.md "## Long context"): where the MQA merge loses pass-key retrieval.
 
-python benchmarks/ablate_merge_retrieval.py heads SRC
+python benchmarks/experiments/ablate_merge_retrieval.py heads SRC
     induction and previous-token scores of every (layer, head) of the source, on repeated random tokens
-python benchmarks/ablate_merge_retrieval.py hybrid SRC MERGED --layers 16-22 [--roles qkvo] [--lengths 1024,2048]
+python benchmarks/experiments/ablate_merge_retrieval.py hybrid SRC MERGED --layers 16-22 [--roles qkvo] [--lengths 1024,2048]
     pass keys (both variants, 3 depths, 1 trial) of the source with MERGED's attention in the layers named: its
     q/o as folded, its k/v heads repeated to the source's KV heads (the same function as MERGED's layer), the
     rest of the model the source's. `--roles qk` takes only the key side, `vo` only the value side.
@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from attnkit.ops.headmerge import expand_heads
+from attnkit.runtime import load_model
+from attnkit.scoring.passkey import PasskeySpec, run_passkey
 
-from attnkit.ops.headmerge import expand_heads  # noqa: E402
-from attnkit.runtime import load_model  # noqa: E402
-from attnkit.scoring.passkey import PasskeySpec, run_passkey  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "merge_retrieval.jsonl"
 RUN, COPIES, SEED = 200, 4, 0
 

@@ -3,7 +3,7 @@ both, jointly) are replaced by the whitened low-rank fit `convert mla` uses for 
 every KV head keeps exact positions: it isolates what the latent's capacity costs from what the shared RoPE key
 costs. Not a converter: the result keeps the Llama layout and saves no cache.
 
-python benchmarks/ablate_kv_capacity.py SRC OUT --which v|k|kv --rank R [--key-weight output|query]
+python benchmarks/experiments/ablate_kv_capacity.py SRC OUT --which v|k|kv --rank R [--key-weight output|query]
     [--calib FILE...] [--calib-seq-len 512 --calib-tokens 2048]
 then score it with `attnkit eval OUT TEXT --reference SRC --seq-len 4096`.
 """
@@ -21,7 +21,7 @@ from attnkit.ops.mla import MLAShape, _block_roots, factor_latent, value_spread
 from attnkit.runtime import load_model, make_windows, read_texts
 from attnkit.runtime.calibrate import calibrate, input_moments
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main():
