@@ -126,19 +126,21 @@ MODELS = {
 
 
 #: The same for Gemma 3 270M (QK-norm, 5 sliding layers of 512 per global one, 1 KV head): convert mla needs
-#: attnkit's Gemma 3 MLA layout (--target gemma3-mla); calibration as mla-50-calib-mixed.
+#: attnkit's Gemma 3 MLA layout (--target gemma3-mla), every layer converted (--sliding-layers convert: these rows
+#: predate the default that keeps the sliding layers, measured in docs/benchmarks.md "## families"); calibration as
+#: mla-50-calib-mixed.
 GEMMA3_MODELS = {
-    "gemma3-mla-50-calib-mixed": "convert mla {src} {out} --target gemma3-mla --kv-budget 0.5 --calib "
+    "gemma3-mla-50-calib-mixed": "convert mla {src} {out} --target gemma3-mla --sliding-layers convert --kv-budget 0.5 --calib "
     "{work}/prose-2.jsonl --calib {work}/code.txt --calib-seq-len 2048 --calib-tokens 8192",
     # 75% as 256 latent (incl. the key factor) + a 128-wide RoPE key: --kv-budget 0.75's split before it put every
     # key dimension in the RoPE key (the next entry's, its split now)
-    "gemma3-mla-75-calib-mixed": "convert mla {src} {out} --target gemma3-mla --kv-lora-rank 256 --rope-dim 128 "
+    "gemma3-mla-75-calib-mixed": "convert mla {src} {out} --target gemma3-mla --sliding-layers convert --kv-lora-rank 256 --rope-dim 128 "
     "--calib {work}/prose-2.jsonl --calib {work}/code.txt --calib-seq-len 2048 --calib-tokens 8192",
     # 75% as 128 latent (incl. the key factor) + a 256-wide RoPE key: every key position-exact, the latent for values
-    "gemma3-mla-75-p256-calib-mixed": "convert mla {src} {out} --target gemma3-mla --kv-lora-rank 128 --rope-dim 256 "
+    "gemma3-mla-75-p256-calib-mixed": "convert mla {src} {out} --target gemma3-mla --sliding-layers convert --kv-lora-rank 128 --rope-dim 256 "
     "--calib {work}/prose-2.jsonl --calib {work}/code.txt --calib-seq-len 2048 --calib-tokens 8192",
     # 50% as 64 latent (incl. the key factor) + a 192-wide RoPE key: three quarters of the key pairs position-exact
-    "gemma3-mla-50-p192-calib-mixed": "convert mla {src} {out} --target gemma3-mla --kv-lora-rank 64 --rope-dim 192 "
+    "gemma3-mla-50-p192-calib-mixed": "convert mla {src} {out} --target gemma3-mla --sliding-layers convert --kv-lora-rank 64 --rope-dim 192 "
     "--calib {work}/prose-2.jsonl --calib {work}/code.txt --calib-seq-len 2048 --calib-tokens 8192",
 }
 #: --family -> (its source folder, its rewrites, the name of its source rows)
@@ -156,8 +158,9 @@ SHOWN = {
     "mla-50-calib-mixed": "convert mla at 50%, calibrated on prose and code",
     "mla-50-calib-mixed-healed-mixed-bf16": "the recipe: that, healed 30 minutes on prose and code in bf16",
     "mqa-merge-healed-mixed-bf16": "convert mqa, healed as the recipe",
-    "gemma3-mla-50-calib-mixed": "convert mla --target gemma3-mla at 50%, the default split, prose and code",
-    "gemma3-mla-75-p256-calib-mixed": "the recipe: 75%, every key pair in the RoPE key, 128 + 256",
+    "gemma3-mla-50-calib-mixed": "convert mla --target gemma3-mla, every layer at 50%, the default split, prose and code",
+    "gemma3-mla-75-p256-calib-mixed": "every layer at 75%, every key pair in the RoPE key, 128 + 256 (the recipe before "
+    "the sliding layers were kept)",
 }
 #: Every other row, on docs/ablations.md ("## long context, variants"): what changed from the row it varies.
 #: Calibration on "Wikipedia" is heal.jsonl, 512-token windows unless said; "the recipe" is

@@ -287,6 +287,8 @@ def test_sliding_layers_are_kept_and_the_budget_goes_to_the_global_ones(runner, 
     # two sliding layers' 2 x 16 x 16 leaves (4352 - 512) / 512 = 7.5 values per token for the global layer
     rank, rope = report["kv_lora_rank"], report["rope_dim"]
     assert rank + rope == 7 and report["layers"][0] == {"layer": 0, "kept": "the source's attention"}
+    # one KV head of 8: keys exact from 12 values per token in the global layer, (12 * 512 + 512) / (544 * 16)
+    assert any("from --kv-budget 0.77 every key dimension fits the RoPE key" in note for note in report["notes"])
     source_tensors, result_tensors = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
     for layer in (0, 2):
         kept = [n for n in source_tensors if n.startswith(f"model.layers.{layer}.self_attn.")]
@@ -346,11 +348,15 @@ def test_sliding_layer_refusals_are_one_line_before_work(runner, tmp_path, famil
 
 def test_the_budget_of_gemma3_270m_goes_to_its_global_layers():
     """Gemma 3 270M's geometry (18 layers, every sixth global, window 512, one KV head of 256, 32,768 positions):
-    half the whole cache at 32,768 tokens leaves each global layer 236 of its 512 values per token."""
-    from attnkit.commands.convert.mla_request import budget_values
+    half the whole cache at 32,768 tokens leaves each global layer 236 of its 512 values per token, and keys exact
+    (every key dimension in the RoPE key) take 0.77 of it."""
+    from attnkit.commands.convert.mla_request import budget_values, exact_keys_budget
 
     windows = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
     spec = type("Spec", (), {"num_kv_heads": 1, "head_dim": 256, "layer_windows": windows})
     plain = tuple(i for i, w in enumerate(windows) if w is not None)
     assert budget_values(0.5, spec, plain, 32768) == 236
     assert budget_values(0.5, spec, (), 32768) == 256  # every layer converted: half of each
+    # the smallest budget whose split puts every key dimension in the RoPE key (at least 256 + 128 values)
+    assert exact_keys_budget(spec, plain, 32768) == 0.77 and budget_values(0.76, spec, plain, 32768) < 384
+    assert budget_values(0.77, spec, plain, 32768) >= 384 and exact_keys_budget(spec, (), 32768) == 0.75

@@ -104,3 +104,26 @@ def test_no_command_imports_another_commands_modules():
                 continue
             crossing.append(f"{rel}: {module}")
     assert crossing == []
+
+
+def _imported(path: Path) -> set[str]:
+    """The top-level packages a Python file imports (absolute imports)."""
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_benchmarks_and_tests_do_not_import_each_other():
+    """The benchmark scripts share benchmarks/benchlib.py and attnkit (attnkit.realmodels for the real models);
+    nothing under benchmarks/ imports tests/, and no test imports a benchmark."""
+    root = Path(__file__).resolve().parent.parent
+    scripts = sorted((root / "benchmarks").rglob("*.py"))
+    benchmark_modules = {path.stem for path in scripts} | {"benchmarks"}
+    assert scripts and not [str(p) for p in scripts if "tests" in _imported(p)]
+    tests = sorted((root / "tests").rglob("*.py"))
+    assert not [str(p) for p in tests if _imported(p) & benchmark_modules]

@@ -128,6 +128,20 @@ def test_smollm2_layer_streamed_probe_equals_the_whole_model(runner):
         ("llama_gqa", ["convert", "mqa", "--method", "mean"]),
         ("llama_gqa", ["convert", "mla", "--kv-budget", "0.5", *FAST_CALIB]),
         ("gemma3", ["convert", "mla", "--target", "gemma3-mla", "--kv-budget", "0.5", *FAST_CALIB]),
+        (
+            "gemma3",
+            [
+                "convert",
+                "mla",
+                "--target",
+                "gemma3-mla",
+                "--kv-budget",
+                "0.5",
+                "--sliding-layers",
+                "convert",
+                *FAST_CALIB,
+            ],
+        ),
         ("llama_gqa", ["retrofit", "qknorm", "--method", "pad", *FAST_CALIB]),
         ("qwen2", ["retrofit", "qknorm", "--method", "bias", *FAST_CALIB]),
         ("llama_gqa", ["retrofit", "softcap", "--attn-cap", "30"]),
@@ -136,7 +150,8 @@ def test_smollm2_layer_streamed_probe_equals_the_whole_model(runner):
 def test_every_layout_attnkit_writes_evaluates_the_same_layer_by_layer(runner, tmp_path, family, args):
     """The layer-streamed and the loaded builders run attnkit's own layouts (Gemma 3 MLA, DeepseekV3 with padded
     values, Qwen3 with q/k/v biases, soft-capped attention) alike: every eval figure equal."""
-    src = tiny_source(tmp_path, family)
+    mixed = {"layer_types": ["sliding_attention", "full_attention"]} if family == "gemma3" else {}
+    src = tiny_source(tmp_path, family, **mixed)  # Gemma 3: a sliding and a global layer (kept and converted)
     out = tmp_path / "out"
     command, rest = args[:2], args[2:]
     result = runner.invoke(app, [*command, str(src), str(out), *rest, "--no-check"])

@@ -186,7 +186,8 @@ def register(app: typer.Typer) -> None:
         if info.source:
             caption += f"; source: {info.source}"
         caption += _paging_caption(pages)
-        if info.spec.model_type in transformers_only():
+        # engines.targets is imported for MLA models only (kvmem's cold start stays small)
+        if info.spec.mla is not None and info.spec.model_type in transformers_only():
             caption += f"; {info.spec.model_type} runs in transformers only (no engine loads it)"
         if any(r["exceeds_max_positions"] for r in rows):
             caption += "; some contexts exceed the model's max_position_embeddings"

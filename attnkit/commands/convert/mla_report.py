@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from attnkit.commands.convert.mla_request import MLARequest, MLASource
+from attnkit.commands.convert.mla_request import MLARequest, MLASource, exact_keys_budget
 from attnkit.engines.targets import mla_serving
 from attnkit.kvcache import apply_variant, bytes_per_token, cache_dtype
 from attnkit.kvcache import kv_bytes as kv_cache_bytes
@@ -118,10 +118,22 @@ def notes(req: MLARequest, src: MLASource) -> list[str]:
     if src.target.note:
         notes.append(src.target.note)
     if src.plain_layers:
+        spent = (
+            "--kv-budget is spent on the global layers, counted on the whole cache at the longest context"
+            if req.kv_budget is not None
+            else "only the global layers are converted"
+        )
         notes.append(
             f"sliding-window layers {_ranges(src.plain_layers)} kept as the source's attention (their cache holds at "
-            "most the window); --kv-budget is spent on the global layers, counted on the whole cache at the "
-            "longest context (kv_cache_at_context; --sliding-layers convert converts every layer)"
+            f"most the window); {spent} (kv_cache_at_context; --sliding-layers convert converts every layer)"
+        )
+    one_head = src.target.exact_keys_mqa and src.spec.num_kv_heads == 1
+    if one_head and req.kv_budget is not None and src.shape.rope_dim < src.spec.head_dim:
+        context = src.arch.config_value(src.config, "max_positions") or 0
+        notes.append(
+            f"from --kv-budget {exact_keys_budget(src.spec, src.plain_layers, context)} every key dimension fits the "
+            'RoPE key (keys exact, the latent for the values; what that keeps: docs/convert-mla.md, "### Sliding '
+            'layers kept")'
         )
     served = serving(src) or {}
     source = 2 * src.spec.num_kv_heads * src.spec.head_dim

@@ -6,6 +6,7 @@ reason), the RoPE type, the ranks (R and P from --kv-budget snapped to a shape t
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 from attnkit.commands.convert.mla_target import DEFAULT_TARGET, SUPPORTED, TARGETS, MLATarget
@@ -181,6 +182,16 @@ def budget_values(budget: float, spec, plain: tuple[int, ...], context: int) -> 
     kept = sum(held[i] for i in plain) * width
     converted = sum(h for i, h in enumerate(held) if i not in plain)
     return int((budget * sum(held) * width - kept) // converted)
+
+
+def exact_keys_budget(spec, plain: tuple[int, ...], context: int) -> float:
+    """The smallest --kv-budget (to 0.01) at which exact_key_split applies: every key dimension of one KV head in
+    the RoPE key and a latent of at least half a head (budget_values of it is at least 1.5 D)."""
+    width, needed = 2 * spec.num_kv_heads * spec.head_dim, spec.head_dim + spec.head_dim // 2
+    held = [max(context, 1) if w is None else min(max(context, 1), w) for w in spec.layer_windows]
+    kept = sum(held[i] for i in plain) * width
+    converted = sum(h for i, h in enumerate(held) if i not in plain)
+    return math.ceil(100 * (needed * converted + kept) / (sum(held) * width)) / 100
 
 
 def _ranks(
