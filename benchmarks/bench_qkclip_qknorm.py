@@ -12,7 +12,6 @@ benchmarks/data/technical.txt (technical). Rows in benchmarks/results/qkclip_qkn
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -110,14 +109,7 @@ def render(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--work", type=Path)
-    ap.add_argument("--write", action="store_true")
-    args = ap.parse_args()
-    if args.work:
-        args.work.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(run(args.work), indent=1) + "\n")
-    benchlib.publish(render(json.loads(RESULTS.read_text())), args.write)
+    benchlib.run_or_render(__doc__.split("\n")[0], RESULTS, run, render)
 
 
 if __name__ == "__main__":

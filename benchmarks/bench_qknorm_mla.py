@@ -14,7 +14,6 @@ docs/benchmarks.md from it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -126,15 +125,7 @@ def render(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--work", type=Path)
-    ap.add_argument("--write", action="store_true")
-    args = ap.parse_args()
-    if args.work:
-        args.work.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(run(args.work), indent=1) + "\n")
-    rows = json.loads(RESULTS.read_text())
-    benchlib.publish(render(rows), args.write)
+    benchlib.run_or_render(__doc__.split("\n")[0], RESULTS, run, render)
 
 
 if __name__ == "__main__":

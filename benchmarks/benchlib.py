@@ -172,6 +172,22 @@ def run_render_parser(description: str):
     return parser, run
 
 
+def run_or_render(description: str, results: Path, run, render) -> None:
+    """The command line of a benchmark whose run writes one JSON results file and whose section renders from it:
+    `--work DIR` runs (run(DIR) -> the results) and stores them, then the section is published (`--write`) or
+    printed from the stored results."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--work", type=Path)
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    if args.work:
+        args.work.mkdir(parents=True, exist_ok=True)
+        Path(results).write_text(json.dumps(run(args.work), indent=1) + "\n")
+    publish(render(json.loads(Path(results).read_text())), args.write)
+
+
 # -- rows files
 
 
