@@ -360,3 +360,38 @@ def test_the_budget_of_gemma3_270m_goes_to_its_global_layers():
     # the smallest budget whose split puts every key dimension in the RoPE key (at least 256 + 128 values)
     assert exact_keys_budget(spec, plain, 32768) == 0.77 and budget_values(0.76, spec, plain, 32768) < 384
     assert budget_values(0.77, spec, plain, 32768) >= 384 and exact_keys_budget(spec, (), 32768) == 0.75
+
+
+def test_heal_trains_the_converted_layers_only(runner, tmp_path):
+    """heal of an output whose sliding layers were kept: only the global layer's attention trains (the kept layers
+    equal the teacher's), and the kept layers come out bit for bit as they went in."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import PROSE
+
+    src, student, healed = _gemma3(tmp_path), tmp_path / "student", tmp_path / "healed"
+    assert _convert(runner, src, student, "--kv-budget", "0.5", "--device", "cpu", "--no-check").exit_code == 0
+    data = tmp_path / "data.txt"
+    data.write_text(PROSE * 30)
+    fast = [
+        "--tokens",
+        "512",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--val-tokens",
+        "64",
+        "--device",
+        "cpu",
+    ]
+    args = ["heal", str(student), str(healed), "--teacher", str(src), "--data", str(data), *fast, "--format", "json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    trained = json.loads(result.stdout)["trainable"]["names"]
+    assert trained and all(name.startswith("model.layers.1.self_attn.") for name in trained)
+    before, after = load_file(student / "model.safetensors"), load_file(healed / "model.safetensors")
+    kept = [n for n in before if n.startswith(("model.layers.0.self_attn.", "model.layers.2.self_attn."))]
+    assert kept and all(torch.equal(before[n], after[n]) for n in kept)
