@@ -171,27 +171,31 @@ def plain_layers(req: MLARequest, target: MLATarget, spec, context: int) -> tupl
     return sliding if usable and req.sliding_layers != "convert" else ()
 
 
+def _cache_shares(spec, plain: tuple[int, ...], context: int) -> tuple[int, int, int, int]:
+    """(values per token of a source layer, the source's token slots over all layers at `context` tokens (a
+    sliding layer holds at most its window), the values the `plain` layers keep, the converted layers' slots)."""
+    width = 2 * spec.num_kv_heads * spec.head_dim
+    held = [context if w is None else min(context, w) for w in spec.layer_windows]  # tokens each layer caches
+    kept = sum(held[i] for i in plain) * width
+    return width, sum(held), kept, sum(h for i, h in enumerate(held) if i not in plain)
+
+
 def budget_values(budget: float, spec, plain: tuple[int, ...], context: int) -> int:
     """Cached values per token in each converted layer for a whole cache of `budget` times the source's at
     `context` tokens: every layer at that share, or where `plain` layers stay as they are (sliding layers, whose
     cache the window bounds) the converted layers take what those leave."""
-    width = 2 * spec.num_kv_heads * spec.head_dim
-    held = [context if w is None else min(context, w) for w in spec.layer_windows]  # tokens each layer caches
+    width, slots, kept, converted = _cache_shares(spec, plain, context)
     if not plain:
         return int(round(budget * width))
-    kept = sum(held[i] for i in plain) * width
-    converted = sum(h for i, h in enumerate(held) if i not in plain)
-    return int((budget * sum(held) * width - kept) // converted)
+    return int((budget * slots * width - kept) // converted)
 
 
 def exact_keys_budget(spec, plain: tuple[int, ...], context: int) -> float:
     """The smallest --kv-budget (to 0.01) at which exact_key_split applies: every key dimension of one KV head in
     the RoPE key and a latent of at least half a head (budget_values of it is at least 1.5 D)."""
-    width, needed = 2 * spec.num_kv_heads * spec.head_dim, spec.head_dim + spec.head_dim // 2
-    held = [max(context, 1) if w is None else min(max(context, 1), w) for w in spec.layer_windows]
-    kept = sum(held[i] for i in plain) * width
-    converted = sum(h for i, h in enumerate(held) if i not in plain)
-    return math.ceil(100 * (needed * converted + kept) / (sum(held) * width)) / 100
+    width, slots, kept, converted = _cache_shares(spec, plain, max(context, 1))
+    needed = spec.head_dim + spec.head_dim // 2
+    return math.ceil(100 * (needed * converted + kept) / (slots * width)) / 100
 
 
 def _ranks(
