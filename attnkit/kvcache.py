@@ -113,6 +113,11 @@ def layer_bytes_per_token(spec: AttentionSpec, dtype: CacheDtype, tp: int = 1, l
     return heads * (spec.head_dim + spec.v_head_dim) * dtype.bytes_per_element + 2 * heads * dtype.scale_bytes_per_group
 
 
+def layer_tokens(spec: AttentionSpec, context: int) -> list[int]:
+    """Tokens each layer caches for one sequence of `context` tokens: a sliding-window layer at most its window."""
+    return [context if window is None else min(context, window) for window in spec.layer_windows]
+
+
 def bytes_per_token(spec: AttentionSpec, dtype: CacheDtype, tp: int = 1) -> float:
     """Bytes per token over all layers, ignoring sliding windows (the cost of a short context)."""
     return sum(layer_bytes_per_token(spec, dtype, tp, layer) for layer in range(spec.num_layers))
@@ -219,8 +224,7 @@ def kv_bytes(
     if paging is not None:
         return batch * paging.request_bytes(spec, dtype, context, tp)
     return batch * sum(
-        (context if window is None else min(context, window)) * layer_bytes_per_token(spec, dtype, tp, layer)
-        for layer, window in enumerate(spec.layer_windows)
+        held * layer_bytes_per_token(spec, dtype, tp, layer) for layer, held in enumerate(layer_tokens(spec, context))
     )
 
 

@@ -160,10 +160,12 @@ def check_tensors(
     for role in arch.tensors:
         for layer in range(spec.num_layers):
             name = arch.tensor_name(role, layer, prefix)
-            if name in shapes and tuple(shapes[name]) != role_shape(arch, spec.layer_spec(layer), role):
+            if name not in shapes:
+                continue
+            implied = role_shape(arch, spec.layer_spec(layer), role)
+            if tuple(shapes[name]) != implied:
                 raise AttnkitError(
-                    f"{where}: tensor {name!r} has shape {list(shapes[name])} but the config implies "
-                    f"{list(role_shape(arch, spec.layer_spec(layer), role))}"
+                    f"{where}: tensor {name!r} has shape {list(shapes[name])} but the config implies {list(implied)}"
                 )
     _check_vocabulary(arch, spec, config, shapes, prefix, where)
     if dtypes is not None:

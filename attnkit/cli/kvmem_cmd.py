@@ -109,7 +109,6 @@ def register(app: typer.Typer) -> None:
             GpuBudget,
             kvmem_rows,
             larger_than_native,
-            transformers_only,
             variant_serving,
         )
         from attnkit.commands.analyse.modelinfo import model_info, weight_dtype_name
@@ -186,9 +185,11 @@ def register(app: typer.Typer) -> None:
         if info.source:
             caption += f"; source: {info.source}"
         caption += _paging_caption(pages)
-        # engines.targets is imported for MLA models only (kvmem's cold start stays small)
-        if info.spec.mla is not None and info.spec.model_type in transformers_only():
-            caption += f"; {info.spec.model_type} runs in transformers only (no engine loads it)"
+        if info.spec.mla is not None:  # engines.targets for MLA models only: kvmem's cold start stays small
+            from attnkit.engines.targets import TRANSFORMERS_ONLY
+
+            if info.spec.model_type in TRANSFORMERS_ONLY:
+                caption += f"; {info.spec.model_type} runs in transformers only (no engine loads it)"
         if any(r["exceeds_max_positions"] for r in rows):
             caption += "; some contexts exceed the model's max_position_embeddings"
         larger = larger_than_native(rows)

@@ -86,13 +86,6 @@ def larger_than_native(rows: list[dict]) -> list[str]:
     return sorted({r["variant"] for r in rows if r["vs_native"] > 1 + 1e-12})
 
 
-def transformers_only() -> dict[str, str]:
-    """Model types no serving engine loads -> the command that writes them."""
-    from attnkit.engines.targets import TRANSFORMERS_ONLY
-
-    return TRANSFORMERS_ONLY
-
-
 def variant_serving(spec, variants: list[str]) -> dict[str, dict]:
     """Per MLA what-if variant (and a native MLA model), how each serving engine would serve it
     (attnkit.engines.targets.mla_serving: as written, or a fallback and the values it caches then); none for a

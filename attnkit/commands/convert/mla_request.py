@@ -15,6 +15,7 @@ from attnkit.engines.targets import TARGETS as ENGINE_TARGETS
 from attnkit.engines.targets import engine_safe, mla_shapes, needs_q_lora
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.source import Source, open_source
+from attnkit.kvcache import layer_tokens
 from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, VALUE_WEIGHTS, MLAOptions, MLAShape
 from attnkit.units import check_bounds
 
@@ -175,7 +176,7 @@ def _cache_shares(spec, plain: tuple[int, ...], context: int) -> tuple[int, int,
     """(values per token of a source layer, the source's token slots over all layers at `context` tokens (a
     sliding layer holds at most its window), the values the `plain` layers keep, the converted layers' slots)."""
     width = 2 * spec.num_kv_heads * spec.head_dim
-    held = [context if w is None else min(context, w) for w in spec.layer_windows]  # tokens each layer caches
+    held = layer_tokens(spec, context)
     kept = sum(held[i] for i in plain) * width
     return width, sum(held), kept, sum(h for i, h in enumerate(held) if i not in plain)
 
