@@ -58,15 +58,15 @@ def register(app: typer.Typer) -> None:
         source: Optional[str] = typer.Option(
             None,
             "--source",
-            help="The model MODEL was rewritten from: llama.cpp's KV cache (and decode speed) of both, side by side.",
+            help="The model MODEL was rewritten from: each engine's KV cache (and decode speed) of both, side by side.",
         ),
         decode_depths: Optional[str] = typer.Option(
             None,
             "--decode-depths",
-            help="llama.cpp decode tokens/s after this many cached tokens, e.g. 1k,4k,8k (with --source: beside the "
-            "source's).",
+            help="Decode tokens/s in each engine after this many cached tokens, e.g. 1k,4k,8k (with --source: beside "
+            "the source's).",
         ),
-        decode_rounds: int = typer.Option(3, "--decode-rounds", help="llama-bench runs per model and depth (median)."),
+        decode_rounds: int = typer.Option(3, "--decode-rounds", help="Engine runs per model and depth (median)."),
         flash_attn: str = typer.Option(
             "auto",
             "--flash-attn",
@@ -128,17 +128,20 @@ def register(app: typer.Typer) -> None:
 
 
 def _render_speed(row: dict, fmt: OutputFormat) -> None:
-    """llama.cpp's KV cache and decode tokens/s of the output beside its source's (--source, --decode-depths); in
+    """An engine's KV cache and decode tokens/s of the output beside its source's (--source, --decode-depths); in
     the table format only (json carries them in the engine's row)."""
     if fmt != OutputFormat.table or (row["decode"] is None and row["source_cache"] is None):
         return
     blank = {"source": "-", "ratio": "-", "kvmem": "-"}
-    rows = [
-        {**blank, "what": f"KV cache at -c {row['kv_pool']['n_ctx']:,} (MiB)", "output": f"{row['kv_pool']['mib']:.2f}"}
-    ]
-    if row["source_cache"] is not None:
-        rows[0].update(source=f"{row['source_cache']['mib']:.2f}", ratio=f"{row['cache_ratio']:.3f}")
-        rows[0]["kvmem"] = f"{row['kvmem_ratio']:.3f}"
+    pool, source = row["kv_pool"], row["source_cache"]
+    if row["engine"] == "vllm":  # the tokens one pool holds: the output's cache over the source's is their inverse
+        what = f"tokens in a {pool['pool_bytes'] / (1 << 20):,.0f} MiB pool"
+        size = lambda cache: f"{cache['capacity_tokens']:,}"  # noqa: E731
+    else:
+        what, size = f"KV cache at -c {pool['n_ctx']:,} (MiB)", lambda cache: f"{cache['mib']:.2f}"  # noqa: E731
+    rows = [{**blank, "what": what, "output": size(pool)}]
+    if source is not None:
+        rows[0].update(source=size(source), ratio=f"{row['cache_ratio']:.3f}", kvmem=f"{row['kvmem_ratio']:.3f}")
     decode = row["decode"]
     for depth in decode["depths"] if decode else []:
         speeds = decode["tokens_per_second"]
@@ -147,15 +150,17 @@ def _render_speed(row: dict, fmt: OutputFormat) -> None:
             line.update(source=f"{speeds['source'][depth]:.2f}", ratio=f"{decode['ratio'][depth]:.2f}")
         rows.append(line)
     columns = [
-        Column("what", "llama.cpp", justify="left"),
+        Column("what", row["engine"], justify="left"),
         Column("output", "output"),
         Column("source", "source"),
         Column("ratio", "x source"),
         Column("kvmem", "kvmem's x source"),
     ]
-    rounds = (
-        f"; decode: -fa {decode['flash_attn']}, median of {decode['rounds']} round(s), the models side by side"
-        if decode
-        else ""
-    )
-    render(rows, columns, fmt, title="verify: what the output saves in llama.cpp", caption=f"f16 cache{rounds}")
+    cache = "f16 cache"
+    if row["engine"] == "vllm":
+        cache = "fp32 cache; x source: the output's cache over the source's (its capacity inverted)"
+    rounds = ""
+    if decode:
+        how = f"-fa {decode['flash_attn']}, " if "flash_attn" in decode else ""
+        rounds = f"; decode: {how}median of {decode['rounds']} round(s), the models side by side"
+    render(rows, columns, fmt, title=f"verify: what the output saves in {row['engine']}", caption=cache + rounds)

