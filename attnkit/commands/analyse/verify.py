@@ -56,9 +56,9 @@ class VerifyRequest:
     tie_margin: float = 1e-2  # logits closer than this at a greedy step make either token right
     threads: int = max(1, os.cpu_count() or 1)
     timeout: float = 1800.0
-    source: str | None = None  # the model OUT was rewritten from: its llama.cpp cache (and decode speed) beside OUT's
-    decode_depths: list[int] = field(default_factory=list)  # llama.cpp decode tokens/s after this many cached tokens
-    decode_rounds: int = 3  # llama-bench runs per model and depth, the models side by side (the median kept)
+    source: str | None = None  # the model OUT was rewritten from: its cache (and decode speed) in each engine
+    decode_depths: list[int] = field(default_factory=list)  # decode tokens/s after this many cached tokens
+    decode_rounds: int = 3  # engine runs per model, the models side by side (the median kept)
     decode_flash_attn: str = "auto"  # llama-bench -fa: auto (on, on a CPU-only build), on, off
 
 
