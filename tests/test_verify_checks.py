@@ -9,11 +9,13 @@ from attnkit.cli import app
 
 @pytest.fixture
 def no_engines(monkeypatch):
-    import attnkit.engines.llamacpp as llamacpp
-    import attnkit.runtime as runtime
+    """Fail a test that looks up an engine or loads a model: patched where verify looks them up (its own module
+    imported them by name), so the patch is undone with the test."""
+    import attnkit.commands.analyse.verify as verify
 
-    monkeypatch.setattr(llamacpp, "find_llama_cpp", lambda *a, **k: pytest.fail("engine looked up before the checks"))
-    monkeypatch.setattr(runtime, "load_model", lambda *a, **k: pytest.fail("model loaded before the checks"))
+    for name in ("find_llama_cpp", "find_vllm"):
+        monkeypatch.setattr(verify, name, lambda *a, **k: pytest.fail("engine looked up before the checks"))
+    monkeypatch.setattr(verify, "load_model", lambda *a, **k: pytest.fail("model loaded before the checks"))
 
 
 def test_bad_engine_and_binary_text_are_refused_first(runner, tiny, tmp_path, no_engines):

@@ -415,7 +415,7 @@ def _vllm_beside_source(
         config = dict(source.config)
         models["source"] = {**output_run, "model": str(Path(source.root).resolve()), **_vllm_engine(config)}
         _, report["source_cache"] = _vllm_pool(run_vllm_worker(python, models["source"], workdir, req.timeout), config)
-    report.update(verify_saving.capacity_ratio(pool, report["source_cache"]) if source is not None else {})
+        report.update(verify_saving.capacity_ratio(pool, report["source_cache"]))
     if not req.decode_depths:
         return report
     filler = [t for w in ref.windows for t in w[1:]]  # the text's tokens (not the windows' BOS)
