@@ -370,6 +370,10 @@ def test_a_fifo_or_a_symlink_loop_is_refused_instead_of_hanging(runner, src, tex
             ["convert", "mla", "{src}", "{out}", "--calib", "{text}", "--kv-budget", "0.5", "--shrink", "nan"],
             "--shrink must be a finite number",
         ),
+        (
+            ["convert", "mla", "{src}", "{out}", "--calib", "{text}", "--kv-budget", "0.5", "--key-balance", "inf"],
+            "--key-balance must be a positive finite number, got inf",
+        ),
     ],
 )
 def test_numbers_are_bounded(runner, src, text, tmp_path, args, words):

@@ -75,7 +75,7 @@ def test_rope_split_mqa_keeps_every_kept_pair_and_the_logits_at_every_position()
     freqs = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     o = torch.randn(n, heads * d, generator=g, dtype=torch.float64)
     layer = convert_layer(q, k, k.clone(), o, cov, s, freqs, mean=torch.zeros(n, dtype=torch.float64))
-    rope, _, fitted = rope_split(k, cov, s, torch.eye(d, dtype=torch.float64)[None], 0.0)
+    rope, _, fitted = rope_split(k, cov, s, torch.eye(d, dtype=torch.float64)[None], 0.0, s.pairs)
     assert torch.allclose(fitted, k, atol=1e-10)
     x, y = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
     for t_q, t_k in ((0, 0), (7, 3), (40, 1)):
@@ -272,3 +272,21 @@ def test_head_gram_weights_each_reading_head():
     for j in range(2):
         want = sum(weights[h] * q[h * 3 : (h + 1) * 3] @ cov @ q[h * 3 : (h + 1) * 3].T for h in (2 * j, 2 * j + 1))
         assert torch.allclose(got[j], want, rtol=1e-12)
+
+
+def test_rotation_cost_prefers_energy_that_turns():
+    """The pairs the rotation choice keeps: energy times how far the pair turns within the context. A fast pair
+    without energy costs nothing; a slow pair with much energy little; a turning pair with energy most."""
+    from attnkit.ops.mla import chosen_pairs, rotation_cost
+
+    d, n = 8, 6
+    k = torch.zeros(d, n, dtype=torch.float64)
+    k[0, 0] = 1e-3  # pair 0: fast, no energy to speak of
+    k[1, 1] = 1.0  # pair 1: turning, energy 1
+    k[2, 2] = 2.0  # pair 2: turning, energy 4
+    k[3, 3] = 10.0  # pair 3: hardly turns within the context, energy 100
+    freqs = torch.tensor([1.0, 0.1, 0.01, 1e-6], dtype=torch.float64)
+    cost = rotation_cost(k, torch.eye(n, dtype=torch.float64), torch.eye(d, dtype=torch.float64)[None], freqs, 4096)
+    assert cost[2] > cost[1] > cost[3] > 0 and cost[0] < cost[3]
+    assert chosen_pairs(cost, 2) == [1, 2]
+    assert chosen_pairs(torch.zeros(4), 2) == [0, 1]  # ties go to the faster pairs

@@ -165,10 +165,22 @@ def mla(
     value_weight: str = typer.Option(
         "o_proj", "--value-weight", help="Value error measured after o_proj (o_proj) or not (none)."
     ),
+    key_balance: float = typer.Option(
+        1.0,
+        "--key-balance",
+        help="Weight of the keys' error against the values' in the latent's fit (above 1: keys fitted closer).",
+    ),
     residual: str = typer.Option(
         "keep",
         "--residual",
         help="Key parts that lose RoPE: keep them position-free, fade them by E[cos] or drop them.",
+    ),
+    rope_pairs: str = typer.Option(
+        "auto",
+        "--rope-pairs",
+        help="Which RoPE pairs the shared key keeps: fastest (what a stock rotary embedding turns at), rotation "
+        "(those whose rotation would cost the most logit error lost; --target gemma3-mla) or auto (rotation where "
+        "the target allows it).",
     ),
     o_refit: float = typer.Option(
         0.1, "--o-refit", help="Ridge of the o_proj refit to the source attention output (0: off)."
@@ -218,7 +230,9 @@ def mla(
     options = MLAOptions(
         key_weight="uniform" if weight_only else key_weight,
         value_weight="none" if weight_only else value_weight,
+        key_balance=key_balance,
         residual=residual,
+        rope_pairs=rope_pairs,
         window=shared["calib_seq_len"],
         whiten=not weight_only,
         o_refit=0.0 if weight_only else o_refit,

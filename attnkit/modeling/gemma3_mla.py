@@ -3,7 +3,8 @@ whose attention is DeepSeek-V3's MLA, the layout `convert mla --target gemma3-ml
 
 Each layer's attention is DeepseekV3Attention's MLA (q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj; interleaved
 RoPE on the shared key) with these changes: its RoPE key turns at the first P/2 frequencies of its own layer type
-(Gemma's cos/sin, sliced); sliding layers keep Gemma's window; the latent has no norm; Gemma's per-head QK-norm is
+(Gemma's cos/sin, sliced), the pairs `rope_pairs` names for the layer (the fastest P/2 where it names none); sliding
+layers keep Gemma's window; the latent has no norm; Gemma's per-head QK-norm is
 kept exact (the RMS factors of the source's query and key projections, the key's cached per KV head). The layers
 `gemma_attention_layers` names keep Gemma 3's own attention, unchanged (convert mla keeps sliding layers, whose
 cache the window bounds, and spends the budget on the global ones). transformers runs it once `register()` has run
@@ -33,12 +34,15 @@ ARCHITECTURE = "Gemma3MLAForCausalLM"
 class Gemma3MLAConfig(Gemma3TextConfig):
     """Gemma3TextConfig plus the MLA shape: kv_lora_rank latent values, num_key_value_heads key RMS factors and
     qk_rope_head_dim RoPE-key values cached per token and layer; keys and values per head stay head_dim wide.
-    gemma_attention_layers: the layers whose attention is Gemma 3's own (None: every layer is MLA)."""
+    gemma_attention_layers: the layers whose attention is Gemma 3's own (None: every layer is MLA).
+    rope_pairs: per layer, the frequency pairs of its layer type its RoPE key turns at, ascending (P/2 of them; an
+    empty list or None: the fastest P/2)."""
 
     model_type = MODEL_TYPE
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
     gemma_attention_layers: list[int] | None = None
+    rope_pairs: list[list[int]] | None = None
 
     # What DeepseekV3Attention reads from its config, fixed by this layout.
     @property
@@ -75,6 +79,8 @@ class Gemma3MLAAttention(DeepseekV3Attention):
         self.eps = config.rms_norm_eps
         self.q_rms_proj = nn.Linear(config.hidden_size, self.num_heads * config.head_dim, bias=False)
         self.k_rms_proj = nn.Linear(config.hidden_size, self.num_kv * config.head_dim, bias=False)
+        named = (config.rope_pairs or [[]] * config.num_hidden_layers)[layer_idx]
+        self.rope_pairs = list(named) or list(range(self.qk_rope_head_dim // 2))
 
     def _inv_rms(self, raw: torch.Tensor, heads: int) -> torch.Tensor:
         """raw [B, T, heads*D] -> 1 / RMS per head and token, [B, heads, T, 1] (Gemma's RMSNorm, eps inside)."""
@@ -85,9 +91,8 @@ class Gemma3MLAAttention(DeepseekV3Attention):
         kwargs.pop("position_ids", None)
         batch, seq = hidden_states.shape[:-1]
         cos, sin = position_embeddings  # [B, T, D]: Gemma's cat(f, f) over this layer type's D/2 frequencies
-        half = self.qk_rope_head_dim // 2
-        cos = torch.cat([cos[..., :half]] * 2, dim=-1)  # [B, T, P]: the first P/2 frequencies, twice
-        sin = torch.cat([sin[..., :half]] * 2, dim=-1)
+        cos = torch.cat([cos[..., self.rope_pairs]] * 2, dim=-1)  # [B, T, P]: the kept P/2 frequencies, twice
+        sin = torch.cat([sin[..., self.rope_pairs]] * 2, dim=-1)
 
         q = self.q_proj(hidden_states).view(batch, seq, -1, self.qk_head_dim).transpose(1, 2)  # [B, H, T, D+P]
         q = q * self._inv_rms(self.q_rms_proj(hidden_states), self.num_heads)

@@ -26,6 +26,9 @@ from attnkit.ops.headmerge import head_gram, merge_keys
 from attnkit.ops.whiten import cholesky_in_place, psd_sqrt, regularize, relative_error
 
 KEY_WEIGHTS = ("output", "query", "uniform")
+#: Which source pairs the shared RoPE key keeps: the fastest (a stock rotary embedding reproduces them), or those
+#: whose rotation costs the most logit error when lost (rotation_cost; a layout that turns any frequencies).
+ROPE_PAIRS = ("fastest", "rotation")
 VALUE_WEIGHTS = ("o_proj", "none")
 RESIDUALS = ("keep", "drop", "fade")
 
@@ -40,8 +43,9 @@ class MLAShape:
 
     @property
     def pairs(self) -> list[int]:
-        """Source frequency pairs the shared RoPE key keeps: the P/2 highest (pairs 0..P/2-1), which a
-        stock DeepSeek rotary embedding of P dims reproduces with theta' = theta^(P/D)."""
+        """The P/2 highest source frequency pairs (pairs 0..P/2-1), which a stock DeepSeek rotary embedding of P
+        dims reproduces with theta' = theta^(P/D): what the shared RoPE key keeps unless `MLAOptions.rope_pairs`
+        lets it choose (a layout that turns its RoPE key at any frequencies)."""
         return list(range(self.rope_dim // 2))
 
 
@@ -57,6 +61,8 @@ class MLAOptions:
     whiten: bool = True  # False: fit on the weights alone (plain SVD, cov = I; errors still on activations)
     o_refit: float = 0.1  # ridge of the o_proj refit to the source attention output (0: no refit)
     shrink: float = 0.5  # covariance shrinkage toward its diagonal: (1 - s) C + s diag(C); generalizes to other text
+    rope_pairs: str = "fastest"  # ROPE_PAIRS: the fastest P/2, or chosen by rotation_cost over rotation_context
+    rotation_context: int = 4096  # rotation: distances taken uniform over [0, this) (a sliding layer: its window)
     ridge: float = 1e-6
 
 
@@ -68,7 +74,8 @@ class MLALayer:
     whole float64 query, 1 GiB at a 70B model's width, is never held); fade: [D] the factor of each position-free
     query row; coef: [Hkv, P/2] complex, the kept pairs' key coefficients folded into the RoPE query rows;
     down: [r, n'] latent rows (unit second moment each); up: [Hkv*2D, r] per KV head [k_nope (D); v (D)];
-    rope: [P, n'] shared key rows, interleaved (row 2j, 2j+1 = real, imaginary part of kept pair j).
+    rope: [P, n'] shared key rows, interleaved (row 2j, 2j+1 = real, imaginary part of kept pair j);
+    pairs: the source pairs kept (ascending), pair j of the RoPE key is source pair pairs[j].
     """
 
     q: torch.Tensor
@@ -81,6 +88,7 @@ class MLALayer:
     v_err: float
     position_free: float  # fraction of the query-weighted key energy that lost its position dependence
     spectrum: torch.Tensor  # [min(2*Hkv*D, n')] weighted energy per latent rank (squared singular values)
+    pairs: list[int]
 
     def truncation_error(self, rank: int) -> float:
         """Fraction of the weighted key/value energy a latent of `rank` channels leaves out."""
@@ -92,7 +100,7 @@ class MLALayer:
         kept pairs times conj(coef of h's KV head), interleaved; zero rows past them where s pads the RoPE key)."""
         d, kept = s.head_dim, self.coef.shape[1]
         head = self.q[h * d : (h + 1) * d].to(torch.float64)  # [D, n']
-        pairs = torch.arange(kept)
+        pairs = torch.tensor(self.pairs, dtype=torch.long)
         c = self.coef[h // (s.num_heads // s.num_kv)].conj()[:, None]  # [P/2, 1]
         z = torch.complex(head[pairs], head[pairs + d // 2]) * c  # [P/2, n']
         rope = torch.zeros(s.rope_dim, head.shape[1], dtype=torch.float64)
@@ -105,13 +113,36 @@ def _pair_rows(d: int, pairs: list[int]) -> torch.Tensor:
     return torch.tensor([r for i in pairs for r in (i, i + d // 2)], dtype=torch.long)
 
 
-def rope_split(k: torch.Tensor, cov: torch.Tensor, s: MLAShape, q_gram: torch.Tensor, ridge: float):
+def rotation_cost(k: torch.Tensor, cov: torch.Tensor, q_gram: torch.Tensor, freqs: torch.Tensor, context: int):
+    """Per source pair, the logit error its rotation would cost made position-free: the readers' query energy
+    times the key energy at the pair (E|q_i|^2 E|k_i|^2, summed over KV heads), times E|1 - exp(1j w_i t)|^2 =
+    2 - 2 sin(w_i T) / (w_i T) for distances t uniform over [0, T = context).  A slow pair costs little, and so does
+    a fast pair that carries no energy (docs/convert-mla.md, "RoPE pairs chosen by their rotation").
+    k: [Hkv*D, n'], cov: [n', n'], q_gram: [Hkv, D, D], freqs: [D/2].  -> [D/2]"""
+    d = q_gram.shape[1]
+    key = torch.einsum("ri,ij,rj->r", k, cov, k).reshape(-1, d)  # [Hkv, D]: E|k_row|^2
+    query = q_gram.diagonal(dim1=1, dim2=2)  # [Hkv, D]
+    half = d // 2
+    energy = ((query[:, :half] + query[:, half:]) * (key[:, :half] + key[:, half:])).sum(0)  # [D/2]
+    x = freqs.to(torch.float64) * context
+    turned = torch.where(x > 0, 2 - 2 * torch.sin(x) / x.clamp_min(1e-300), torch.zeros_like(x))
+    return energy * turned
+
+
+def chosen_pairs(cost: torch.Tensor, count: int) -> list[int]:
+    """The `count` pairs of highest cost, ascending (ties to the faster pair)."""
+    order = sorted(range(len(cost)), key=lambda i: (-float(cost[i]), i))
+    return sorted(order[:count])
+
+
+def rope_split(k: torch.Tensor, cov: torch.Tensor, s: MLAShape, q_gram: torch.Tensor, ridge: float, pairs: list[int]):
     """Shared RoPE key of the kept pairs and the rest of the keys.
 
-    k: [Hkv*D, n'], q_gram: [Hkv, D, D].  Returns rope [P, n'] (interleaved), coef [Hkv, P/2] complex,
-    fitted [Hkv*D, n'] (what the rope part reproduces at the source's rows, zero on unkept pairs).
+    k: [Hkv*D, n'], q_gram: [Hkv, D, D].  Returns rope [P, n'] (interleaved, pair j = source pair pairs[j]),
+    coef [Hkv, P/2] complex, fitted [Hkv*D, n'] (what the rope part reproduces at the source's rows, zero on
+    unkept pairs).
     """
-    d, pairs = s.head_dim, s.pairs
+    d = s.head_dim
     km = merge_keys(k, cov, s.num_kv, 1, q_gram, d, ridge)  # all D/2 pairs; one group = PCA across heads
     rows = _pair_rows(d, pairs)
     rope = km.shared[rows]  # [P, n']
@@ -185,7 +216,10 @@ def convert_layer(
     q_gram = head_gram(q, s.num_heads, hkv, fit, spread)  # [Hkv, D, D]: sum over readers of (spread x) E[q q^T]
     if options.key_weight == "uniform":
         q_gram = torch.eye(d, dtype=torch.float64).expand(hkv, d, d).contiguous()
-    rope, coef, fitted = rope_split(k, fit, s, q_gram, options.ridge)
+    pairs = s.pairs
+    if options.rope_pairs == "rotation":
+        pairs = chosen_pairs(rotation_cost(k, fit, q_gram, freqs, options.rotation_context), s.rope_dim // 2)
+    rope, coef, fitted = rope_split(k, fit, s, q_gram, options.ridge, pairs)
     residual = k - fitted  # [Hkv*D, n']: position-free from here on
     fade = position_free_scale(freqs, options.residual, options.window).repeat(2)  # [D]: rows i and i + D/2
     nope_gram = q_gram * fade[:, None] * fade[None, :]  # E[q q^T] of the faded queries
@@ -212,6 +246,7 @@ def convert_layer(
         v_err=relative_error(v, rec[hkv * d :], cov),
         position_free=_weighted_fraction(lost, k, q_gram, cov),
         spectrum=spectrum,
+        pairs=pairs,
     )
 
 

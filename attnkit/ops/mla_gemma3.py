@@ -35,6 +35,7 @@ def plain_tensors(
         "o_proj.weight": weights["o"],
     }
     row = {"k_err": layer.k_err, "v_err": layer.v_err, "position_free": layer.position_free, "latent_norm": "none"}
+    row["rope_pairs"] = layer.pairs
     return tensors, row
 
 

@@ -32,7 +32,15 @@ from attnkit.commands.convert.mla_layer import (
     without_o_bias,
 )
 from attnkit.commands.convert.mla_report import cache_at_context, kv_bytes, notes, parameters, serving
-from attnkit.commands.convert.mla_request import MLARequest, MLASource, Route, check_request, max_rank, with_route
+from attnkit.commands.convert.mla_request import (
+    MLARequest,
+    MLASource,
+    Route,
+    check_request,
+    layer_options,
+    max_rank,
+    with_route,
+)
 from attnkit.commands.convert.mla_target import expected_shapes, target_attention_names, target_config
 from attnkit.commands.report_head import report_head, timed
 from attnkit.commands.rewrite import Rejected, calib_info, calib_windows, self_check
@@ -257,7 +265,7 @@ def _calibrate_and_convert(
                 hidden,
                 gamma,
                 freqs,
-                req.options,
+                layer_options(req.options, src.target, window),
                 dtype,
                 src.route.latent_norm,
                 config.rms_norm_eps,
@@ -269,6 +277,8 @@ def _calibrate_and_convert(
             elif fold is not None:
                 row |= fold_row(fold)
             rows[layer] = {"layer": layer, **row}
+            if "rope_pairs" in row:  # the layout turns each layer's RoPE key at the pairs chosen for it
+                config.rope_pairs[layer] = row["rope_pairs"]
             if req.options.o_refit > 0:
                 tensors["o_proj.weight"] = refit_o_proj(
                     config,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from attnkit.commands.convert.mla_request import MLARequest, MLASource, exact_keys_budget
+from attnkit.commands.convert.mla_request import MLARequest, MLASource, exact_keys_budget, rope_pair_choice
 from attnkit.engines.targets import mla_serving
 from attnkit.kvcache import apply_variant, bytes_per_token, cache_dtype
 from attnkit.kvcache import kv_bytes as kv_cache_bytes
@@ -70,7 +70,8 @@ def parameters(req: MLARequest, src: MLASource) -> dict:
         "kv_lora_rank": src.rank,
         "latent_rank": src.shape.latent_rank,
         "rope_dim": src.shape.rope_dim,
-        "rope_pairs": src.shape.pairs,
+        "rope_pairs": src.shape.pairs if rope_pair_choice(o, src.target) == "fastest" else None,
+        "rope_pair_choice": rope_pair_choice(o, src.target),
         "kv_budget": req.kv_budget,
         "calib": list(req.calib),
         "calib_tokens": req.calib_tokens,

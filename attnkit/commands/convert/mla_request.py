@@ -6,6 +6,7 @@ reason), the RoPE type, the ranks (R and P from --kv-budget snapped to a shape t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ from attnkit.engines.targets import engine_safe, mla_shapes, needs_q_lora
 from attnkit.errors import AttnkitError, UsageError
 from attnkit.io.source import Source, open_source
 from attnkit.kvcache import layer_tokens
-from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, VALUE_WEIGHTS, MLAOptions, MLAShape
+from attnkit.ops.mla import KEY_WEIGHTS, RESIDUALS, ROPE_PAIRS, VALUE_WEIGHTS, MLAOptions, MLAShape
 from attnkit.units import check_bounds
 
 #: Families outside SUPPORTED (attnkit.commands.convert.mla_target) are refused with the reason in REFUSED.
@@ -118,6 +119,21 @@ ROTATION_RADIANS = 1.0
 ROTATION_CONTEXT = 4096
 #: budget_split rounds the RoPE key of the rotating pairs up to a multiple of this.
 ROPE_STEP = 16
+
+
+def rope_pair_choice(options: MLAOptions, target: MLATarget) -> str:
+    """--rope-pairs with auto resolved by the target: rotation where its RoPE key turns at any of the source's
+    frequencies (the pairs whose lost rotation would cost most, attnkit.ops.mla.rotation_cost), else fastest."""
+    if options.rope_pairs != "auto":
+        return options.rope_pairs
+    return "rotation" if target.any_rope_pairs else "fastest"
+
+
+def layer_options(options: MLAOptions, target: MLATarget, window: int | None) -> MLAOptions:
+    """The options one layer converts with: the RoPE pair choice (rope_pair_choice) and the distances its rotation
+    cost counts: ROTATION_CONTEXT tokens, or the layer's sliding window where it is shorter."""
+    context = min(ROTATION_CONTEXT, window) if window else ROTATION_CONTEXT
+    return dataclasses.replace(options, rope_pairs=rope_pair_choice(options, target), rotation_context=context)
 
 
 def rotating_pairs(freqs) -> int:
@@ -387,6 +403,11 @@ def _check_route(req: MLARequest) -> tuple[MLATarget, Route]:
     target = TARGETS.get(req.target)
     if target is None:
         raise UsageError(f"--target must be one of {', '.join(TARGETS)}, got {req.target!r}")
+    if req.options.rope_pairs == "rotation" and not target.any_rope_pairs:
+        raise UsageError(
+            f"--rope-pairs rotation needs a layout whose RoPE key turns at any frequencies (--target gemma3-mla); "
+            f"--target {target.name}'s stock rotary embedding turns at the fastest P/2 only"
+        )
     if not target.engines:
         if req.engine not in ("any", "transformers"):
             raise UsageError(f"--target {target.name} runs in transformers only, not in {req.engine}")
@@ -475,10 +496,11 @@ def _check_options(o: MLAOptions) -> None:
         (o.key_weight, KEY_WEIGHTS, "--key-weight"),
         (o.value_weight, VALUE_WEIGHTS, "--value-weight"),
         (o.residual, RESIDUALS, "--residual"),
+        (o.rope_pairs, ("auto", *ROPE_PAIRS), "--rope-pairs"),
     ):
         if value not in allowed:
             raise UsageError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
-    if not o.key_balance > 0:
-        raise UsageError(f"--key-balance must be positive, got {o.key_balance}")
+    if not (math.isfinite(o.key_balance) and o.key_balance > 0):
+        raise UsageError(f"--key-balance must be a positive finite number, got {o.key_balance}")
     check_bounds("--o-refit", o.o_refit, 0)
     check_bounds("--shrink", o.shrink, 0, 1)

@@ -31,7 +31,10 @@ class MLATarget:
     factor per KV head beside the latent (else one latent-norm channel is cached there and QK-norm is folded into
     constants); widens_rope: one RoPE base serves every layer, so the budget split may widen the RoPE key to the
     source's rotating pairs (attnkit.commands.convert.mla_request.budget_split); exact_keys_mqa: with one KV head
-    a budget puts every key dimension in the RoPE key where the latent keeps half a head; text_only: a multimodal
+    a budget puts every key dimension in the RoPE key where the latent keeps half a head; any_rope_pairs: each layer's
+    RoPE key turns at whichever of the source's frequencies it keeps (config `rope_pairs`), so --rope-pairs auto
+    chooses them by what losing their rotation costs (else the fastest, which a stock rotary embedding reproduces);
+    text_only: a multimodal
     config is refused; keeps_windows: sliding windows are kept (else a note says they are dropped);
     config(src, bias_route): the result's transformers config; model_class(): its class; note: what the report's
     notes say of the layout."""
@@ -43,6 +46,7 @@ class MLATarget:
     exact_qk_norm: bool
     widens_rope: bool
     exact_keys_mqa: bool
+    any_rope_pairs: bool
     text_only: bool
     keeps_windows: bool
     config: Callable
@@ -70,8 +74,9 @@ def target_config(src: MLASource, bias_route: bool):
 
 
 def gemma3_mla_config(src: MLASource, bias_route: bool = False):
-    """The source's Gemma 3 text config with the MLA shape (kv_lora_rank R, qk_rope_head_dim P) and the layers kept
-    as Gemma 3's own attention added (no bias route: the layout writes no biases)."""
+    """The source's Gemma 3 text config with the MLA shape (kv_lora_rank R, qk_rope_head_dim P), the layers kept
+    as Gemma 3's own attention and each converted layer's RoPE pairs added (the fastest P/2 here; convert mla sets
+    the pairs it chooses as each layer is converted). No bias route: the layout writes no biases."""
     from attnkit.modeling.gemma3_mla import ARCHITECTURE, Gemma3MLAConfig
 
     fields = src.hf_config.to_dict()
@@ -82,6 +87,7 @@ def gemma3_mla_config(src: MLASource, bias_route: bool = False):
         kv_lora_rank=src.shape.latent_rank,
         qk_rope_head_dim=src.shape.rope_dim,
         gemma_attention_layers=list(src.plain_layers) or None,
+        rope_pairs=[[] if i in src.plain_layers else src.shape.pairs for i in range(src.spec.num_layers)],
     )
     config.architectures = [ARCHITECTURE]
     return config
@@ -184,6 +190,7 @@ TARGETS = {
         exact_qk_norm=False,
         widens_rope=True,
         exact_keys_mqa=False,
+        any_rope_pairs=False,
         text_only=False,
         keeps_windows=False,
         config=deepseek_config,
@@ -197,13 +204,15 @@ TARGETS = {
         exact_qk_norm=True,
         widens_rope=False,  # each layer type has its own RoPE base
         exact_keys_mqa=True,
+        any_rope_pairs=True,
         text_only=True,
         keeps_windows=True,
         config=gemma3_mla_config,
         model_class=_gemma3_mla_class,
         note=(
             "attnkit's Gemma 3 MLA layout (model_type attnkit_gemma3_mla): Gemma 3's decoder layers, sliding windows "
-            "and per-layer-type RoPE kept, each RoPE key at its layer type's fastest frequencies, no latent norm, "
+            "and per-layer-type RoPE kept, each layer's RoPE key at the frequencies of its own type it keeps (config "
+            "rope_pairs), no latent norm, "
             "QK-norm exact (each key's RMS factor cached per KV head beside the latent: kv_lora_rank counts them); "
             "transformers runs it with attnkit.modeling imported, no serving engine does"
         ),
