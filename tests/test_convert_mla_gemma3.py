@@ -121,10 +121,11 @@ def test_full_rank_with_two_kv_heads_equals_the_source(runner, tmp_path):
 
 @pytest.mark.parametrize("choice,exact", [("auto", True), ("fastest", False)])
 def test_the_rope_key_keeps_the_pairs_whose_rotation_matters(runner, tmp_path, choice, exact):
-    """Keys with no energy on the two fastest of four pairs (Gemma 3 270M's global layers: 0.1-0.4% of the logit
-    energy on their 32 fastest of 128): with a 4-wide RoPE key, the rotation choice (the layout's default) keeps
-    pairs 2 and 3 and the global layer is exact at full rank over 60 tokens, where theta 100 turns pair 2 by 6
-    radians; the fastest pairs leave those rotations out and the logits move."""
+    """Keys with no energy on pairs 0 and 2 of four (Gemma 3 270M's global layers put 0.1-0.4% of the logit energy on
+    their 32 fastest of 128): with a 4-wide RoPE key, the rotation choice (the layout's default) keeps pairs 1 and 3,
+    neither the fastest nor the slowest two, and the global layer is exact at full rank over 60 tokens, where
+    theta 100 turns pair 3 by 1.9 radians; the fastest pairs (0 and 1) leave pair 3's rotation out and the logits
+    move."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
@@ -134,13 +135,13 @@ def test_the_rope_key_keeps_the_pairs_whose_rotation_matters(runner, tmp_path, c
     src, out = _gemma3(tmp_path, rope_parameters={"full_attention": rope, "sliding_attention": rope}), tmp_path / "o"
     tensors = load_file(src / "model.safetensors")
     for name in [n for n in tensors if n.endswith("k_proj.weight")]:
-        tensors[name][[0, 1, 4, 5]] = 0  # [D, n]: pairs 0 and 1 are rows (0, 4) and (1, 5)
+        tensors[name][[0, 2, 4, 6]] = 0  # [D, n]: pairs 0 and 2 are rows (0, 4) and (2, 6)
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     args = ["--kv-lora-rank", "72", "--rope-dim", "4", "--o-refit", "0", "--device", "cpu", "--rope-pairs", choice]
     result = _convert(runner, src, out, *args)
     assert result.exit_code == 0, result.output
     report, config = json.loads(result.stdout), json.loads((out / "config.json").read_text())
-    pairs = [2, 3] if exact else [0, 1]
+    pairs = [1, 3] if exact else [0, 1]
     assert report["kept_layers"] == [0, 2] and report["layers"][1]["rope_pairs"] == pairs
     assert config["rope_pairs"] == [[], pairs, []]
     assert report["parameters"]["rope_pair_choice"] == ("rotation" if exact else "fastest")
@@ -153,15 +154,33 @@ def test_the_rope_key_keeps_the_pairs_whose_rotation_matters(runner, tmp_path, c
 
 
 def test_rotation_pairs_are_refused_for_the_stock_target(runner, tmp_path):
-    """The stock DeepseekV3's rotary embedding turns at the fastest pairs only: --rope-pairs rotation is refused
-    there before any work, and a value outside the choices everywhere."""
-    folder = tmp_path / "llama"
-    save_model(build_model("llama"), folder)
+    """The stock DeepseekV3's rotary embedding turns at the fastest pairs only: auto keeps them (the report says so),
+    --rope-pairs rotation is refused there before any work, and a value outside the choices everywhere."""
+    folder = tiny_source(tmp_path, "llama")
+    args = ["convert", "mla", str(folder), str(tmp_path / "dry"), *FAST_CALIB, "--kv-budget", "0.5", "--dry-run"]
+    dry = runner.invoke(app, [*args, "--format", "json"])
+    assert dry.exit_code == 0, dry.output
+    parameters = json.loads(dry.stdout)["parameters"]
+    assert parameters["rope_pair_choice"] == "fastest"
+    assert parameters["rope_pairs"] == list(range(parameters["rope_dim"] // 2))
     for value, needle in (("rotation", "needs a layout whose RoPE key turns at any"), ("slow", "--rope-pairs must")):
         out = tmp_path / f"out-{value}"
         args = ["convert", "mla", str(folder), str(out), *FAST_CALIB, "--kv-budget", "0.5", "--rope-pairs", value]
         one_line_error(runner.invoke(app, args), 2, needle)
         assert not out.exists()
+
+
+def test_a_config_naming_impossible_rope_pairs_is_refused_when_built():
+    """rope_pairs must name P/2 distinct pairs of the head in ascending order: anything else fails when the layer
+    is built, naming the layer, not later inside the rotary embedding."""
+    from attnkit.modeling.gemma3_mla import Gemma3MLAConfig, Gemma3MLAForCausalLM
+
+    base = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    base |= dict(num_key_value_heads=1, head_dim=8, kv_lora_rank=8, qk_rope_head_dim=4)
+    Gemma3MLAForCausalLM(Gemma3MLAConfig(**base, rope_pairs=[[1, 3]]))  # two of the head's four pairs
+    for bad in ([[3, 1]], [[1, 1]], [[1, 4]], [[0, 1, 2]]):
+        with pytest.raises(ValueError, match="rope_pairs of layer 0"):
+            Gemma3MLAForCausalLM(Gemma3MLAConfig(**base, rope_pairs=bad))
 
 
 def test_budget_output_caches_the_latent_and_decodes_as_it_scores(runner, tmp_path):

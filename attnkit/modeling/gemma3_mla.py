@@ -2,8 +2,8 @@
 whose attention is DeepSeek-V3's MLA, the layout `convert mla --target gemma3-mla` writes.
 
 Each layer's attention is DeepseekV3Attention's MLA (q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj; interleaved
-RoPE on the shared key) with these changes: its RoPE key turns at the first P/2 frequencies of its own layer type
-(Gemma's cos/sin, sliced), the pairs `rope_pairs` names for the layer (the fastest P/2 where it names none); sliding
+RoPE on the shared key) with these changes: its RoPE key turns at P/2 frequencies of its own layer type (Gemma's
+cos/sin, sliced at the pairs `rope_pairs` names for the layer; the fastest P/2 where it names none); sliding
 layers keep Gemma's window; the latent has no norm; Gemma's per-head QK-norm is
 kept exact (the RMS factors of the source's query and key projections, the key's cached per KV head). The layers
 `gemma_attention_layers` names keep Gemma 3's own attention, unchanged (convert mla keeps sliding layers, whose
@@ -62,6 +62,21 @@ class Gemma3MLAConfig(Gemma3TextConfig):
         return True
 
 
+def _layer_pairs(config: Gemma3MLAConfig, layer_idx: int) -> list[int]:
+    """The frequency pairs layer `layer_idx` turns its RoPE key at: config.rope_pairs' entry (P/2 distinct pairs of
+    the head's D/2, ascending), or the fastest P/2 where it names none."""
+    half = config.qk_rope_head_dim // 2
+    named = list((config.rope_pairs or [[]] * config.num_hidden_layers)[layer_idx] or [])
+    if not named:
+        return list(range(half))
+    if len(named) != half or named != sorted(set(named)) or not all(0 <= p < config.head_dim // 2 for p in named):
+        raise ValueError(
+            f"rope_pairs of layer {layer_idx} must be {half} distinct pairs of 0..{config.head_dim // 2 - 1} in "
+            f"ascending order, got {named}"
+        )
+    return named
+
+
 class Gemma3MLAAttention(DeepseekV3Attention):
     """DeepseekV3Attention on Gemma's per-layer-type rotary embedding and sliding window, with Gemma's QK-norm
     kept exact: no latent norm (kv_a_layernorm is the identity), each query head scaled by its source RMS factor
@@ -79,8 +94,7 @@ class Gemma3MLAAttention(DeepseekV3Attention):
         self.eps = config.rms_norm_eps
         self.q_rms_proj = nn.Linear(config.hidden_size, self.num_heads * config.head_dim, bias=False)
         self.k_rms_proj = nn.Linear(config.hidden_size, self.num_kv * config.head_dim, bias=False)
-        named = (config.rope_pairs or [[]] * config.num_hidden_layers)[layer_idx]
-        self.rope_pairs = list(named) or list(range(self.qk_rope_head_dim // 2))
+        self.rope_pairs = _layer_pairs(config, layer_idx)
 
     def _inv_rms(self, raw: torch.Tensor, heads: int) -> torch.Tensor:
         """raw [B, T, heads*D] -> 1 / RMS per head and token, [B, heads, T, 1] (Gemma's RMSNorm, eps inside)."""

@@ -61,7 +61,8 @@ class MLAOptions:
     whiten: bool = True  # False: fit on the weights alone (plain SVD, cov = I; errors still on activations)
     o_refit: float = 0.1  # ridge of the o_proj refit to the source attention output (0: no refit)
     shrink: float = 0.5  # covariance shrinkage toward its diagonal: (1 - s) C + s diag(C); generalizes to other text
-    rope_pairs: str = "fastest"  # ROPE_PAIRS: the fastest P/2, or chosen by rotation_cost over rotation_context
+    rope_pairs: str = "auto"  # rotation: chosen by rotation_cost over rotation_context; else (fastest, and auto,
+    # which convert mla resolves by its target: mla_request.rope_pair_choice) the fastest P/2
     rotation_context: int = 4096  # rotation: distances taken uniform over [0, this) (a sliding layer: its window)
     ridge: float = 1e-6
 
