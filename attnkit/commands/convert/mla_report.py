@@ -66,12 +66,13 @@ def serving(src: MLASource) -> dict | None:
 def parameters(req: MLARequest, src: MLASource) -> dict:
     """The report's and the manifest's parameters: the shape chosen and every option."""
     o = req.options
+    pairs = rope_pair_choice(o, src.target)
     return {
         "kv_lora_rank": src.rank,
         "latent_rank": src.shape.latent_rank,
         "rope_dim": src.shape.rope_dim,
-        "rope_pairs": src.shape.pairs if rope_pair_choice(o, src.target) == "fastest" else None,
-        "rope_pair_choice": rope_pair_choice(o, src.target),
+        "rope_pairs": src.shape.pairs if pairs == "fastest" else None,
+        "rope_pair_choice": pairs,
         "kv_budget": req.kv_budget,
         "calib": list(req.calib),
         "calib_tokens": req.calib_tokens,

@@ -34,10 +34,9 @@ class MLATarget:
     a budget puts every key dimension in the RoPE key where the latent keeps half a head; any_rope_pairs: each layer's
     RoPE key turns at whichever of the source's frequencies it keeps (config `rope_pairs`), so --rope-pairs auto
     chooses them by what losing their rotation costs (else the fastest, which a stock rotary embedding reproduces);
-    text_only: a multimodal
-    config is refused; keeps_windows: sliding windows are kept (else a note says they are dropped);
-    config(src, bias_route): the result's transformers config; model_class(): its class; note: what the report's
-    notes say of the layout."""
+    text_only: a multimodal config is refused; keeps_windows: sliding windows are kept (else a note says they are
+    dropped); config(src, bias_route): the result's transformers config; model_class(): its class; note: what the
+    report's notes say of the layout."""
 
     name: str
     model_type: str
