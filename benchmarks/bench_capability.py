@@ -37,8 +37,9 @@ HEAL_TIME = "10m"
 #: name -> (attnkit command line after "attnkit", with {src} {out} {work}), in the order they are written
 MODELS = {
     "mqa-merge": "convert mqa {src} {out} --method merge " + " ".join(CALIB),
-    "mla-50": "convert mla {src} {out} --kv-budget 0.5 " + " ".join(CALIB),
-    "mla-25": "convert mla {src} {out} --kv-budget 0.25 " + " ".join(CALIB),
+    # convert mla's rows predate the stock target's key balance of 0.25: written at 1
+    "mla-50": "convert mla {src} {out} --kv-budget 0.5 --key-balance 1 " + " ".join(CALIB),
+    "mla-25": "convert mla {src} {out} --kv-budget 0.25 --key-balance 1 " + " ".join(CALIB),
     "qknorm": "retrofit qknorm {src} {out} " + " ".join(CALIB),
     "mqa-merge-healed": "heal {work}/mqa-merge {out} --teacher {src} --data {work}/heal.jsonl --max-time " + HEAL_TIME,
 }
@@ -133,7 +134,8 @@ def render() -> str:
         "## capability",
         "",
         "`python benchmarks/bench_capability.py --work DIR --write`: SmolLM2-135M-Instruct (fp32, CPU) and its "
-        "rewrites, each written by attnkit's own command (calibration: tests/data/prose/calib.txt; the healed "
+        "rewrites, each written by attnkit's own command (calibration: tests/data/prose/calib.txt; convert mla at "
+        "`--key-balance 1`, its default before 0.25; the healed "
         f"student: `heal` of the MQA merge for {HEAL_TIME} on 75 Wikipedia articles), scored against the source "
         "on the same items. Tasks: two lm-eval tasks built offline by benchmarks/local_tasks.py from 30 other "
         "Wikipedia articles (no model was calibrated or healed on them): wiki_cloze (400 sentences, the last word "

@@ -280,6 +280,16 @@ def test_gqa_converts_loads_in_stock_deepseek_and_caches_the_latent(runner, tmp_
     assert check["values_per_token_layer"] == 16
 
 
+@pytest.mark.parametrize("given,used", [(None, 0.25), ("1", 1.0)])
+def test_the_key_balance_is_the_targets_unless_given(runner, tmp_path, given, used):
+    """Without --key-balance the stock target fits the latent at 0.25 (docs/convert-mla.md, "Pass keys at 4k"; the
+    Gemma 3 layout's 1 is checked in test_convert_mla_gemma3); a given value is used as given."""
+    args = ["--kv-budget", "0.5", "--dry-run", *(["--key-balance", given] if given else [])]
+    result = _convert(runner, tiny_source(tmp_path, "llama_gqa"), tmp_path / "out", *args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["parameters"]["key_balance"] == used
+
+
 def test_dry_run_writes_nothing(runner, tmp_path):
     src = tiny_source(tmp_path, "llama_gqa")
     out = tmp_path / "out"

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from attnkit.ops.headmerge import head_gram
-from attnkit.ops.mla import MLAShape, convert_layer, factor_latent, position_free_scale, rope_split, value_spread
+from attnkit.ops.mla import (
+    MLAOptions,
+    MLAShape,
+    convert_layer,
+    factor_latent,
+    position_free_scale,
+    rope_split,
+    value_spread,
+)
 from attnkit.ops.mla_deepseek import NORM_EPS, kv_tensors, q_lora_tensors
 
 
@@ -290,3 +298,25 @@ def test_rotation_cost_prefers_energy_that_turns():
     assert cost[2] > cost[1] > cost[3] > 0 and cost[0] < cost[3]
     assert chosen_pairs(cost, 2) == [1, 2]
     assert chosen_pairs(torch.zeros(4), 2) == [0, 1]  # ties go to the faster pairs
+
+
+def test_key_balance_moves_the_latent_between_keys_and_values():
+    """A latent too small for both (rank 6 of 2 x 16 key/value rows): a low key balance fits the values closer and
+    the keys worse than a high one; no balance given is 1 (convert mla gives each target's own, mla_request). Keys
+    weighted as logit error (query): with random weights the output weighting scales the keys' error far above the
+    values', and the balance then moves little."""
+    g = torch.Generator().manual_seed(7)
+    n, d, heads, kv = 24, 8, 4, 2
+    s = MLAShape(num_heads=heads, num_kv=kv, head_dim=d, latent_rank=6, rope_dim=2)
+    q = torch.randn(heads * d, n, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(kv * d, n, generator=g, dtype=torch.float64) for _ in range(2))
+    o = torch.randn(n, heads * d, generator=g, dtype=torch.float64)
+    cov, freqs = _cov(n, 3), 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    mean = torch.zeros(n, dtype=torch.float64)
+
+    def fit(balance):
+        return convert_layer(q, k, v, o, cov, s, freqs, MLAOptions(key_balance=balance, key_weight="query"), mean=mean)
+
+    values, keys, plain, one = fit(0.05), fit(20.0), fit(None), fit(1.0)
+    assert values.k_err > keys.k_err and values.v_err < keys.v_err
+    assert (plain.k_err, plain.v_err) == (one.k_err, one.v_err)

@@ -57,7 +57,8 @@ class MLAOptions:
     value_weight: str = "o_proj"  # o_proj: value errors measured after each head's o_proj; none
     residual: str = "keep"  # what becomes position-free: keep it, drop it, or fade it (see position_free_scale)
     window: int = 512  # fade: distances are taken uniform over [0, window)
-    key_balance: float = 1.0  # weight of the (scaled) logit error against the output error
+    key_balance: float | None = None  # weight of the (scaled) logit error against the output error (None: 1 here;
+    # convert mla resolves it by its target: mla_request.key_balance_choice)
     whiten: bool = True  # False: fit on the weights alone (plain SVD, cov = I; errors still on activations)
     o_refit: float = 0.1  # ridge of the o_proj refit to the source attention output (0: no refit)
     shrink: float = 0.5  # covariance shrinkage toward its diagonal: (1 - s) C + s diag(C); generalizes to other text
@@ -123,11 +124,16 @@ def rotation_cost(k: torch.Tensor, cov: torch.Tensor, q_gram: torch.Tensor, freq
     d = q_gram.shape[1]
     key = torch.einsum("ri,ij,rj->r", k, cov, k).reshape(-1, d)  # [Hkv, D]: E|k_row|^2
     query = q_gram.diagonal(dim1=1, dim2=2)  # [Hkv, D]
-    half = d // 2
-    energy = ((query[:, :half] + query[:, half:]) * (key[:, :half] + key[:, half:])).sum(0)  # [D/2]
+    energy = (_per_pair(query) * _per_pair(key)).sum(0)  # [D/2]
     x = freqs.to(torch.float64) * context
     turned = torch.where(x > 0, 2 - 2 * torch.sin(x) / x.clamp_min(1e-300), torch.zeros_like(x))
     return energy * turned
+
+
+def _per_pair(rows: torch.Tensor) -> torch.Tensor:
+    """[..., D] per-row values (rotate-half layout: pair i is rows i and i + D/2) -> [..., D/2] their sums."""
+    half = rows.shape[-1] // 2
+    return rows[..., :half] + rows[..., half:]
 
 
 def chosen_pairs(cost: torch.Tensor, count: int) -> list[int]:
@@ -224,7 +230,8 @@ def convert_layer(
     residual = k - fitted  # [Hkv*D, n']: position-free from here on
     fade = position_free_scale(freqs, options.residual, options.window).repeat(2)  # [D]: rows i and i + D/2
     nope_gram = q_gram * fade[:, None] * fade[None, :]  # E[q q^T] of the faded queries
-    k_roots = _block_roots(nope_gram * (options.key_balance / d), options.ridge)
+    balance = 1.0 if options.key_balance is None else options.key_balance
+    k_roots = _block_roots(nope_gram * (balance / d), options.ridge)
     if options.value_weight == "o_proj":
         v_roots = _block_roots(head_gram(o, s.num_heads, hkv), options.ridge)
     else:
@@ -279,9 +286,7 @@ def _per_head_kv(up: torch.Tensor, hkv: int, d: int) -> torch.Tensor:
 def _weighted_fraction(part: torch.Tensor, whole: torch.Tensor, q_gram: torch.Tensor, cov: torch.Tensor) -> float:
     """sum_rows w_row E|part_row x|^2 / sum_rows w_row E|whole_row x|^2, w = the readers' query energy per
     frequency pair (averaged over its two rows, as the rank-1 RoPE fit weights it, so this is <= 1)."""
-    diag = q_gram.diagonal(dim1=1, dim2=2)  # [Hkv, D]
-    half = diag.shape[1] // 2
-    pair = (diag[:, :half] + diag[:, half:]) / 2
+    pair = _per_pair(q_gram.diagonal(dim1=1, dim2=2)) / 2  # [Hkv, D/2]
     weights = torch.cat([pair, pair], dim=1).reshape(-1)  # [Hkv*D]
 
     def energy(rows):

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from attnkit.commands.convert.mla_request import MLARequest, MLASource, exact_keys_budget, rope_pair_choice
+from attnkit.commands.convert.mla_request import (
+    MLARequest,
+    MLASource,
+    exact_keys_budget,
+    key_balance_choice,
+    rope_pair_choice,
+)
 from attnkit.engines.targets import mla_serving
 from attnkit.kvcache import apply_variant, bytes_per_token, cache_dtype
 from attnkit.kvcache import kv_bytes as kv_cache_bytes
@@ -82,7 +88,7 @@ def parameters(req: MLARequest, src: MLASource) -> dict:
         "value_weight": o.value_weight,
         "residual": o.residual,
         "fade_window": o.window,
-        "key_balance": o.key_balance,
+        "key_balance": key_balance_choice(o, src.target),
         "ridge": o.ridge,
         "o_refit": o.o_refit,
         "whiten": o.whiten,

@@ -129,11 +129,22 @@ def rope_pair_choice(options: MLAOptions, target: MLATarget) -> str:
     return "rotation" if target.any_rope_pairs else "fastest"
 
 
+def key_balance_choice(options: MLAOptions, target: MLATarget) -> float:
+    """--key-balance, or the target's default where it was not given."""
+    return target.key_balance if options.key_balance is None else options.key_balance
+
+
 def layer_options(options: MLAOptions, target: MLATarget, window: int | None) -> MLAOptions:
-    """The options one layer converts with: the RoPE pair choice (rope_pair_choice) and the distances its rotation
-    cost counts: ROTATION_CONTEXT tokens, or the layer's sliding window where it is shorter."""
+    """The options one layer converts with: the RoPE pair choice (rope_pair_choice), the key balance
+    (key_balance_choice) and the distances its rotation cost counts: ROTATION_CONTEXT tokens, or the layer's sliding
+    window where it is shorter."""
     context = min(ROTATION_CONTEXT, window) if window else ROTATION_CONTEXT
-    return dataclasses.replace(options, rope_pairs=rope_pair_choice(options, target), rotation_context=context)
+    return dataclasses.replace(
+        options,
+        rope_pairs=rope_pair_choice(options, target),
+        key_balance=key_balance_choice(options, target),
+        rotation_context=context,
+    )
 
 
 def rotating_pairs(freqs) -> int:
@@ -500,7 +511,7 @@ def _check_options(o: MLAOptions) -> None:
     ):
         if value not in allowed:
             raise UsageError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
-    if not (math.isfinite(o.key_balance) and o.key_balance > 0):
+    if o.key_balance is not None and not (math.isfinite(o.key_balance) and o.key_balance > 0):
         raise UsageError(f"--key-balance must be a positive finite number, got {o.key_balance}")
     check_bounds("--o-refit", o.o_refit, 0)
     check_bounds("--shrink", o.shrink, 0, 1)
