@@ -137,4 +137,4 @@ def test_convert_mla_target_gemma3_mla_halves_the_cache(runner, tmp_path):
     assert all(len(row["rope_pairs"]) == 32 and row["rope_pairs"] != list(range(32)) for row in converted)
     assert all(row["rope_pairs"] != list(range(96, 128)) for row in converted)  # nor the 32 slowest
     ratio = report["eval"]["perplexity"] / report["eval"]["source_perplexity"]
-    assert 1.0 < ratio < 1.25, ratio  # measured 1.063 (the fastest RoPE pairs: 1.024; every layer converted: 5.67)
+    assert 1.0 < ratio < 1.25, ratio  # measured 1.070 (at key balance 1: 1.063; fastest pairs: 1.024; all layers: 5.67)

@@ -69,7 +69,15 @@ def calib_group(tokens: int | None = None) -> dict:
     from attnkit.commands.rewrite import CALIB_SEQ_LEN, CALIB_TOKENS
 
     return {
-        "calib": (List[str], typer.Option([], "--calib", help="Calibration text file(s) (.txt, .jsonl).")),
+        "calib": (
+            List[str],
+            typer.Option(
+                [],
+                "--calib",
+                help="Calibration text file(s) (.txt, .jsonl), read in order and only as far as --calib-tokens needs; "
+                "what is left is the self-check's held-out text.",
+            ),
+        ),
         "calib_tokens": (
             int,
             typer.Option(
