@@ -280,6 +280,17 @@ def test_gqa_converts_loads_in_stock_deepseek_and_caches_the_latent(runner, tmp_
     assert check["values_per_token_layer"] == 16
 
 
+def test_the_key_balance_help_names_each_targets_default(runner):
+    """--help names each target's own key balance (MLATarget.key_balance): a changed default cannot leave it stale."""
+    from attnkit.commands.convert.mla_target import TARGETS
+
+    result = runner.invoke(app, ["convert", "mla", "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.replace("│", " ").split())
+    for name, target in TARGETS.items():
+        assert f"{target.key_balance:g} on {name}" in text
+
+
 @pytest.mark.parametrize("given,used", [(None, 0.25), ("1", 1.0)])
 def test_the_key_balance_is_the_targets_unless_given(runner, tmp_path, given, used):
     """Without --key-balance the stock target fits the latent at 0.25 (docs/convert-mla.md, "Pass keys at 4k"; the

@@ -169,7 +169,7 @@ def mla(
         None,
         "--key-balance",
         help="Weight of the keys' error against the values' in the latent's fit (above 1: keys fitted closer). "
-        "Default: the target's (0.25 on deepseek-v3, 1 on gemma3-mla).",
+        "Default: the target's (0.25 on deepseek-v3, 4 on gemma3-mla).",
     ),
     residual: str = typer.Option(
         "keep",
