@@ -75,7 +75,7 @@ def calib_group(tokens: int | None = None) -> dict:
                 [],
                 "--calib",
                 help="Calibration text file(s) (.txt, .jsonl), read in order and only as far as --calib-tokens needs; "
-                "what is left is the self-check's held-out text.",
+                "without --eval, the self-check scores the text past the tokens calibrated on.",
             ),
         ),
         "calib_tokens": (
