@@ -144,6 +144,16 @@ GEMMA3_MODELS = {
     # 50% as 64 latent (incl. the key factor) + a 192-wide RoPE key: three quarters of the key pairs position-exact
     "gemma3-mla-50-p192-calib-mixed": "convert mla {src} {out} --target gemma3-mla --sliding-layers convert --kv-lora-rank 64 --rope-dim 192 "
     "--calib {work}/prose-2.jsonl --calib {work}/code.txt --calib-seq-len 2048 --calib-tokens 8192",
+    # the default at 50% (sliding layers kept, key balance 4), as the families rows write it, and the recipe's heal of it
+    "gemma3-mla-50": "convert mla {src} {out} --target gemma3-mla --kv-budget 0.5 --calib "
+    + str(ROOT / "tests/data/mixed/calib.txt"),
+    "gemma3-mla-50-healed-mixed-bf16": "heal {work}/gemma3-mla-50 {out} --teacher {src} --data {work}/heal-mixed.jsonl "
+    "--precision bf16 " + HEAL,
+    # the same tokens as that heal trained in 30 minutes (7 steps), on 4096-token windows: the live teacher's logits
+    # do not fit 24 GB there (262,144-token vocabulary), so its top-64 are cached (--teacher-logits top-k)
+    "gemma3-mla-50-healed-mixed-bf16-4k": "heal {work}/gemma3-mla-50 {out} --teacher {src} --data {work}/heal-mixed.jsonl "
+    "--precision bf16 --teacher-logits top-k --tokens 57344 --seq-len 4096 --batch-size 2 --micro-batch-size 1 "
+    "--val-tokens 4096 --retrieval-mix 0.25",
 }
 #: --family -> (its source folder, its rewrites, the name of its source rows)
 FAMILIES = {
@@ -163,6 +173,9 @@ SHOWN = {
     "gemma3-mla-50-calib-mixed": "convert mla --target gemma3-mla, every layer at 50%, the default split, prose and code",
     "gemma3-mla-75-p256-calib-mixed": "every layer at 75%, every key pair in the RoPE key, 128 + 256 (the recipe before "
     "the sliding layers were kept)",
+    "gemma3-mla-50": "convert mla --target gemma3-mla --kv-budget 0.5 at its defaults (sliding layers kept, key balance 4; "
+    "the families row's command)",
+    "gemma3-mla-50-healed-mixed-bf16": "that, healed as the recipe (30 minutes, 2048-token windows, prose and code, bf16)",
 }
 #: Every other row, on docs/ablations.md ("## long context, variants"): what changed from the row it varies.
 #: Calibration on "Wikipedia" is heal.jsonl, 512-token windows unless said; "the recipe" is
@@ -189,6 +202,8 @@ CHANGED = {
     "mqa-merge-healed-mixed": "mqa-merge healed as the recipe, but in fp32",
     "gemma3-mla-75-calib-mixed": "Gemma's recipe with the split 256 + 128, --kv-budget 0.75's before",
     "gemma3-mla-50-p192-calib-mixed": "Gemma 3 at 50%, three quarters of the key pairs in the RoPE key: 64 + 192",
+    "gemma3-mla-50-healed-mixed-bf16-4k": "Gemma 3's 50% default healed on 4096-token windows (batch 2), the teacher's "
+    "top-64 cached, as many tokens as the recipe's 30 minutes",
 }
 if set(SHOWN) | set(CHANGED) != set(MODELS) | set(GEMMA3_MODELS) or set(SHOWN) & set(CHANGED):
     raise ValueError("every model of MODELS and GEMMA3_MODELS is in SHOWN or CHANGED, once")
@@ -372,8 +387,10 @@ def family_tables(rows: dict, family: str, labels: dict[str, str]) -> list[str]:
             if not found:
                 continue
             buckets = benchlib.buckets(found[0]["by_distance"])
+            count = found[0]["windows"]
             lines += [
-                f"**{text}, windows of {length:,} tokens** ({found[0]['windows']} windows; KL: mean over the window)",
+                f"**{text}, windows of {length:,} tokens** ({_count(count, 'window')} a row unless its name says; KL: "
+                "mean over the window)",
                 "",
                 "| model | " + " | ".join(buckets) + " | all | KL |",
                 "|---|" + "---:|" * (len(buckets) + 2),
@@ -390,15 +407,17 @@ def family_tables(rows: dict, family: str, labels: dict[str, str]) -> list[str]:
                     continue
                 cells = benchlib.ratio_cells(row["by_distance"])
                 ratio = row["perplexity"] / row["source_perplexity"]
-                lines.append(
-                    f"| {_name(model, labels)} | " + " | ".join(cells) + f" | {ratio:.2f}x | {row['kl_mean']:.3f} |"
-                )
+                name = _name(model, labels)
+                if row["windows"] != count:
+                    name += f" [{_count(row['windows'], 'window')}]"
+                lines.append(f"| {name} | " + " | ".join(cells) + f" | {ratio:.2f}x | {row['kl_mean']:.3f} |")
             lines.append("")
     keys = [r for r in rows.values() if r["kind"] == "passkey"]
     lengths = list(keys[0]["by_length"]) if keys else []
+    trials = keys[0]["trials"] if keys else TRIALS
     lines += [
         f"**pass keys**: accuracy by context length, repeat / distractors ({DEPTHS} depths x "
-        f"{keys[0]['trials'] if keys else TRIALS} keys per length; distractors: chance 25%)",
+        f"{_count(trials, 'key')} per length unless the row's name says; distractors: chance 25%)",
         "",
         "| model | " + " | ".join(lengths) + " |",
         "|---|" + "---:|" * len(lengths),
@@ -408,7 +427,10 @@ def family_tables(rows: dict, family: str, labels: dict[str, str]) -> list[str]:
         if None in pairs:
             continue
         cells = [" / ".join(_share(p["by_length"].get(n)) for p in pairs) for n in lengths]
-        lines.append(f"| {_name(model, labels)} | " + " | ".join(cells) + " |")
+        name = _name(model, labels)
+        if pairs[0]["trials"] != trials:
+            name += f" [{DEPTHS} x {_count(pairs[0]['trials'], 'key')}]"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Commands (SRC: the source folder, DIR: --work):", ""]
     for model in models:
         if model in commands:
@@ -421,6 +443,11 @@ def family_tables(rows: dict, family: str, labels: dict[str, str]) -> list[str]:
     if example:
         lines += ["", f"Scored with e.g. `{re.sub(r'^attnkit eval DIR/[^ ]+ ', 'attnkit eval MODEL ', example)}`."]
     return lines
+
+
+def _count(n: int, noun: str) -> str:
+    """'1 window', '2 windows'."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _name(model: str, labels: dict[str, str]) -> str:

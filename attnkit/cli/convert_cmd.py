@@ -224,7 +224,8 @@ def mla(
     fmt: Format = OutputFormat.table,
     shared: dict = None,
 ) -> None:
-    """Rewrite an MHA/GQA model as a stock DeepseekV3 (MLA) checkpoint: a calibrated KV latent and a shared RoPE key."""
+    """Rewrite an MHA/GQA model as MLA: a calibrated KV latent and a shared RoPE key, as a stock DeepseekV3
+    checkpoint (or attnkit's Gemma 3 MLA layout, --target gemma3-mla)."""
     from attnkit.commands.convert.mla import MLARequest, convert_mla
     from attnkit.ops.mla import MLAOptions
 

@@ -8,7 +8,7 @@ result's perplexity to the source's (the short windows' and every distance bucke
 (LIMITS; docs/check.md) and the user's --max-loss. Commands put it in the report and attnkit.json ("check") and
 print it as the last line on stderr (attnkit.cli.output.print_check).
 
-The text (CheckText, chosen by attnkit.commands.rewrite.check_text): the --eval text when given, else the
+The text (CheckText, chosen by attnkit.commands.rewrite.self_check): the --eval text when given, else the
 calibration text past the tokens the rewrite calibrated on, else attnkit's sample text (attnkit/data).
 """
 
