@@ -8,7 +8,6 @@ from dataclasses import replace
 from attnkit.commands.convert.mla_request import (
     MLARequest,
     MLASource,
-    exact_keys_budget,
     key_balance_choice,
     rope_pair_choice,
 )
@@ -134,14 +133,6 @@ def notes(req: MLARequest, src: MLASource) -> list[str]:
         notes.append(
             f"sliding-window layers {_ranges(src.plain_layers)} kept as the source's attention (their cache holds at "
             f"most the window); {spent} (kv_cache_at_context; --sliding-layers convert converts every layer)"
-        )
-    one_head = src.target.exact_keys_mqa and src.spec.num_kv_heads == 1
-    if one_head and req.kv_budget is not None and src.shape.rope_dim < src.spec.head_dim:
-        context = src.arch.config_value(src.config, "max_positions") or 0
-        notes.append(
-            f"from --kv-budget {exact_keys_budget(src.spec, src.plain_layers, context)} every key dimension fits the "
-            'RoPE key (keys exact, the latent for the values; what that keeps: docs/convert-mla.md, "### Sliding '
-            'layers kept")'
         )
     served = serving(src) or {}
     source = 2 * src.spec.num_kv_heads * src.spec.head_dim

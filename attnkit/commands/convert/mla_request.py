@@ -168,14 +168,6 @@ def budget_split(total: int, head_dim: int, rotating: int = 0) -> tuple[int, int
     return total - rope, rope
 
 
-def exact_key_split(total: int, head_dim: int) -> tuple[int, int] | None:
-    """(R, P) with every key dimension in the RoPE key (P = D) where `total` leaves the latent at least D/2; None
-    where it does not. For one KV head (a target with exact_keys_mqa, of an MQA source): the keys are then exact and the
-    latent holds the values (measured on Gemma 3 270M at 75%, docs/convert-mla.md)."""
-    rank = total - head_dim
-    return (rank, head_dim) if rank >= head_dim // 2 else None
-
-
 def max_rank(spec, augmented: bool) -> int:
     """Largest useful R: the rank of the stacked keys and values (2*Hkv*D, at most the input width) + 1."""
     return min(2 * spec.num_kv_heads * spec.head_dim, spec.hidden_size + int(augmented)) + 1
@@ -218,14 +210,6 @@ def budget_values(budget: float, spec, plain: tuple[int, ...], context: int) -> 
     return int((budget * slots * width - kept) // converted)
 
 
-def exact_keys_budget(spec, plain: tuple[int, ...], context: int) -> float:
-    """The smallest --kv-budget (to 0.01) at which exact_key_split applies: every key dimension of one KV head in
-    the RoPE key and a latent of at least half a head (budget_values of it is at least 1.5 D)."""
-    width, slots, kept, converted = _cache_shares(spec, plain, max(context, 1))
-    needed = spec.head_dim + spec.head_dim // 2
-    return math.ceil(100 * (needed * converted + kept) / (slots * width)) / 100
-
-
 def _ranks(
     req: MLARequest,
     target: MLATarget,
@@ -255,8 +239,7 @@ def _ranks(
                 f"--kv-budget {req.kv_budget} leaves {total} cached values per token{kept}; need at least 4{instead}"
             )
         if shapes is None:
-            exact_keys = target.exact_keys_mqa and spec.num_kv_heads == 1
-            rank, rope = (exact_keys and exact_key_split(total, d)) or budget_split(total, d, rotating)
+            rank, rope = budget_split(total, d, rotating)
         else:
             fitting = [s for s in shapes if sum(s) <= total]
             if not fitting:

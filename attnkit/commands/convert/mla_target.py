@@ -30,8 +30,7 @@ class MLATarget:
     and no bias route); exact_qk_norm: the layout applies a source's per-head QK-norm exactly and caches one key RMS
     factor per KV head beside the latent (else one latent-norm channel is cached there and QK-norm is folded into
     constants); widens_rope: one RoPE base serves every layer, so the budget split may widen the RoPE key to the
-    source's rotating pairs (attnkit.commands.convert.mla_request.budget_split); exact_keys_mqa: with one KV head
-    a budget puts every key dimension in the RoPE key where the latent keeps half a head; any_rope_pairs: each layer's
+    source's rotating pairs (attnkit.commands.convert.mla_request.budget_split); any_rope_pairs: each layer's
     RoPE key turns at whichever of the source's frequencies it keeps (config `rope_pairs`), so --rope-pairs auto
     chooses them by what losing their rotation costs (else the fastest, which a stock rotary embedding reproduces);
     key_balance: what --key-balance is when not given (measured per layout: docs/convert-mla.md, "Pass keys at 4k");
@@ -45,7 +44,6 @@ class MLATarget:
     engines: bool
     exact_qk_norm: bool
     widens_rope: bool
-    exact_keys_mqa: bool
     any_rope_pairs: bool
     key_balance: float
     text_only: bool
@@ -190,7 +188,6 @@ TARGETS = {
         engines=True,
         exact_qk_norm=False,
         widens_rope=True,
-        exact_keys_mqa=False,
         any_rope_pairs=False,
         key_balance=0.25,  # the latent leans to the values: SmolLM2's pass keys at 4k kept, Qwen's ratio no worse
         text_only=False,
@@ -205,7 +202,6 @@ TARGETS = {
         engines=False,
         exact_qk_norm=True,
         widens_rope=False,  # each layer type has its own RoPE base
-        exact_keys_mqa=True,
         any_rope_pairs=True,
         key_balance=4.0,  # Gemma 3's keys bind: measured at 0.25, 0.5, 1 and 4 (docs/convert-mla.md)
         text_only=True,
