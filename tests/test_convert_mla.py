@@ -281,7 +281,8 @@ def test_gqa_converts_loads_in_stock_deepseek_and_caches_the_latent(runner, tmp_
 
 
 def test_the_key_balance_help_names_each_targets_default(runner):
-    """--help names each target's own key balance (MLATarget.key_balance): a changed default cannot leave it stale."""
+    """--help names each target's own key balance and key centering (MLATarget.key_balance, center_keys): a changed
+    default cannot leave it stale."""
     from attnkit.commands.convert.mla_target import TARGETS
 
     result = runner.invoke(app, ["convert", "mla", "--help"], env={"COLUMNS": "400"})
@@ -289,16 +290,29 @@ def test_the_key_balance_help_names_each_targets_default(runner):
     text = " ".join(result.output.replace("│", " ").split())
     for name, target in TARGETS.items():
         assert f"{target.key_balance:g} on {name}" in text
+        assert f"{'on' if target.center_keys else 'off'} for {name}" in text
 
 
 @pytest.mark.parametrize("given,used", [(None, 0.25), ("1", 1.0)])
 def test_the_key_balance_is_the_targets_unless_given(runner, tmp_path, given, used):
     """Without --key-balance the stock target fits the latent at 0.25 (docs/convert-mla.md, "Pass keys at 4k"; the
-    Gemma 3 layout's 1 is checked in test_convert_mla_gemma3); a given value is used as given."""
+    Gemma 3 layout's 4 is checked in test_convert_mla_gemma3); a given value is used as given."""
     args = ["--kv-budget", "0.5", "--dry-run", *(["--key-balance", given] if given else [])]
     result = _convert(runner, tiny_source(tmp_path, "llama_gqa"), tmp_path / "out", *args)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["parameters"]["key_balance"] == used
+
+
+@pytest.mark.parametrize("given,used", [(None, False), ("--center-keys", True), ("--no-center-keys", False)])
+def test_keys_are_centered_only_when_asked(runner, tmp_path, given, used):
+    """Neither target centers the keys by default (MLATarget.center_keys; docs/convert-mla.md, "### Keys
+    centered"); --center-keys does, the report says which, and the layers' key errors are then on centered inputs."""
+    args = ["--kv-budget", "0.5", *([given] if given else [])]
+    result = _convert(runner, tiny_source(tmp_path, "llama_gqa"), tmp_path / "out", *args, "--no-check")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["parameters"]["center_keys"] is used
+    assert all(0 <= row["k_err"] < 1 for row in report["layers"])
 
 
 def test_dry_run_writes_nothing(runner, tmp_path):

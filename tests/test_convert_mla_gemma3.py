@@ -146,6 +146,7 @@ def test_the_rope_key_keeps_the_pairs_whose_rotation_matters(runner, tmp_path, c
     assert config["rope_pairs"] == [[], pairs, []]
     assert report["parameters"]["rope_pair_choice"] == ("rotation" if exact else "fastest")
     assert report["parameters"]["key_balance"] == 4.0  # the layout's own default (the stock target's is 0.25)
+    assert report["parameters"]["center_keys"] is False  # each key is scaled by its own RMS factor
     ids = torch.randint(3, 200, (1, 60), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits

@@ -11,6 +11,7 @@ from attnkit.ops.headmerge import head_gram
 from attnkit.ops.mla import (
     MLAOptions,
     MLAShape,
+    centered_rows,
     convert_layer,
     factor_latent,
     position_free_scale,
@@ -18,6 +19,7 @@ from attnkit.ops.mla import (
     value_spread,
 )
 from attnkit.ops.mla_deepseek import NORM_EPS, kv_tensors, q_lora_tensors
+from attnkit.ops.whiten import psd_sqrt
 
 
 def _cov(n: int, seed: int = 0) -> torch.Tensor:
@@ -320,3 +322,75 @@ def test_key_balance_moves_the_latent_between_keys_and_values():
     values, keys, plain, one = fit(0.05), fit(20.0), fit(None), fit(1.0)
     assert values.k_err > keys.k_err and values.v_err < keys.v_err
     assert (plain.k_err, plain.v_err) == (one.k_err, one.v_err)
+
+
+def test_centered_rows_carry_the_centered_energy_under_the_plain_metric():
+    """centered_rows(rows, C, C_c): under C their energy (and every direction's) is rows' under C_c."""
+    g = torch.Generator().manual_seed(11)
+    n, m = 10, 4
+    x = torch.randn(500, n, generator=g, dtype=torch.float64) + 3 * torch.randn(n, generator=g, dtype=torch.float64)
+    cov, mean = x.T @ x / len(x), x.mean(0)
+    centered = cov - torch.outer(mean, mean)
+    rows = torch.randn(m, n, generator=g, dtype=torch.float64)
+    out = centered_rows(rows, cov, centered, 0.0)
+    assert torch.allclose(out @ cov @ out.T, rows @ centered @ rows.T, atol=1e-8)
+    assert torch.allclose(centered_rows(rows, cov, cov, 0.0), rows, atol=1e-9)  # nothing to drop: unchanged
+
+
+def _keys_with_a_mean(seed: int):
+    """A layer whose inputs have a large mean that its keys read strongly; pair 0's key rows are zero, so the
+    shared RoPE key (P = 2, pair 0) holds nothing and the latent carries every key row, and its values are zero, so
+    the latent carries nothing else."""
+    g = torch.Generator().manual_seed(seed)
+    n, d, heads, kv = 24, 8, 4, 2
+    x = torch.randn(2000, n, generator=g, dtype=torch.float64) @ torch.randn(n, n, generator=g, dtype=torch.float64)
+    x = x + 4 * torch.randn(n, generator=g, dtype=torch.float64)
+    cov, mean = x.T @ x / len(x), x.mean(0)
+    q = torch.randn(heads * d, n, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(kv * d, n, generator=g, dtype=torch.float64) for _ in range(2))
+    k[[h * d + r for h in range(kv) for r in (0, d // 2)]] = 0.0
+    v = torch.zeros_like(v)
+    o = torch.randn(n, heads * d, generator=g, dtype=torch.float64)
+    freqs = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    return (q, k, v, o, cov, freqs, mean), (heads, kv, d)
+
+
+def _latent_keys(layer, kv: int, d: int) -> torch.Tensor:
+    """[Hkv*D, n'] the keys the latent reads out (pair 0 holds nothing: _keys_with_a_mean)."""
+    up = layer.up.reshape(kv, 2 * d, -1)[:, :d].reshape(kv * d, -1)  # [Hkv*D, r]
+    return up @ layer.down
+
+
+@pytest.mark.parametrize("rank", [3, 8, 16])
+def test_centered_keys_reach_the_best_fit_of_the_keys_on_centered_inputs(rank):
+    """center_keys: the latent is fitted to the keys on centered inputs (their mean moves every logit of a query
+    alike). With nothing else in the latent its keys' error, weighted as the fit weighs it (E[q q^T] of the reading
+    heads), is the Eckart-Young optimum on centered inputs (0 at full rank), below the plain fit's, which spends a
+    channel on the mean; the report's k_err is that error unweighted."""
+    (q, k, v, o, cov, freqs, mean), (heads, kv, d) = _keys_with_a_mean(5)
+    s = MLAShape(num_heads=heads, num_kv=kv, head_dim=d, latent_rank=rank, rope_dim=2)
+    centered = cov - torch.outer(mean, mean)
+    weight = torch.block_diag(*[psd_sqrt(g, 0.0) for g in head_gram(q, heads, kv, cov)])  # [Hkv*D, Hkv*D]
+    total = torch.trace(weight @ k @ centered @ k.T @ weight)
+
+    def fit(center: bool):
+        options = MLAOptions(key_weight="query", key_balance=1.0, center_keys=center, shrink=0.0)
+        layer = convert_layer(q, k, v, o, cov, s, freqs, options, mean=mean)
+        lost = k - _latent_keys(layer, kv, d)  # [Hkv*D, n]
+        weighted = weight @ lost
+        plain = float(torch.trace(lost @ centered @ lost.T) / torch.trace(k @ centered @ k.T)) ** 0.5
+        return float(torch.trace(weighted @ centered @ weighted.T) / total) ** 0.5, plain, layer
+
+    sv = torch.linalg.svdvals(weight @ k @ psd_sqrt(centered, 0.0))
+    best = float(sv[rank:].pow(2).sum() / sv.pow(2).sum()) ** 0.5
+    (plain, _, _), (dropped, unweighted, layer) = fit(False), fit(True)
+    assert math.isclose(layer.k_err, unweighted, rel_tol=1e-6, abs_tol=1e-9)
+    assert math.isclose(dropped, best, rel_tol=1e-6, abs_tol=1e-7)
+    assert dropped < 1e-7 if rank == kv * d else dropped < plain
+
+
+def test_centered_keys_need_the_mean():
+    (q, k, v, o, cov, freqs, _), (heads, kv, d) = _keys_with_a_mean(5)
+    s = MLAShape(num_heads=heads, num_kv=kv, head_dim=d, latent_rank=8, rope_dim=2)
+    with pytest.raises(ValueError, match="mean"):
+        convert_layer(q, k, v, o, cov, s, freqs, MLAOptions(key_weight="query", center_keys=True))

@@ -171,6 +171,12 @@ def mla(
         help="Weight of the keys' error against the values' in the latent's fit (above 1: keys fitted closer). "
         "Default: the target's (0.25 on deepseek-v3, 4 on gemma3-mla).",
     ),
+    center_keys: bool | None = typer.Option(
+        None,
+        "--center-keys/--no-center-keys",
+        help="Fit the keys that lose RoPE on centered inputs, their mean dropped (it moves every logit of a query "
+        "alike). Default: the target's (off for deepseek-v3, off for gemma3-mla).",
+    ),
     residual: str = typer.Option(
         "keep",
         "--residual",
@@ -233,6 +239,7 @@ def mla(
         key_weight="uniform" if weight_only else key_weight,
         value_weight="none" if weight_only else value_weight,
         key_balance=key_balance,
+        center_keys=False if weight_only else center_keys,
         residual=residual,
         rope_pairs=rope_pairs,
         window=shared["calib_seq_len"],

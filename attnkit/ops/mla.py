@@ -13,7 +13,9 @@ Method, per layer:
 2. Position-free part: what is left of the keys (the other frequency pairs, and the part of kept
    pairs the shared row misses) is stacked with the values and factored jointly to rank r by an
    SVD of diag(key/value read-out weights)^(1/2) [K_res; V] L, L L^T = cov (whitened, so the error
-   is measured on the activations; keys weighted by E[q q^T] (logit error), values by o_proj).
+   is measured on the activations; keys weighted by E[q q^T] (logit error), values by o_proj). With
+   center_keys the keys' error is measured on centered inputs x - E x: a position-free key's mean adds the same
+   amount to every logit of a query, which the softmax drops, so the latent does not spend channels on it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class MLAOptions:
     window: int = 512  # fade: distances are taken uniform over [0, window)
     key_balance: float | None = None  # weight of the (scaled) logit error against the output error (None: 1 here;
     # convert mla resolves it by its target: mla_request.key_balance_choice)
+    center_keys: bool | None = None  # fit the position-free keys on centered inputs, their mean dropped (None: no
+    # here; convert mla resolves it by its target: a layout that scales each key by a per-token factor keeps it)
     whiten: bool = True  # False: fit on the weights alone (plain SVD, cov = I; errors still on activations)
     o_refit: float = 0.1  # ridge of the o_proj refit to the source attention output (0: no refit)
     shrink: float = 0.5  # covariance shrinkage toward its diagonal: (1 - s) C + s diag(C); generalizes to other text
@@ -86,7 +90,7 @@ class MLALayer:
     down: torch.Tensor
     up: torch.Tensor
     rope: torch.Tensor
-    k_err: float
+    k_err: float  # relative key error (on centered inputs where center_keys dropped the keys' mean)
     v_err: float
     position_free: float  # fraction of the query-weighted key energy that lost its position dependence
     spectrum: torch.Tensor  # [min(2*Hkv*D, n')] weighted energy per latent rank (squared singular values)
@@ -160,17 +164,25 @@ def rope_split(k: torch.Tensor, cov: torch.Tensor, s: MLAShape, q_gram: torch.Te
 
 
 def factor_latent(
-    rows: torch.Tensor, cov: torch.Tensor, rank: int, weight_roots: torch.Tensor, ridge: float
+    rows: torch.Tensor,
+    cov: torch.Tensor,
+    rank: int,
+    weight_roots: torch.Tensor,
+    ridge: float,
+    chosen_on: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rank-`rank` fit rows ~= up @ down minimising ||weight_roots (rows - up down) L||_F, L L^T = cov.
 
     rows: [m, n'], weight_roots: [m, m].  down: [rank, n'] (the top left singular vectors' combinations
     of the weighted rows); up: [m, rank], the least-squares read-out rows C down^T (down C down^T)^-1;
     spectrum: [min(m, n')] the squared singular values (the weighted energy each latent rank captures).
+    chosen_on: [m, n'] rows whose energy under cov is what each of `rows` should weigh (attnkit.ops.mla's centered
+    keys): the singular vectors are theirs, the combinations still of `rows`, so a full rank stays exact.
     """
     lower = cholesky_in_place(regularize(cov, ridge))  # L L^T = C + ridge: one [n', n'] matrix
     weighted = weight_roots @ rows  # [m, n']
-    u, sv, _ = torch.linalg.svd(weighted @ lower, full_matrices=False)
+    chooser = weighted if chosen_on is None else weight_roots @ chosen_on  # [m, n']
+    u, sv, _ = torch.linalg.svd(chooser @ lower, full_matrices=False)
     down = u[:, :rank].T @ weighted  # [rank, n']
     down_l = down @ lower  # [rank, n']: down C_r = down_l L^T
     gram = down_l @ down_l.T  # [rank, rank]
@@ -214,11 +226,10 @@ def convert_layer(
     options = options or MLAOptions()
     k, v, cov = (t.to(torch.float64) for t in (k, v, cov))  # q is read a head at a time
     d, hkv = s.head_dim, s.num_kv
-    if options.whiten:  # the metric the fits use: (1 - shrink) C + shrink diag(C)
-        fit = cov * (1 - options.shrink)
-        fit.diagonal().add_(cov.diagonal() * options.shrink)
-    else:
-        fit = torch.eye(cov.shape[0], dtype=torch.float64)
+    if options.center_keys and mean is None:
+        raise ValueError("center_keys needs the calibration inputs' mean")
+    mean = None if mean is None else mean.to(torch.float64)
+    fit = _shrunk(cov, options)  # the metric the fits use
     spread = value_spread(v, o, cov, mean, s) if options.key_weight == "output" else None  # [H]
     q_gram = head_gram(q, s.num_heads, hkv, fit, spread)  # [Hkv, D, D]: sum over readers of (spread x) E[q q^T]
     if options.key_weight == "uniform":
@@ -236,8 +247,17 @@ def convert_layer(
         v_roots = _block_roots(head_gram(o, s.num_heads, hkv), options.ridge)
     else:
         v_roots = torch.eye(hkv * d, dtype=torch.float64)
+    key_metric, key_rows = fit, residual  # the keys' error metric and the rows the latent is chosen on
+    if options.center_keys:
+        key_metric = _shrunk(cov - torch.outer(mean, mean), options)
+        key_rows = centered_rows(residual, fit, key_metric, options.ridge)
+    roots = torch.block_diag(k_roots, v_roots)  # [2*Hkv*D, 2*Hkv*D]
     stacked = torch.cat([residual, v])  # [2*Hkv*D, n']
-    down, up, spectrum = factor_latent(stacked, fit, s.latent_rank, torch.block_diag(k_roots, v_roots), options.ridge)
+    chosen_on = torch.cat([key_rows, v]) if options.center_keys else None
+    down, up, spectrum = factor_latent(stacked, fit, s.latent_rank, roots, options.ridge, chosen_on)
+    if options.center_keys:  # the keys' read-out: least squares on centered inputs (any weighting gives the same)
+        gram = regularize(key_metric, options.ridge)  # [n', n']
+        up[: hkv * d] = torch.linalg.lstsq(down @ gram @ down.T, down @ gram @ residual.T, driver="gelsd").solution.T
     scale = torch.einsum("ri,ij,rj->r", down, cov, down).clamp_min(1e-300).sqrt()  # unit E[c_j^2] on the data
     down, up = down / scale[:, None], up * scale
     rec = up @ down  # [2*Hkv*D, n']
@@ -250,12 +270,32 @@ def convert_layer(
         down=down,
         up=_per_head_kv(up, hkv, d),
         rope=rope,
-        k_err=relative_error(k, k_rec, cov),
+        k_err=relative_error(k, k_rec, cov - torch.outer(mean, mean) if options.center_keys else cov),
         v_err=relative_error(v, rec[hkv * d :], cov),
         position_free=_weighted_fraction(lost, k, q_gram, cov),
         spectrum=spectrum,
         pairs=pairs,
     )
+
+
+def _shrunk(cov: torch.Tensor, options: MLAOptions) -> torch.Tensor:
+    """(1 - shrink) cov + shrink diag(cov), a new [n', n'] matrix (the identity when the fit is not whitened)."""
+    if not options.whiten:
+        return torch.eye(cov.shape[0], dtype=torch.float64)
+    out = cov * (1 - options.shrink)
+    out.diagonal().add_(cov.diagonal() * options.shrink)
+    return out
+
+
+def centered_rows(rows: torch.Tensor, metric: torch.Tensor, centered: torch.Tensor, ridge: float) -> torch.Tensor:
+    """rows L M^(1/2) L^-1, L L^T = metric, M = L^-1 centered L^-T: rows whose energy under `metric` is the energy
+    of `rows` under `centered` (so a fit whitened by `metric` weighs them as centered inputs would), with the same
+    directions where `centered` and `metric` agree.  rows: [m, n'], metric, centered: [n', n'].  -> [m, n']"""
+    lower = torch.linalg.cholesky(regularize(metric, ridge))  # [n', n']
+    inner = torch.linalg.solve_triangular(lower, centered, upper=False)  # L^-1 C_c
+    inner = torch.linalg.solve_triangular(lower, inner.T, upper=False)  # L^-1 C_c L^-T
+    right = rows @ lower @ psd_sqrt((inner + inner.T) / 2, ridge)  # [m, n']: rows L M^(1/2)
+    return torch.linalg.solve_triangular(lower.T, right.T, upper=True).T  # right L^-1
 
 
 def value_spread(v: torch.Tensor, o: torch.Tensor, cov: torch.Tensor, mean: torch.Tensor, s: MLAShape) -> torch.Tensor:

@@ -8,6 +8,7 @@ from dataclasses import replace
 from attnkit.commands.convert.mla_request import (
     MLARequest,
     MLASource,
+    center_keys_choice,
     key_balance_choice,
     rope_pair_choice,
 )
@@ -88,6 +89,7 @@ def parameters(req: MLARequest, src: MLASource) -> dict:
         "residual": o.residual,
         "fade_window": o.window,
         "key_balance": key_balance_choice(o, src.target),
+        "center_keys": center_keys_choice(o, src.target),
         "ridge": o.ridge,
         "o_refit": o.o_refit,
         "whiten": o.whiten,

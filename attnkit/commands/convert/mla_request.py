@@ -134,15 +134,21 @@ def key_balance_choice(options: MLAOptions, target: MLATarget) -> float:
     return target.key_balance if options.key_balance is None else options.key_balance
 
 
+def center_keys_choice(options: MLAOptions, target: MLATarget) -> bool:
+    """--center-keys / --no-center-keys, or the target's default where neither was given."""
+    return target.center_keys if options.center_keys is None else options.center_keys
+
+
 def layer_options(options: MLAOptions, target: MLATarget, window: int | None) -> MLAOptions:
     """The options one layer converts with: the RoPE pair choice (rope_pair_choice), the key balance
-    (key_balance_choice) and the distances its rotation cost counts: ROTATION_CONTEXT tokens, or the layer's sliding
-    window where it is shorter."""
+    (key_balance_choice), whether its keys are centered (center_keys_choice) and the distances its rotation cost
+    counts: ROTATION_CONTEXT tokens, or the layer's sliding window where it is shorter."""
     context = min(ROTATION_CONTEXT, window) if window else ROTATION_CONTEXT
     return dataclasses.replace(
         options,
         rope_pairs=rope_pair_choice(options, target),
         key_balance=key_balance_choice(options, target),
+        center_keys=center_keys_choice(options, target),
         rotation_context=context,
     )
 

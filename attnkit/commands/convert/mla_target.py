@@ -34,6 +34,8 @@ class MLATarget:
     RoPE key turns at whichever of the source's frequencies it keeps (config `rope_pairs`), so --rope-pairs auto
     chooses them by what losing their rotation costs (else the fastest, which a stock rotary embedding reproduces);
     key_balance: what --key-balance is when not given (measured per layout: docs/convert-mla.md, "Pass keys at 4k");
+    center_keys: what --center-keys is when not given: whether the position-free keys are fitted on centered inputs
+    (measured per layout: docs/convert-mla.md, "### Keys centered");
     text_only: a multimodal config is refused; keeps_windows: sliding windows are kept (else a note says they are
     dropped); config(src, bias_route): the result's transformers config; model_class(): its class; note: what the
     report's notes say of the layout."""
@@ -46,6 +48,7 @@ class MLATarget:
     widens_rope: bool
     any_rope_pairs: bool
     key_balance: float
+    center_keys: bool
     text_only: bool
     keeps_windows: bool
     config: Callable
@@ -190,6 +193,7 @@ TARGETS = {
         widens_rope=True,
         any_rope_pairs=False,
         key_balance=0.25,  # the latent leans to the values: SmolLM2's pass keys at 4k kept, Qwen's ratio no worse
+        center_keys=False,  # centered at 0.5: SmolLM2's pass keys at 2k kept, Qwen2.5-Coder's text 2.6x (docs)
         text_only=False,
         keeps_windows=False,
         config=deepseek_config,
@@ -204,6 +208,7 @@ TARGETS = {
         widens_rope=False,  # each layer type has its own RoPE base
         any_rope_pairs=True,
         key_balance=4.0,  # Gemma 3's keys bind: measured at 0.25, 0.5, 1 and 4 (docs/convert-mla.md)
+        center_keys=False,  # each key is scaled by its own RMS factor: its mean does not move a query's logits alike
         text_only=True,
         keeps_windows=True,
         config=gemma3_mla_config,
