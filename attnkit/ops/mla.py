@@ -62,7 +62,7 @@ class MLAOptions:
     key_balance: float | None = None  # weight of the (scaled) logit error against the output error (None: 1 here;
     # convert mla resolves it by its target: mla_request.key_balance_choice)
     center_keys: bool | None = None  # fit the position-free keys on centered inputs, their mean dropped (None: no
-    # here; convert mla resolves it by its target: a layout that scales each key by a per-token factor keeps it)
+    # here; convert mla resolves it by its target: mla_request.center_keys_choice)
     whiten: bool = True  # False: fit on the weights alone (plain SVD, cov = I; errors still on activations)
     o_refit: float = 0.1  # ridge of the o_proj refit to the source attention output (0: no refit)
     shrink: float = 0.5  # covariance shrinkage toward its diagonal: (1 - s) C + s diag(C); generalizes to other text
