@@ -247,9 +247,10 @@ def convert_layer(
         v_roots = _block_roots(head_gram(o, s.num_heads, hkv), options.ridge)
     else:
         v_roots = torch.eye(hkv * d, dtype=torch.float64)
-    key_metric, key_rows = fit, residual  # the keys' error metric and the rows the latent is chosen on
+    key_cov, key_metric, key_rows = cov, fit, residual  # the keys' inputs' second moment, error metric, chosen rows
     if options.center_keys:
-        key_metric = _shrunk(cov - torch.outer(mean, mean), options)
+        key_cov = cov - torch.outer(mean, mean)  # [n', n'] the covariance of x
+        key_metric = _shrunk(key_cov, options)
         key_rows = centered_rows(residual, fit, key_metric, options.ridge)
     roots = torch.block_diag(k_roots, v_roots)  # [2*Hkv*D, 2*Hkv*D]
     stacked = torch.cat([residual, v])  # [2*Hkv*D, n']
@@ -270,7 +271,7 @@ def convert_layer(
         down=down,
         up=_per_head_kv(up, hkv, d),
         rope=rope,
-        k_err=relative_error(k, k_rec, cov - torch.outer(mean, mean) if options.center_keys else cov),
+        k_err=relative_error(k, k_rec, key_cov),
         v_err=relative_error(v, rec[hkv * d :], cov),
         position_free=_weighted_fraction(lost, k, q_gram, cov),
         spectrum=spectrum,
