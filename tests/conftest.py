@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -30,3 +31,12 @@ def tiny(tmp_path_factory):
         return make_checkpoint(folder, family, seed=seed, max_shard_size=max_shard_size, **overrides)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory):
+    """A folder for a module's shared outputs (a real model's are GB-sized), removed when the module ends: pytest
+    removes a passing test's tmp_path at once, but a module fixture's folders only when the whole run ends."""
+    path = tmp_path_factory.mktemp("module")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -27,7 +27,7 @@ if not all(os.environ.get(name) for name in NEEDED):
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory):
+def sources(module_tmp):
     """Source name -> path, made on first use (the Qwen3: `retrofit qknorm` of SmolLM2)."""
     from typer.testing import CliRunner
 
@@ -42,7 +42,7 @@ def sources(tmp_path_factory):
             elif name == "gemma3-gguf":
                 made[name] = gemma3_gguf()
             else:
-                out = tmp_path_factory.mktemp("qwen3") / "qwen3"
+                out = module_tmp / "qwen3"
                 args = ["retrofit", "qknorm", str(get("smollm2")), str(out), *FAST_CALIB, "--no-check"]
                 result = CliRunner().invoke(app, args)
                 assert result.exit_code == 0, result.output

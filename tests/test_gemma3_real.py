@@ -32,11 +32,11 @@ def _refused(runner, args: list[str], code: int, words: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def clipped(tmp_path_factory):
+def clipped(module_tmp):
     """retrofit qkclip of Gemma 3 (layer-wise: its QK-norm weight is shared by the heads of a layer)."""
     from typer.testing import CliRunner
 
-    out = tmp_path_factory.mktemp("gemma3") / "clipped"
+    out = module_tmp / "clipped"
     result = CliRunner().invoke(
         app,
         ["retrofit", "qkclip", str(gemma3_folder()), str(out), "--tau", "20", *CALIB, "--no-check", "--format", "json"],
