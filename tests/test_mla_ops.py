@@ -14,6 +14,7 @@ from attnkit.ops.mla import (
     centered_rows,
     convert_layer,
     factor_latent,
+    mean_in_one_channel,
     position_free_scale,
     rope_split,
     value_spread,
@@ -394,3 +395,65 @@ def test_centered_keys_need_the_mean():
     s = MLAShape(num_heads=heads, num_kv=kv, head_dim=d, latent_rank=8, rope_dim=2)
     with pytest.raises(ValueError, match="mean"):
         convert_layer(q, k, v, o, cov, s, freqs, MLAOptions(key_weight="query", center_keys=True))
+
+
+def _bf16_key_error(down: torch.Tensor, up_k: torch.Tensor, x: torch.Tensor) -> float:
+    """Relative error of the keys read out of a latent whose inputs, rows, channels and read-out are rounded to bf16
+    (channels scaled to unit E[c^2] first, as convert_layer writes them), against the same latent in float64, on
+    centered keys (their mean is free).  down: [r, n], up_k: [m, r], x: [N, n]."""
+    scale = (x @ down.T).pow(2).mean(0).sqrt()  # [r]
+    down, up_k = down / scale[:, None], up_k * scale
+    keys = x @ down.T @ up_k.T  # [N, m]
+    c = _bf16(_bf16(x) @ _bf16(down).T)  # [N, r]
+    err = c @ _bf16(up_k).T - keys
+    return float((err - err.mean(0)).norm() / (keys - keys.mean(0)).norm())
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).to(torch.float64)
+
+
+def test_the_latent_carries_its_mean_in_one_channel_and_its_keys_through_bf16(monkeypatch):
+    """Inputs with two near-constant massive dims and a constant column for biases (Qwen2's layout), keys centered:
+    convert_layer's latent has mean 0 on the data in every channel but the first. The SVD's own basis (the
+    reflection switched off) is the same latent in float64, but each of its channels is mostly mean (about +-1 with
+    a spread of 0.01-0.1 once scaled), and the keys read out of it in bf16 are several times further off."""
+    import attnkit.ops.mla as mla
+
+    g = torch.Generator().manual_seed(3)
+    n, d, heads, kv = 24, 8, 4, 2
+    x = torch.randn(4000, n, generator=g, dtype=torch.float64) @ torch.randn(n, n, generator=g, dtype=torch.float64)
+    x = torch.cat([x / 5, torch.ones(len(x), 1, dtype=torch.float64)], 1)  # [N, n + 1]
+    x[:, :2] += 100.0
+    cov, mean = x.T @ x / len(x), x.mean(0)
+    q, o = torch.randn(heads * d, n + 1, generator=g, dtype=torch.float64), torch.randn(n, heads * d, generator=g)
+    k, v = (torch.randn(kv * d, n + 1, generator=g, dtype=torch.float64) for _ in range(2))
+    k[:, -1] *= 30  # large key biases
+    s = MLAShape(num_heads=heads, num_kv=kv, head_dim=d, latent_rank=10, rope_dim=2)
+    freqs = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+
+    def latent():
+        layer = convert_layer(q, k, v, o.double(), cov, s, freqs, MLAOptions(center_keys=True), mean=mean)
+        return layer.down, layer.up.reshape(kv, 2 * d, -1)[:, :d].reshape(kv * d, -1)  # [r, n + 1], [Hkv*D, r]
+
+    down, up_k = latent()
+    means = down @ mean  # [r]
+    assert means[1:].abs().max() < 1e-9 * means[0].abs()
+    monkeypatch.setattr(mla, "mean_in_one_channel", lambda down, up, mean: (down, up))
+    svd_down, svd_up = latent()
+    assert torch.allclose(svd_up @ svd_down, up_k @ down, atol=1e-9)
+    assert ((svd_down @ mean).abs() > 0.5).all()  # every channel mostly mean (unit E[c^2])
+    kept, svd = _bf16_key_error(down, up_k, x), _bf16_key_error(svd_down, svd_up, x)
+    assert kept * 3 < svd, (kept, svd)
+
+
+def test_mean_in_one_channel_is_the_same_latent():
+    """up @ down is unchanged, only the first channel has a mean on the data; a latent without a mean is returned
+    as it is."""
+    g = torch.Generator().manual_seed(4)
+    down, up, mean = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((6, 9), (5, 6), (9,)))
+    new_down, new_up = mean_in_one_channel(down, up, mean)
+    assert torch.allclose(new_up @ new_down, up @ down, atol=1e-12)
+    assert (new_down @ mean)[1:].abs().max() < 1e-12 and (new_down @ mean)[0].abs() > 0
+    same = mean_in_one_channel(down, up, torch.zeros(9, dtype=torch.float64))
+    assert same[0] is down and same[1] is up

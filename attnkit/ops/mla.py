@@ -16,6 +16,9 @@ Method, per layer:
    is measured on the activations; keys weighted by E[q q^T] (logit error), values by o_proj). With
    center_keys the keys' error is measured on centered inputs x - E x: a position-free key's mean adds the same
    amount to every logit of a query, which the softmax drops, so the latent does not spend channels on it.
+3. The latent's basis: a reflection puts all of the channels' mean on the data in the first channel, so the
+   others vary about 0 and keep their variation when the latent is stored and computed in bf16 (a channel
+   rounds to a fraction of its own size, mean included). The same latent in exact arithmetic.
 """
 
 from __future__ import annotations
@@ -259,6 +262,8 @@ def convert_layer(
     if options.center_keys:  # the keys' read-out: least squares on centered inputs (any weighting gives the same)
         gram = regularize(key_metric, options.ridge)  # [n', n']
         up[: hkv * d] = torch.linalg.lstsq(down @ gram @ down.T, down @ gram @ residual.T, driver="gelsd").solution.T
+    if mean is not None:  # the same latent, its mean in the first channel (3. above: bf16)
+        down, up = mean_in_one_channel(down, up, mean)
     scale = torch.einsum("ri,ij,rj->r", down, cov, down).clamp_min(1e-300).sqrt()  # unit E[c_j^2] on the data
     down, up = down / scale[:, None], up * scale
     rec = up @ down  # [2*Hkv*D, n']
@@ -277,6 +282,20 @@ def convert_layer(
         spectrum=spectrum,
         pairs=pairs,
     )
+
+
+def mean_in_one_channel(down: torch.Tensor, up: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same latent in a basis whose first channel carries all of the channels' mean on the data (a Householder
+    reflection H: down -> H down, up -> up H, so up @ down is unchanged): the others vary about 0, which keeps
+    their variation when the latent is rounded (bf16).  down: [r, n'], up: [m, r], mean: [n'] E[x]."""
+    means = down @ mean  # [r]
+    size = means.norm()
+    if size == 0:
+        return down, up
+    w = means.clone()
+    w[0] += torch.sign(means[0]) * size if means[0] != 0 else size  # [r]: H means = -/+ |means| e_1
+    h = torch.eye(len(w), dtype=down.dtype) - 2 * torch.outer(w, w) / (w @ w)  # [r, r], symmetric orthogonal
+    return h @ down, up @ h
 
 
 def _shrunk(cov: torch.Tensor, options: MLAOptions) -> torch.Tensor:
