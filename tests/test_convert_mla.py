@@ -293,9 +293,9 @@ def test_the_key_balance_help_names_each_targets_default(runner):
         assert f"{'on' if target.center_keys else 'off'} for {name}" in text
 
 
-@pytest.mark.parametrize("given,used", [(None, 0.25), ("1", 1.0)])
+@pytest.mark.parametrize("given,used", [(None, 0.5), ("1", 1.0)])
 def test_the_key_balance_is_the_targets_unless_given(runner, tmp_path, given, used):
-    """Without --key-balance the stock target fits the latent at 0.25 (docs/convert-mla.md, "Pass keys at 4k"; the
+    """Without --key-balance the stock target fits the latent at 0.5 (docs/convert-mla.md, "### Keys centered"; the
     Gemma 3 layout's 4 is checked in test_convert_mla_gemma3); a given value is used as given."""
     args = ["--kv-budget", "0.5", "--dry-run", *(["--key-balance", given] if given else [])]
     result = _convert(runner, tiny_source(tmp_path, "llama_gqa"), tmp_path / "out", *args)
@@ -303,10 +303,11 @@ def test_the_key_balance_is_the_targets_unless_given(runner, tmp_path, given, us
     assert json.loads(result.stdout)["parameters"]["key_balance"] == used
 
 
-@pytest.mark.parametrize("given,used", [(None, False), ("--center-keys", True), ("--no-center-keys", False)])
-def test_keys_are_centered_only_when_asked(runner, tmp_path, given, used):
-    """Neither target centers the keys by default (MLATarget.center_keys; docs/convert-mla.md, "### Keys
-    centered"); --center-keys does, the report says which, and the layers' key errors are then on centered inputs."""
+@pytest.mark.parametrize("given,used", [(None, True), ("--center-keys", True), ("--no-center-keys", False)])
+def test_the_stock_target_centers_the_keys_unless_told_not_to(runner, tmp_path, given, used):
+    """The stock target centers the keys by default (MLATarget.center_keys; docs/convert-mla.md, "### Keys
+    centered"; the Gemma 3 layout does not: test_convert_mla_gemma3), --no-center-keys does not, and the report says
+    which (the layers' key errors then on centered inputs or not)."""
     args = ["--kv-budget", "0.5", *([given] if given else [])]
     result = _convert(runner, tiny_source(tmp_path, "llama_gqa"), tmp_path / "out", *args, "--no-check")
     assert result.exit_code == 0, result.output

@@ -145,7 +145,7 @@ def test_the_rope_key_keeps_the_pairs_whose_rotation_matters(runner, tmp_path, c
     assert report["kept_layers"] == [0, 2] and report["layers"][1]["rope_pairs"] == pairs
     assert config["rope_pairs"] == [[], pairs, []]
     assert report["parameters"]["rope_pair_choice"] == ("rotation" if exact else "fastest")
-    assert report["parameters"]["key_balance"] == 4.0  # the layout's own default (the stock target's is 0.25)
+    assert report["parameters"]["key_balance"] == 4.0  # the layout's own default (the stock target's is 0.5)
     assert report["parameters"]["center_keys"] is False  # each key is scaled by its own RMS factor
     ids = torch.randint(3, 200, (1, 60), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():

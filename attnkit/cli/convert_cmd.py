@@ -169,13 +169,13 @@ def mla(
         None,
         "--key-balance",
         help="Weight of the keys' error against the values' in the latent's fit (above 1: keys fitted closer). "
-        "Default: the target's (0.25 on deepseek-v3, 4 on gemma3-mla).",
+        "Default: the target's (0.5 on deepseek-v3, 4 on gemma3-mla).",
     ),
     center_keys: bool | None = typer.Option(
         None,
         "--center-keys/--no-center-keys",
         help="Fit the keys that lose RoPE on centered inputs, their mean dropped (it moves every logit of a query "
-        "alike). Default: the target's (off for deepseek-v3, off for gemma3-mla).",
+        "alike). Default: the target's (on for deepseek-v3, off for gemma3-mla).",
     ),
     residual: str = typer.Option(
         "keep",
