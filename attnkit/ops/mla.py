@@ -293,7 +293,7 @@ def mean_in_one_channel(down: torch.Tensor, up: torch.Tensor, mean: torch.Tensor
     if size == 0:
         return down, up
     w = means.clone()
-    w[0] += torch.sign(means[0]) * size if means[0] != 0 else size  # [r]: H means = -/+ |means| e_1
+    w[0] += size if means[0] >= 0 else -size  # [r]: H means = -/+ |means| e_1 (no cancellation in w[0])
     h = torch.eye(len(w), dtype=down.dtype) - 2 * torch.outer(w, w) / (w @ w)  # [r, r], symmetric orthogonal
     return h @ down, up @ h
 
