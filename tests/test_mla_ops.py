@@ -356,10 +356,14 @@ def _keys_with_a_mean(seed: int):
     return (q, k, v, o, cov, freqs, mean), (heads, kv, d)
 
 
+def _key_readout(layer, kv: int, d: int) -> torch.Tensor:
+    """[Hkv*D, r] the rows of the latent's read-out that give the keys (the values' rows dropped)."""
+    return layer.up.reshape(kv, 2 * d, -1)[:, :d].reshape(kv * d, -1)
+
+
 def _latent_keys(layer, kv: int, d: int) -> torch.Tensor:
     """[Hkv*D, n'] the keys the latent reads out (pair 0 holds nothing: _keys_with_a_mean)."""
-    up = layer.up.reshape(kv, 2 * d, -1)[:, :d].reshape(kv * d, -1)  # [Hkv*D, r]
-    return up @ layer.down
+    return _key_readout(layer, kv, d) @ layer.down
 
 
 @pytest.mark.parametrize("rank", [3, 8, 16])
@@ -434,7 +438,7 @@ def test_the_latent_carries_its_mean_in_one_channel_and_its_keys_through_bf16(mo
 
     def latent():
         layer = convert_layer(q, k, v, o.double(), cov, s, freqs, MLAOptions(center_keys=True), mean=mean)
-        return layer.down, layer.up.reshape(kv, 2 * d, -1)[:, :d].reshape(kv * d, -1)  # [r, n + 1], [Hkv*D, r]
+        return layer.down, _key_readout(layer, kv, d)  # [r, n + 1], [Hkv*D, r]
 
     down, up_k = latent()
     means = down @ mean  # [r]
