@@ -107,6 +107,7 @@ def run(work: Path, families: list[str], only: list[str]) -> None:
                     method=report.get("method") or (report.get("parameters") or {}).get("method"),
                     route=(report.get("parameters") or {}).get("latent_norm"),
                     split=[report.get("kv_lora_rank"), report.get("rope_dim")] if "rope_dim" in report else None,
+                    layer_shapes=report.get("layer_shapes") or None,
                     seconds=report.get("wall_seconds") or report.get("seconds"),
                 )
             rows = [{**head, **row} for row in scores(path, source, texts, dtype, work, PASSKEYS[family], variants)]
@@ -246,7 +247,10 @@ def _written(row: dict) -> str:
     """What the defaults wrote: retrofit qknorm's method, convert mla's route and split."""
     if row.get("split"):
         route = {"bias": "bias tensors", "none": "Gemma 3 MLA layout"}.get(row.get("route"), "engine route")
-        return f"{row['split'][0]} + {row['split'][1]}, {route}"
+        own = "".join(
+            f", layer {layer} {rank} + {rope}" for layer, (rank, rope) in (row.get("layer_shapes") or {}).items()
+        )
+        return f"{row['split'][0]} + {row['split'][1]}{own}, {route}"
     return row.get("method") or ""
 
 

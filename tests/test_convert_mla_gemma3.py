@@ -31,6 +31,23 @@ def _gemma3(tmp_path: Path, **overrides) -> Path:
     )
 
 
+def _decode(out: Path) -> tuple[list, bool]:
+    """Greedy decoding of 30 tokens after a 6-token prompt: (the cache's layers, whether one forward pass over the
+    whole sequence predicts the tokens decoded)."""
+    from transformers import AutoModelForCausalLM
+
+    import attnkit.modeling  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    prompt = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        gen = model.generate(
+            prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False, return_dict_in_generate=True
+        )
+        logits = model(gen.sequences).logits
+    return gen.past_key_values.layers, torch.equal(logits[0, 5:-1].argmax(-1), gen.sequences[0, 6:])
+
+
 def _convert(runner, src: Path, out: Path, *args: str):
     return runner.invoke(
         app, ["convert", "mla", str(src), str(out), *FAST_CALIB, "--target", "gemma3-mla", *args, "--format", "json"]
@@ -189,7 +206,6 @@ def test_budget_output_caches_the_latent_and_decodes_as_it_scores(runner, tmp_pa
     """At half the cache the result generates with a cache of R latent and P RoPE-key values per token and layer,
     the sliding layers holding at most the window, and greedy decoding agrees with one forward pass over its
     output (the cache and the masks agree); `attnkit eval --reference` loads it and reports by distance."""
-    from transformers import AutoModelForCausalLM
 
     import attnkit.modeling  # noqa: F401
 
@@ -200,17 +216,11 @@ def test_budget_output_caches_the_latent_and_decodes_as_it_scores(runner, tmp_pa
     rank, rope = report["kv_lora_rank"], report["rope_dim"]
     assert report["kept_layers"] == [] and rank + rope == 8 and report["kv_bytes_per_token"]["elements_after"] == 8
     assert open_source(str(out), "inspect").spec.kv_elements_per_token() == 8  # what kvmem and inspect count
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    prompt = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        gen = model.generate(
-            prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False, return_dict_in_generate=True
-        )
-        logits = model(gen.sequences).logits
-    shapes = [(layer.keys.shape[-2:], layer.values.shape[-1]) for layer in gen.past_key_values.layers]
+    cache, agrees = _decode(out)
+    shapes = [(layer.keys.shape[-2:], layer.values.shape[-1]) for layer in cache]
     assert [v for _, v in shapes] == [rope] * 3 and all(k[-1] == rank for k, _ in shapes)
     assert [k[0] for k, _ in shapes] == [15, 35, 15]  # sliding layers keep window - 1 tokens, the full one all
-    assert torch.equal(logits[0, 5:-1].argmax(-1), gen.sequences[0, 6:])
+    assert agrees
     scored = runner.invoke(
         app, ["eval", str(out), "--reference", str(src), "--text", "abc " * 130, "--seq-len", "256", "--format", "json"]
     )
@@ -337,7 +347,6 @@ def test_sliding_layers_are_kept_and_the_budget_goes_to_the_global_ones(runner, 
     leaves at the longest context (512 tokens here), so the whole cache there is at most half the source's, as kvmem
     counts it on the output; greedy decoding agrees with one forward pass."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     import attnkit.modeling  # noqa: F401
     from attnkit import kvcache
@@ -361,17 +370,11 @@ def test_sliding_layers_are_kept_and_the_budget_goes_to_the_global_ones(runner, 
     assert at_longest["context"] == 512 and at_longest["ratio"] <= 0.5
     spec = open_source(str(out), "kvmem").spec
     assert kvcache.kv_bytes(spec, kvcache.cache_dtype("fp32"), 512, 1) == at_longest["after"]
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    prompt = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        gen = model.generate(
-            prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False, return_dict_in_generate=True
-        )
-        logits = model(gen.sequences).logits
-    shapes = [(tuple(layer.keys.shape[-2:]), tuple(layer.values.shape[-2:])) for layer in gen.past_key_values.layers]
+    cache, agrees = _decode(out)
+    shapes = [(tuple(layer.keys.shape[-2:]), tuple(layer.values.shape[-2:])) for layer in cache]
     assert shapes[0] == shapes[2] == ((15, 8), (15, 8))  # the source's key and value, window - 1 tokens
     assert shapes[1] == ((35, rank), (35, rope))
-    assert torch.equal(logits[0, 5:-1].argmax(-1), gen.sequences[0, 6:])
+    assert agrees
 
 
 def test_kept_sliding_layers_at_full_rank_equal_the_source(runner, tmp_path):
@@ -429,31 +432,207 @@ def test_heal_trains_the_converted_layers_only(runner, tmp_path):
     equal the teacher's), and the kept layers come out bit for bit as they went in."""
     from safetensors.torch import load_file
 
-    from tests.helpers import PROSE
-
     src, student, healed = _gemma3(tmp_path), tmp_path / "student", tmp_path / "healed"
     assert _convert(runner, src, student, "--kv-budget", "0.5", "--device", "cpu", "--no-check").exit_code == 0
-    data = tmp_path / "data.txt"
-    data.write_text(PROSE * 30)
-    fast = [
-        "--tokens",
-        "512",
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "2",
-        "--micro-batch-size",
-        "2",
-        "--val-tokens",
-        "64",
-        "--device",
-        "cpu",
-    ]
-    args = ["heal", str(student), str(healed), "--teacher", str(src), "--data", str(data), *fast, "--format", "json"]
-    result = runner.invoke(app, args)
-    assert result.exit_code == 0, result.output
+    result = _heal(runner, student, healed, src, tmp_path)
     trained = json.loads(result.stdout)["trainable"]["names"]
     assert trained and all(name.startswith("model.layers.1.self_attn.") for name in trained)
     before, after = load_file(student / "model.safetensors"), load_file(healed / "model.safetensors")
     kept = [n for n in before if n.startswith(("model.layers.0.self_attn.", "model.layers.2.self_attn."))]
     assert kept and all(torch.equal(before[n], after[n]) for n in kept)
+
+
+def _heal(runner, student: Path, healed: Path, teacher: Path, tmp_path: Path):
+    """A few steps of `attnkit heal` on CPU; its CLI result (checked to exit 0)."""
+    from tests.helpers import PROSE
+
+    data = tmp_path / "data.txt"
+    data.write_text(PROSE * 30)
+    fast = ["--tokens", "512", "--seq-len", "32", "--batch-size", "2", "--micro-batch-size", "2", "--val-tokens", "64"]
+    args = ["heal", str(student), str(healed), "--teacher", str(teacher), "--data", str(data), *fast]
+    result = runner.invoke(app, [*args, "--device", "cpu", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_a_layer_of_its_own_shape_at_full_rank_equals_the_source(runner, tmp_path):
+    """--layer-shape 1=17+8: the global layer caches a latent of 16 (the rank of its stacked keys and values) and
+    one key factor, P = D, the others 72 + 8: still the source (the layer's own tensors, config entry and cache)."""
+    from transformers import AutoModelForCausalLM
+
+    import attnkit.modeling  # noqa: F401
+
+    src, out = _gemma3(tmp_path), tmp_path / "out"
+    args = ["-R", "72", "-P", "8", "--o-refit", "0", "--device", "cpu", "--sliding-layers", "convert"]
+    result = _convert(runner, src, out, *args, "--layer-shape", "1=17+8")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["layer_shapes"] == {"1": [17, 8]} == report["parameters"]["layer_shapes"]
+    assert report["layers"][1]["shape"] == [17, 8] and "shape" not in report["layers"][0]
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_mla_shapes"] == [[], [16, 8], []] and config["kv_lora_rank"] == 71
+    spec = open_source(str(out), "kvmem").spec
+    assert [spec.kv_elements_per_token(i) for i in range(3)] == [80, 25, 80]
+    shown = json.loads(runner.invoke(app, ["inspect", str(out), "--format", "json"]).stdout)["summary"]
+    assert shown["MLA kv_lora_rank + rope"] == "71 + 8 (layers 1: 16 + 8)"
+    ids = torch.randint(3, 200, (1, 60), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(ids).logits
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+
+
+def test_layer_shapes_take_their_part_of_the_budget_and_cache_it(runner, tmp_path):
+    """--kv-budget 0.5 over three converted layers of 16 values is 24 per token; --layer-shape 1=12+4 takes 16, the
+    other two share 8 (2 + 2 each): the report, kvmem on the output and the cache generate fills agree, and greedy
+    decoding agrees with one forward pass."""
+
+    import attnkit.modeling  # noqa: F401
+    from attnkit import kvcache
+
+    src, out = _gemma3(tmp_path), tmp_path / "out"
+    args = ["--kv-budget", "0.5", "--device", "cpu", "--sliding-layers", "convert", "--layer-shape", "1=12+4"]
+    result = _convert(runner, src, out, *args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert (report["kv_lora_rank"], report["rope_dim"]) == (2, 2)
+    assert report["kv_bytes_per_token"]["elements_after_by_layer"] == [4, 16, 4]
+    assert report["kv_bytes_per_token"]["after"] == report["kv_bytes_per_token"]["before"] / 2
+    spec = open_source(str(out), "kvmem").spec
+    dtype = kvcache.cache_dtype(report["kv_bytes_per_token"]["dtype"])
+    assert kvcache.bytes_per_token(spec, dtype) == report["kv_bytes_per_token"]["after"]
+    cache, agrees = _decode(out)
+    widths = [(layer.keys.shape[-1], layer.values.shape[-1]) for layer in cache]
+    assert widths == [(2, 2), (12, 4), (2, 2)]  # latent + key factor, RoPE key
+    assert agrees
+    _heal(runner, out, tmp_path / "healed", src, tmp_path)  # heal builds the student from the config's shapes
+    healed = json.loads((tmp_path / "healed" / "config.json").read_text())
+    assert healed["layer_mla_shapes"] == [[], [11, 4], []]
+
+
+@pytest.mark.parametrize(
+    "family,args,needle",
+    [
+        ("llama", ["--layer-shape", "1=12+4"], "--target deepseek-v3 gives every layer one shape"),
+        ("gemma3", ["--layer-shape", "1:12+4"], "--layer-shape takes LAYER=R+P"),
+        ("gemma3", ["--layer-shape", "1=12+4", "--layer-shape", "1=8+2"], "names layer 1 twice"),
+        ("gemma3", ["--layer-shape", "0=12+4"], "layer 0 is a layer kept as the source's"),
+        ("gemma3", ["--layer-shape", "7=12+4"], "layer 7 is not a layer of the 3"),
+        ("gemma3", ["--layer-shape", "1=12+3"], "P even, 2..8"),
+        ("gemma3", ["--layer-shape", "1=12+4"], "names every converted layer"),
+    ],
+)
+def test_layer_shape_refusals_are_one_line_before_work(runner, tmp_path, family, args, needle):
+    folder = tmp_path / family
+    overrides = {"layer_types": LAYER_TYPES, "sliding_window": 16, "num_hidden_layers": 3} if family == "gemma3" else {}
+    save_model(build_model(family, num_key_value_heads=1, **overrides), folder)
+    target = ["--target", "gemma3-mla"] if family == "gemma3" else []
+    out = tmp_path / "out"
+    result = runner.invoke(
+        app, ["convert", "mla", str(folder), str(out), *FAST_CALIB, "--kv-budget", "0.5", *target, *args]
+    )
+    one_line_error(result, 2, needle)
+    assert not out.exists()
+
+
+def test_the_budget_trades_a_layers_share_where_measuring_says_it_matters(runner, tmp_path):
+    """--layer-budget auto (the default), three global layers: layers 0 and 2 write nothing (o_proj zero), so
+    converting either costs nothing, and layer 1 holds the model. At 0.75 of 64 values (32 + 16 each, head dim 32,
+    one KV head) layer 1 takes layer 0's or 2's share down to 11 latent channels + its key factor + its RoPE key,
+    and puts its whole key in its RoPE key (36 + 32: keys and values exact); the trade stands, the whole cache is
+    what the budget gives, and the result is the source. `--layer-budget even` leaves every layer at the even
+    share; with sliding windows on layers 0 and 2 no layer holds the tokens layer 1 holds: layer 1 takes nothing,
+    and the two that cost nothing gain nothing by trading."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    import attnkit.modeling  # noqa: F401
+
+    src = tiny_source(
+        tmp_path,
+        "gemma3",
+        head_dim=32,
+        num_hidden_layers=3,
+        sliding_window=16,
+        query_pre_attn_scalar=20,
+        layer_types=["full_attention"] * 3,
+        num_key_value_heads=1,
+    )
+    tensors = load_file(src / "model.safetensors")
+    for layer in (0, 2):
+        tensors[f"model.layers.{layer}.self_attn.o_proj.weight"].zero_()
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    args = ["--kv-budget", "0.75", "--device", "cpu", "--sliding-layers", "convert", "--o-refit", "0"]
+    result = _convert(runner, src, tmp_path / "auto", *args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    budget = report["layer_budget"]
+    assert budget["chosen"] == "traded" and budget["costs"]["1"] > 0 == budget["costs"]["0"] == budget["costs"]["2"]
+    trade = budget["trades"][0]
+    assert trade["taker"] == 1 and trade["giver"] in (0, 2) and trade["stands"] and trade["cost"] < 1e-6
+    assert report["layer_shapes"] == {"1": [36, 32], str(trade["giver"]): [12, 16]}
+    assert any(
+        note.startswith(f"--layer-budget auto: layer 1 takes layer {trade['giver']}'s") for note in report["notes"]
+    )
+    plan = json.loads(_convert(runner, src, tmp_path / "plan", *args, "--dry-run").stdout)
+    assert plan["layer_shapes"] == {} and any(
+        "measures each converted layer when converting" in n for n in plan["notes"]
+    )
+    even = _convert(runner, src, tmp_path / "even", *args, "--layer-budget", "even")
+    assert even.exit_code == 0, even.output
+    even = json.loads(even.stdout)
+    assert (
+        even["layer_shapes"] == {}
+        and even["layer_budget"] is None
+        and (even["kv_lora_rank"], even["rope_dim"]) == (32, 16)
+    )
+    assert report["kv_cache_at_context"] == even["kv_cache_at_context"]
+    ids = torch.randint(3, 200, (1, 60), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "auto", dtype=torch.float32).eval()(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(ids).logits
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "layer_types": LAYER_TYPES}))
+    windowed = _convert(runner, src, tmp_path / "windowed", *args)
+    assert windowed.exit_code == 0, windowed.output
+    windowed = json.loads(windowed.stdout)
+    assert windowed["layer_shapes"] == {} and windowed["layer_budget"]["chosen"] == "even"
+    assert all(trade["taker"] != 1 and not trade["stands"] for trade in windowed["layer_budget"]["trades"])
+
+
+def test_trades_at_gemma3_270m_geometry_are_the_measured_split():
+    """At half of Gemma 3 270M's cache each global layer's share is 172 + 64 (one key factor in 172): a giver keeps
+    12 + 64 and a taker gets 140 + 256, the split measured to hold the pass keys (docs/convert-mla.md); a share too
+    small for the taker to hold its whole key trades nothing."""
+    from types import SimpleNamespace
+
+    from attnkit.commands.convert.mla_layer_budget import trade_shapes
+    from attnkit.commands.convert.mla_target import TARGETS
+
+    def source(rank: int, rope: int):
+        spec = SimpleNamespace(num_kv_heads=1, head_dim=256)
+        return SimpleNamespace(target=TARGETS["gemma3-mla"], spec=spec, rank=rank, shape=SimpleNamespace(rope_dim=rope))
+
+    assert trade_shapes(source(172, 64)) == ((12, 64), (140, 256))
+    assert trade_shapes(source(96, 32)) is None  # 128 a layer: 256 - 44 leaves no key of 256 with a latent
+
+
+@pytest.mark.parametrize(
+    "shapes,needle",
+    [
+        ([[16, 8]], "has 1 entries for 3 layers"),
+        ([[], [16, 3], []], "gives a layer 3 RoPE dims"),
+        ([[], [16, 8, 1], []], "must be a list of [] or [latent width, RoPE dims]"),
+        ([[], [0, 8], []], "must be a list of [] or [latent width, RoPE dims]"),
+    ],
+)
+def test_a_config_with_impossible_layer_shapes_is_refused_in_one_line(runner, full_rank, tmp_path, shapes, needle):
+    import shutil
+
+    _, out, _ = full_rank
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "layer_mla_shapes": shapes}))
+    one_line_error(runner.invoke(app, ["kvmem", str(bad)]), 1, needle)

@@ -37,6 +37,7 @@ CONFIG_ROLES = {
     "mla_key_factors",
     "mla_plain_layers",
     "mla_plain_kv_heads",
+    "mla_layer_shapes",
     "num_experts",
     "moe_intermediate_size",
     "num_shared_experts",

@@ -19,6 +19,7 @@ class MLADims:
     key_factors: int = 0  # cached per token beside the latent and RoPE key (attnkit_gemma3_mla: key RMS per KV head)
     plain_layers: tuple[int, ...] = ()  # layers that keep the source family's attention (attnkit_gemma3_mla)
     plain_kv_heads: int = 0  # their K and V heads (v_head_dim wide)
+    layer_shapes: tuple[tuple[int, ...], ...] = ()  # per layer () or its own (kv_lora_rank, qk_rope_head_dim)
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,17 @@ class AttentionSpec:
         return spec.num_kv_heads * (spec.head_dim + spec.v_head_dim)
 
     def layer_spec(self, layer: int) -> AttentionSpec:
-        """The attention of one layer as a uniform spec: this one, or for an MLA layout with plain layers either its
-        MLA or the source family's own attention (plain_kv_heads heads of v_head_dim, per-head QK-norm:
-        attnkit_gemma3_mla's Gemma 3 layers)."""
+        """The attention of one layer as a uniform spec: this one, or for an MLA layout whose layers differ either
+        its MLA at its own shape (layer_shapes) or the source family's own attention (plain_kv_heads heads of
+        v_head_dim, per-head QK-norm: attnkit_gemma3_mla's Gemma 3 layers)."""
         if self.uniform:
             return self
         if layer not in self.mla.plain_layers:
-            return replace(self, mla=replace(self.mla, plain_layers=(), plain_kv_heads=0))
+            mla = replace(self.mla, plain_layers=(), plain_kv_heads=0, layer_shapes=())
+            own = self.mla.layer_shapes[layer] if self.mla.layer_shapes else ()
+            if own:
+                mla = replace(mla, kv_lora_rank=own[0], qk_rope_head_dim=own[1])
+            return replace(self, mla=mla, head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim)
         heads, dim = self.mla.plain_kv_heads, self.mla.v_head_dim
         return replace(self, mla=None, num_kv_heads=heads, head_dim=dim, v_head_dim=dim, qk_norm="per_head")
 
@@ -80,8 +85,9 @@ class AttentionSpec:
 
     @property
     def uniform(self) -> bool:
-        """Whether every layer caches the same width (no plain layers beside MLA ones)."""
-        return self.mla is None or not self.mla.plain_layers
+        """Whether every layer caches the same width (no plain layers beside MLA ones, no MLA layer of its own
+        shape)."""
+        return self.mla is None or not (self.mla.plain_layers or any(self.mla.layer_shapes))
 
     def sliding_summary(self) -> str:
         windows = [w for w in self.layer_windows if w is not None]
@@ -108,6 +114,13 @@ def _fmt_windows(windows: list[int]) -> str:
 def _int(arch: Arch, config: dict, role: str, default=None) -> int | None:
     """A config value that check_config has already type-checked."""
     return arch.config_value(config, role, default)
+
+
+def _layer_shapes(arch: Arch, config: dict) -> tuple[tuple[int, ...], ...]:
+    """Per layer () or its own (kv_lora_rank, qk_rope_head_dim) (check_config has checked them); () where no
+    layer has its own."""
+    shapes = tuple(tuple(v) for v in arch.config_value(config, "mla_layer_shapes") or ())
+    return shapes if any(shapes) else ()
 
 
 def _layer_windows(arch: Arch, config: dict, num_layers: int) -> tuple[int | None, ...]:
@@ -164,6 +177,7 @@ def attention_spec(config: dict) -> AttentionSpec:
             key_factors=_int(arch, config, "mla_key_factors") or 0,
             plain_layers=tuple(sorted(arch.config_value(config, "mla_plain_layers") or ())),
             plain_kv_heads=_int(arch, config, "mla_plain_kv_heads") or 0,
+            layer_shapes=_layer_shapes(arch, config),
         )
         num_kv_heads, head_dim, v_head_dim = num_heads, nope + rope, mla.v_head_dim
     if num_heads % num_kv_heads:

@@ -40,6 +40,7 @@ RULES: dict[str, tuple[str, float | None, float | None]] = {
     "mla_key_factors": ("int", 0, MAX_HEADS),
     "mla_plain_layers": ("layer_list", None, None),
     "mla_plain_kv_heads": ("int", 1, MAX_HEADS),
+    "mla_layer_shapes": ("shape_list", None, None),
     "num_experts": ("int", 0, MAX_EXPERTS),
     "moe_intermediate_size": ("int", 1, MAX_WIDTH),
     "num_shared_experts": ("int", 0, MAX_EXPERTS),
@@ -149,6 +150,14 @@ def check_config(arch: Arch, config: dict) -> None:
         outside = [i for i in plain or () if not 0 <= i < layers]
         if outside:
             raise AttnkitError(f"config value {key} names layer {outside[0]}; the model has {layers} layers")
+    if "mla_layer_shapes" in arch.data["config"]:
+        key, shapes = arch.config_item(config, "mla_layer_shapes")
+        if shapes and len(shapes) != layers:
+            raise AttnkitError(f"config value {key} has {len(shapes)} entries for {layers} layers")
+        head_dim = arch.config_value(config, "head_dim")
+        odd = [v for v in shapes or () if v and (v[1] % 2 or (head_dim and v[1] > head_dim))]
+        if odd:
+            raise AttnkitError(f"config value {key} gives a layer {odd[0][1]} RoPE dims; even, at most the head dim")
 
 
 def _check_dtype(config: dict) -> None:
@@ -163,6 +172,10 @@ def _check_dtype(config: dict) -> None:
             )
 
 
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _problem(value, kind: str, low, high) -> str | None:
     """Why `value` breaks the rule, or None."""
     if kind == "bool":
@@ -170,8 +183,14 @@ def _problem(value, kind: str, low, high) -> str | None:
     if kind == "str":
         return None if isinstance(value, str) else "must be a string"
     if kind == "layer_list":
-        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ok = isinstance(value, list) and all(_whole(v) for v in value)
         return None if ok and len(set(value)) == len(value) else "must be a list of distinct layer indices"
+    if kind == "shape_list":  # per layer: [] or [latent width, RoPE dims]
+        ok = isinstance(value, list) and all(
+            isinstance(v, list) and len(v) in (0, 2) and all(_whole(w) and 1 <= w <= MAX_WIDTH for w in v)
+            for v in value
+        )
+        return None if ok else f"must be a list of [] or [latent width, RoPE dims] per layer (1..{MAX_WIDTH})"
     if kind == "str_list":
         ok = isinstance(value, list) and len(value) <= MAX_LAYERS and all(isinstance(v, str) for v in value)
         return None if ok else f"must be a list of at most {MAX_LAYERS} strings"

@@ -227,12 +227,26 @@ def mla(
         help="keep: write sliding-window layers unchanged and spend --kv-budget on the global ones; convert: "
         "every layer; auto: keep where the target keeps windows (gemma3-mla).",
     ),
+    layer_shape: list[str] = typer.Option(
+        None,
+        "--layer-shape",
+        help="LAYER=R+P: that layer's own R and P (--target gemma3-mla; repeatable); with --kv-budget the other "
+        "converted layers share what these leave.",
+    ),
+    layer_budget: str = typer.Option(
+        "auto",
+        "--layer-budget",
+        help="How --kv-budget is shared among converted layers (--target gemma3-mla): auto measures each layer alone "
+        "through the model and gives the costliest its keys exact from the cheapest's share where that costs less; "
+        "even: the same share each.",
+    ),
     fmt: Format = OutputFormat.table,
     shared: dict = None,
 ) -> None:
     """Rewrite an MHA/GQA model as MLA: a calibrated KV latent and a shared RoPE key, as a stock DeepseekV3
     checkpoint (or attnkit's Gemma 3 MLA layout, --target gemma3-mla)."""
     from attnkit.commands.convert.mla import MLARequest, convert_mla
+    from attnkit.commands.convert.mla_request import parse_layer_shapes
     from attnkit.ops.mla import MLAOptions
 
     options = MLAOptions(
@@ -258,6 +272,8 @@ def mla(
         engine=engine,
         target=target,
         sliding_layers=sliding_layers,
+        layer_shapes=parse_layer_shapes(layer_shape or ()),
+        layer_budget=layer_budget,
     )
     report = convert_mla(req, log=log_sink)
     kv = report["kv_bytes_per_token"]
@@ -267,6 +283,8 @@ def mla(
         f"{kv['elements_after']} cached values per token and converted layer (source {kv['elements_before']}); "
         f"KV cache {kv['before']:,.0f} -> {kv['after']:,.0f} bytes/token ({kv['dtype']})"
     )
+    if report["layer_shapes"]:
+        caption += "; layers " + ", ".join(f"{i}: {r}+{p}" for i, (r, p) in report["layer_shapes"].items())
     if report["kept_layers"]:
         caption += f", {len(report['kept_layers'])} sliding layers kept; whole cache " + ", ".join(
             f"x{row['ratio']:.2f} at {row['context']:,} tokens" for row in report["kv_cache_at_context"]

@@ -5,7 +5,8 @@ Each layer's attention is DeepseekV3Attention's MLA (q_proj, kv_a_proj_with_mqa,
 RoPE on the shared key) with these changes: its RoPE key turns at P/2 frequencies of its own layer type (Gemma's
 cos/sin, sliced at the pairs `rope_pairs` names for the layer; the fastest P/2 where it names none); sliding
 layers keep Gemma's window; the latent has no norm; Gemma's per-head QK-norm is
-kept exact (the RMS factors of the source's query and key projections, the key's cached per KV head). The layers
+kept exact (the RMS factors of the source's query and key projections, the key's cached per KV head); a layer may
+have its own latent width and RoPE key (config `layer_mla_shapes`). The layers
 `gemma_attention_layers` names keep Gemma 3's own attention, unchanged (convert mla keeps sliding layers, whose
 cache the window bounds, and spends the budget on the global ones). transformers runs it once `register()` has run
 (`import attnkit.modeling` does); no serving engine does.
@@ -36,13 +37,15 @@ class Gemma3MLAConfig(Gemma3TextConfig):
     qk_rope_head_dim RoPE-key values cached per token and layer; keys and values per head stay head_dim wide.
     gemma_attention_layers: the layers whose attention is Gemma 3's own (None: every layer is MLA).
     rope_pairs: per layer, the frequency pairs of its layer type its RoPE key turns at, ascending (P/2 of them; an
-    empty list or None: the fastest P/2)."""
+    empty list or None: the fastest P/2).
+    layer_mla_shapes: per layer, its own [kv_lora_rank, qk_rope_head_dim] (an empty list or None: the two above)."""
 
     model_type = MODEL_TYPE
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
     gemma_attention_layers: list[int] | None = None
     rope_pairs: list[list[int]] | None = None
+    layer_mla_shapes: list[list[int]] | None = None
 
     # What DeepseekV3Attention reads from its config, fixed by this layout.
     @property
@@ -62,10 +65,35 @@ class Gemma3MLAConfig(Gemma3TextConfig):
         return True
 
 
+def layer_shape(config: Gemma3MLAConfig, layer_idx: int) -> tuple[int, int]:
+    """(kv_lora_rank, qk_rope_head_dim) of layer `layer_idx`: its layer_mla_shapes entry, or the config's."""
+    own = list((config.layer_mla_shapes or [[]] * config.num_hidden_layers)[layer_idx] or [])
+    if not own:
+        return config.kv_lora_rank, config.qk_rope_head_dim
+    if len(own) != 2 or own[0] < 1 or own[1] < 2 or own[1] % 2 or own[1] > config.head_dim:
+        raise ValueError(
+            f"layer_mla_shapes of layer {layer_idx} must be [kv_lora_rank >= 1, an even qk_rope_head_dim of 2.."
+            f"{config.head_dim}], got {own}"
+        )
+    return own[0], own[1]
+
+
+class _LayerConfig:
+    """The config as one layer's DeepseekV3Attention.__init__ reads it: its own kv_lora_rank and
+    qk_rope_head_dim (layer_shape), the rest the model's."""
+
+    def __init__(self, config: Gemma3MLAConfig, layer_idx: int):
+        self._config = config
+        self.kv_lora_rank, self.qk_rope_head_dim = layer_shape(config, layer_idx)
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
 def _layer_pairs(config: Gemma3MLAConfig, layer_idx: int) -> list[int]:
     """The frequency pairs layer `layer_idx` turns its RoPE key at: config.rope_pairs' entry (P/2 distinct pairs of
     the head's D/2, ascending), or the fastest P/2 where it names none."""
-    half = config.qk_rope_head_dim // 2
+    half = layer_shape(config, layer_idx)[1] // 2
     named = list((config.rope_pairs or [[]] * config.num_hidden_layers)[layer_idx] or [])
     if not named:
         return list(range(half))
@@ -84,7 +112,8 @@ class Gemma3MLAAttention(DeepseekV3Attention):
     key factors cached beside the latent (kv_lora_rank + num_key_value_heads + qk_rope_head_dim values per token)."""
 
     def __init__(self, config: Gemma3MLAConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
+        super().__init__(_LayerConfig(config, layer_idx), layer_idx)  # this layer's R and P
+        self.config = config  # the model's: forward reads its attention implementation
         self.num_key_value_groups = 1  # expand_kv already gives every query head its key and value
         self.scaling = self.qk_head_dim**-0.5  # convert mla folds the source's softmax scale into q_proj
         sliding = config.layer_types[layer_idx] == "sliding_attention"

@@ -1,8 +1,10 @@
 """Run or swap one attention module: a converted layer as a stock DeepseekV3Attention, its output and o_proj input,
-the source layer's reference attention output, and a one-shot output swap used by sequential calibration."""
+the source layer's reference attention output, and output swaps: one-shot (sequential calibration) and for as long
+as a context lasts (measuring one converted layer through the model)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -87,10 +89,31 @@ def replace_output_once(module, config, layer: int, tensors: dict, device, input
     def hook(_module, args, kwargs, output):
         attn, rotary = converted.pop("modules")
         handle.remove()
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, T, n]
-        if input_scale is not None:
-            hidden = hidden * input_scale.to(hidden)
-        out, _ = run_attention(attn, rotary, hidden)
-        return (out,) + tuple(output[1:])
+        return _converted_output(attn, rotary, args, kwargs, output, input_scale)
 
     handle = module.register_forward_hook(hook, with_kwargs=True)
+
+
+@contextmanager
+def replaced_output(module, config, layer: int, tensors: dict, device, input_scale=None):
+    """While the context lasts, `module`'s (a source attention's) output is the converted layer's, as
+    replace_output_once gives it once."""
+    attn, rotary = target_attention(config, layer, tensors, device)
+    handle = module.register_forward_hook(
+        lambda _module, args, kwargs, output: _converted_output(attn, rotary, args, kwargs, output, input_scale),
+        with_kwargs=True,
+    )
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _converted_output(attn, rotary, args, kwargs, output, input_scale) -> tuple:
+    """A source attention's `output` with its first entry the converted layer's output on the same input (times
+    input_scale [n] when given)."""
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, T, n]
+    if input_scale is not None:
+        hidden = hidden * input_scale.to(hidden)
+    out, _ = run_attention(attn, rotary, hidden)
+    return (out,) + tuple(output[1:])

@@ -33,7 +33,7 @@ def inspect_model(ref: str) -> dict:
         else f"qk {spec.head_dim}, v {spec.v_head_dim}",
         "hidden size": spec.hidden_size,
         "variant": spec.variant,
-        "MLA kv_lora_rank + rope": f"{spec.mla.kv_lora_rank} + {spec.mla.qk_rope_head_dim}" if spec.mla else "-",
+        "MLA kv_lora_rank + rope": _mla_shapes(spec.mla) if spec.mla else "-",
         "position": rope,
         "sliding window": spec.sliding_summary(),
         "attention soft-cap": spec.attn_softcap if spec.attn_softcap is not None else "-",
@@ -55,3 +55,9 @@ def inspect_model(ref: str) -> dict:
         "kv_bytes_per_token_bf16": per_token,
         "summary": summary,
     }
+
+
+def _mla_shapes(mla) -> str:
+    """kv_lora_rank + rope, and the layers of their own shape (attnkit_gemma3_mla's layer_mla_shapes)."""
+    own = [f"{i}: {shape[0]} + {shape[1]}" for i, shape in enumerate(mla.layer_shapes) if shape]
+    return f"{mla.kv_lora_rank} + {mla.qk_rope_head_dim}" + (f" (layers {', '.join(own)})" if own else "")

@@ -22,22 +22,14 @@ import time
 
 from attnkit.commands.convert.layer_spill import LayerSpill
 from attnkit.commands.convert.mla_copy import copy_rest
-from attnkit.commands.convert.mla_layer import (
-    convert_one,
-    fold_qk_norm,
-    fold_row,
-    input_gamma,
-    refit_o_proj,
-    source_freqs,
-    without_o_bias,
-)
+from attnkit.commands.convert.mla_layer import fit_layer
+from attnkit.commands.convert.mla_layer_budget import choose_layer_budget
 from attnkit.commands.convert.mla_report import cache_at_context, kv_bytes, notes, parameters, serving
 from attnkit.commands.convert.mla_request import (
     MLARequest,
     MLASource,
     Route,
     check_request,
-    layer_options,
     max_rank,
     with_route,
 )
@@ -48,7 +40,6 @@ from attnkit.commands.write import write_checkpoint
 from attnkit.errors import AttnkitError
 from attnkit.io.reader import LazyReader
 from attnkit.ops.anchor import ANCHOR_HELDOUT_MAX, heldout_error
-from attnkit.ops.mla_gemma3 import exact_qk_norm
 from attnkit.runtime.attention import replace_output_once
 from attnkit.runtime.calibrate import attention_module_name, calibrate, token_rows
 from attnkit.runtime.generate import cache_check
@@ -70,6 +61,7 @@ def convert_mla(req: MLARequest, log=lambda message: None) -> dict:
         loaded = load_for_calibration(src, req.device)  # decoder layers streamed when possible
         windows = calib_windows(loaded.tokenizer, req)
         src = choose_route(req, src, loaded, windows, log)
+        src = choose_layer_budget(req, src, loaded, windows, log)
     report = _report(req, src)
     if req.dry_run:
         return timed(report, started)
@@ -105,6 +97,8 @@ def _report(req: MLARequest, src: MLASource) -> dict:
         "kv_bytes_per_token": kv_bytes(src, rank),
         "kv_cache_at_context": cache_at_context(src, rank),
         "kept_layers": list(src.plain_layers),
+        "layer_shapes": src.own_shapes(),
+        "layer_budget": src.layer_budget,
         "serving": serving(src),
         "parameters": parameters(req, src),
         "tried": [],
@@ -182,6 +176,8 @@ def _write(req: MLARequest, src: MLASource, calibration: tuple, report: dict, lo
                 "kv_bytes_per_token",
                 "kv_cache_at_context",
                 "kept_layers",
+                "layer_shapes",
+                "layer_budget",
                 "serving",
                 "layers",
                 "notes",
@@ -234,7 +230,6 @@ def _calibrate_and_convert(
     """One pass over the calibration windows (`calibration`: the model loaded for it and the windows); each layer
     is converted when reached, its tensors put in `spill` (attnkit.commands.convert.layer_spill) under their full
     names. Returns (report rows, calibration info)."""
-    import torch
 
     loaded, windows = calibration
     modules = [attention_module_name(src.arch.tensors["k"], src.prefix, i) for i in range(src.spec.num_layers)]
@@ -250,51 +245,10 @@ def _calibrate_and_convert(
                     layer, _kept_tensors(reader, src.layer_names[layer], modules[layer], written[layer], expected)
                 )
                 return None
-            weights = {role: reader.get(name) for role, name in src.layer_names[layer].items()}
             window = getattr(loaded.model.get_submodule(modules[layer]), "sliding_window", None)  # the source's
-            gamma = scale = None
-            if src.route.folds_input_norm:  # the engine route: no o_proj bias, the input norm folded in
-                weights = without_o_bias(src, weights)
-                gamma = input_gamma(src, reader.get(src.tensor("input_norm", layer)))
-                scale = (1.0 / gamma).to(torch.float32)
-            weights, plain, fold = fold_qk_norm(src, weights, hidden, rope, scaling, config.rms_norm_eps, window)
-            freqs = source_freqs(src, layer)
-            tensors, row = convert_one(
-                src,
-                plain,
-                hidden,
-                gamma,
-                freqs,
-                layer_options(req.options, src.target, window),
-                dtype,
-                src.route.latent_norm,
-                config.rms_norm_eps,
-                scaling,
-            )
-            if src.target.exact_qk_norm:
-                tensors = exact_qk_norm(tensors, weights, fold, src.shape)
-                row |= {"qk_norm": "exact", "qk_norm_rms_spread": [fold.spread_q, fold.spread_k]}
-            elif fold is not None:
-                row |= fold_row(fold)
+            inputs = (hidden, rope, scaling, window)
+            tensors, row, scale = fit_layer(req.options, src, layer, reader, inputs, config, loaded.device, dtype)
             rows[layer] = {"layer": layer, **row}
-            if "rope_pairs" in row:  # the layout turns each layer's RoPE key at the pairs chosen for it
-                config.rope_pairs[layer] = row["rope_pairs"]
-            if req.options.o_refit > 0:
-                tensors["o_proj.weight"] = refit_o_proj(
-                    config,
-                    layer,
-                    tensors,
-                    weights,
-                    hidden,
-                    rope,
-                    scaling,
-                    src.shape,
-                    req.options.o_refit,
-                    loaded.device,
-                    scale,
-                    norm_eps=config.rms_norm_eps,
-                    window=window,
-                )
             named = {f"{written[layer]}.{name}": t for name, t in tensors.items()}
             unknown = [full for full in named if full not in expected]
             if unknown:

@@ -14,7 +14,7 @@ from attnkit.ops.gqa import augmented_rows, is_biased, stored_rows
 from attnkit.ops.latent_norm import anchor_plan, fold_gamma, span_plan
 from attnkit.ops.mla import MLAOptions, MLAShape, convert_layer
 from attnkit.ops.mla_deepseek import attention_tensors, engine_tensors, q_lora_readout
-from attnkit.ops.mla_gemma3 import plain_tensors
+from attnkit.ops.mla_gemma3 import exact_qk_norm, plain_tensors
 from attnkit.ops.orefit import refit_o
 from attnkit.ops.qknorm_fold import fit_fold, folded_weights, mean_fold
 from attnkit.runtime.attention import run_attention, source_attention_inputs, target_attention
@@ -100,6 +100,66 @@ def fold_row(fold) -> dict:
         "qk_norm_dropped_pairs": int(fold.dropped.sum()) // 2,
         "qk_norm_rms_spread": [fold.spread_q, fold.spread_k],
     }
+
+
+def fit_layer(
+    options: MLAOptions, src: MLASource, layer: int, reader, inputs: tuple, config, device, dtype
+) -> tuple[dict, dict, object]:
+    """(tensors under the attention module's own names in `dtype`, report row, the input scale the converted layer
+    runs its input at or None) of converting `layer` of `src` at its own shape (src.for_layer) from its source
+    tensors (`reader`) and its calibration inputs (`inputs`: hidden [B, T, n], the rotary embedding, the softmax
+    scale, the source layer's sliding window); the RoPE pairs chosen go into config.rope_pairs."""
+    import torch
+
+    from attnkit.commands.convert.mla_request import layer_options
+
+    hidden, rope, scaling, window = inputs
+    weights = {role: reader.get(name) for role, name in src.layer_names[layer].items()}
+    gamma = scale = None
+    if src.route.folds_input_norm:  # the engine route: no o_proj bias, the input norm folded in
+        weights = without_o_bias(src, weights)
+        gamma = input_gamma(src, reader.get(src.tensor("input_norm", layer)))
+        scale = (1.0 / gamma).to(torch.float32)
+    weights, plain, fold = fold_qk_norm(src, weights, hidden, rope, scaling, config.rms_norm_eps, window)
+    own = src.for_layer(layer)  # at the layer's own shape where it has one
+    tensors, row = convert_one(
+        own,
+        plain,
+        hidden,
+        gamma,
+        source_freqs(src, layer),
+        layer_options(options, src.target, window),
+        dtype,
+        src.route.latent_norm,
+        config.rms_norm_eps,
+        scaling,
+    )
+    if src.target.exact_qk_norm:
+        tensors = exact_qk_norm(tensors, weights, fold, own.shape)
+        row |= {"qk_norm": "exact", "qk_norm_rms_spread": [fold.spread_q, fold.spread_k]}
+    elif fold is not None:
+        row |= fold_row(fold)
+    if own is not src:
+        row["shape"] = [own.rank, own.shape.rope_dim]
+    if "rope_pairs" in row:  # the layout turns each layer's RoPE key at the pairs chosen for it
+        config.rope_pairs[layer] = row["rope_pairs"]
+    if options.o_refit > 0:
+        tensors["o_proj.weight"] = refit_o_proj(
+            config,
+            layer,
+            tensors,
+            weights,
+            hidden,
+            rope,
+            scaling,
+            own.shape,
+            options.o_refit,
+            device,
+            scale,
+            norm_eps=config.rms_norm_eps,
+            window=window,
+        )
+    return tensors, row, scale
 
 
 def convert_one(

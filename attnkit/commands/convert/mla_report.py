@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from attnkit.commands.convert.mla_layer_budget import applies
 from attnkit.commands.convert.mla_request import (
     MLARequest,
     MLASource,
@@ -18,14 +19,20 @@ from attnkit.kvcache import kv_bytes as kv_cache_bytes
 
 
 def result_spec(src: MLASource, rank: int):
-    """The result's attention layout: R + P cached in each converted layer, the source's K and V in the kept ones,
-    the source's sliding windows where the target keeps them."""
+    """The result's attention layout: R + P cached in each converted layer (a layer's own where --layer-shape
+    gives it one), the source's K and V in the kept ones, the source's sliding windows where the target keeps
+    them."""
     after = apply_variant(src.spec, f"mla:{rank}+{src.shape.rope_dim}")
     if src.target.keeps_windows:
         after = replace(after, layer_windows=src.spec.layer_windows)
-    if src.plain_layers:
+    own = src.own_shapes()
+    if src.plain_layers or own:
+        shapes = tuple(tuple(own.get(str(i), ())) for i in range(src.spec.num_layers)) if own else ()
         after = replace(
-            after, mla=replace(after.mla, plain_layers=src.plain_layers, plain_kv_heads=src.spec.num_kv_heads)
+            after,
+            mla=replace(
+                after.mla, plain_layers=src.plain_layers, plain_kv_heads=src.spec.num_kv_heads, layer_shapes=shapes
+            ),
         )
     return after
 
@@ -45,6 +52,11 @@ def kv_bytes(src: MLASource, rank: int) -> dict:
         "after": bytes_per_token(after, dtype),
         "elements_before": 2 * src.spec.num_kv_heads * src.spec.head_dim,
         "elements_after": rank + src.shape.rope_dim,
+        **(
+            {"elements_after_by_layer": [after.kv_elements_per_token(i) for i in src.converted_layers]}
+            if src.layer_shapes
+            else {}
+        ),
     }
 
 
@@ -77,6 +89,8 @@ def parameters(req: MLARequest, src: MLASource) -> dict:
         "kv_lora_rank": src.rank,
         "latent_rank": src.shape.latent_rank,
         "rope_dim": src.shape.rope_dim,
+        "layer_shapes": src.own_shapes(),
+        "layer_budget": req.layer_budget,
         "rope_pairs": src.shape.pairs if pairs == "fastest" else None,
         "rope_pair_choice": pairs,
         "kv_budget": req.kv_budget,
@@ -136,6 +150,17 @@ def notes(req: MLARequest, src: MLASource) -> list[str]:
             f"sliding-window layers {_ranges(src.plain_layers)} kept as the source's attention (their cache holds at "
             f"most the window); {spent} (kv_cache_at_context; --sliding-layers convert converts every layer)"
         )
+    chosen = src.layer_budget or {}
+    if chosen.get("chosen") == "traded":
+        trades = "; ".join(
+            f"layer {t['taker']} takes layer {t['giver']}'s share, its keys exact (cost measured alone "
+            f"{t['cost_even']:.3g} -> {t['cost']:.3g})"
+            for t in chosen["trades"]
+            if t["stands"]
+        )
+        notes.append(f"--layer-budget auto: {trades} (layer_budget)")
+    elif applies(req, src) and req.dry_run:
+        notes.append("--layer-budget auto measures each converted layer when converting; the plan shows the even share")
     served = serving(src) or {}
     source = 2 * src.spec.num_kv_heads * src.spec.head_dim
     for engine, row in served.items():

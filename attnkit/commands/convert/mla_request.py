@@ -48,6 +48,8 @@ class MLARequest(RewriteRequest):
     engine: str = "any"  # serving engines the output must run in (attnkit.engines.targets)
     target: str = DEFAULT_TARGET  # the output's layout (attnkit.commands.convert.mla_target.TARGETS)
     sliding_layers: str = "auto"  # keep | convert | auto (keep where the target keeps windows): SLIDING_LAYERS
+    layer_shapes: dict[int, tuple[int, int]] = field(default_factory=dict)  # --layer-shape: layer -> its own (R, P)
+    layer_budget: str = "auto"  # auto | even: how --kv-budget is shared (attnkit.commands.convert.mla_layer_budget)
 
 
 #: --sliding-layers: `keep` writes a source's sliding-window layers unchanged (their cache is bounded by the window)
@@ -94,6 +96,18 @@ class MLASource(Source):
     hf_config: object = None  # the source's transformers config, read once (check_request)
     layer_types: list[str] | None = None  # per layer (sliding_attention / full_attention) where the config has them
     plain_layers: tuple[int, ...] = ()  # layers written unchanged (--sliding-layers keep)
+    layer_shapes: dict[int, MLAShape] = field(default_factory=dict)  # converted layers of their own shape
+    layer_budget: dict | None = None  # what --layer-budget auto measured and chose (mla_layer_budget)
+
+    def for_layer(self, layer: int) -> MLASource:
+        """This source as one layer converts: at its own shape (--layer-shape, --layer-budget auto) where it has
+        one."""
+        own = self.layer_shapes.get(layer)
+        return self if own is None else dataclasses.replace(self, shape=own)
+
+    def own_shapes(self) -> dict[str, list[int]]:
+        """The report's layer_shapes: layer -> [R, P] of the layers of their own shape."""
+        return {str(i): [self.for_layer(i).rank, own.rope_dim] for i, own in sorted(self.layer_shapes.items())}
 
     @property
     def converted_layers(self) -> list[int]:
@@ -197,23 +211,19 @@ def plain_layers(req: MLARequest, target: MLATarget, spec, context: int) -> tupl
     return sliding if usable and req.sliding_layers != "convert" else ()
 
 
-def _cache_shares(spec, plain: tuple[int, ...], context: int) -> tuple[int, int, int, int]:
-    """(values per token of a source layer, the source's token slots over all layers at `context` tokens (a
-    sliding layer holds at most its window), the values the `plain` layers keep, the converted layers' slots)."""
-    width = 2 * spec.num_kv_heads * spec.head_dim
-    held = layer_tokens(spec, context)
-    kept = sum(held[i] for i in plain) * width
-    return width, sum(held), kept, sum(h for i, h in enumerate(held) if i not in plain)
-
-
-def budget_values(budget: float, spec, plain: tuple[int, ...], context: int) -> int:
+def budget_values(budget: float, spec, plain: tuple[int, ...], context: int, named: dict | None = None) -> int:
     """Cached values per token in each converted layer for a whole cache of `budget` times the source's at
     `context` tokens: every layer at that share, or where `plain` layers stay as they are (sliding layers, whose
-    cache the window bounds) the converted layers take what those leave."""
-    width, slots, kept, converted = _cache_shares(spec, plain, context)
+    cache the window bounds) the converted layers take what those leave; `named`: converted layers that cache
+    their own values per token (layer -> values, --layer-shape), the others share what they leave."""
+    named = named or {}
+    width = 2 * spec.num_kv_heads * spec.head_dim  # a source layer's values per token
+    slots = layer_tokens(spec, context) if plain else [1] * len(spec.layer_windows)  # a sliding layer: its window
+    given = sum(slots[i] * values for i, values in named.items()) + sum(slots[i] for i in plain) * width
+    rest = sum(slot for i, slot in enumerate(slots) if i not in plain and i not in named)
     if not plain:
-        return int(round(budget * width))
-    return int((budget * slots * width - kept) // converted)
+        return int(round((budget * sum(slots) * width - given) / rest))
+    return int((budget * sum(slots) * width - given) // rest)
 
 
 def _ranks(
@@ -237,9 +247,13 @@ def _ranks(
             raise UsageError("give either --kv-budget or --kv-lora-rank with --rope-dim, not both")
         if not 0 < req.kv_budget < 1:
             raise UsageError(f"--kv-budget must be a fraction between 0 and 1, got {req.kv_budget}")
-        total = budget_values(req.kv_budget, spec, plain, context)
+        if req.layer_shapes and all(i in req.layer_shapes for i in range(spec.num_layers) if i not in plain):
+            raise UsageError("--layer-shape names every converted layer: leave --kv-budget out, or leave a layer to it")
+        named = {layer: rank + rope for layer, (rank, rope) in req.layer_shapes.items()}
+        total = budget_values(req.kv_budget, spec, plain, context, named)
         if total < 4:
             kept = f" in each global layer once the sliding layers keep theirs at {context:,} tokens" if plain else ""
+            kept += " and the --layer-shape layers theirs" if named else ""
             instead = "; give more, or --sliding-layers convert" if plain else ""
             raise UsageError(
                 f"--kv-budget {req.kv_budget} leaves {total} cached values per token{kept}; need at least 4{instead}"
@@ -326,6 +340,7 @@ def check_request(req: MLARequest) -> MLASource:
             raise AttnkitError(f"{req.model}: partial rotary embeddings are not converted")
         context = arch.config_value(config, "max_positions") or 0
         plain = plain_layers(req, target, spec, context)
+        _check_layer_shapes(req, target, spec, plain)
         _ranks(req, target, route, spec, True, plain=plain, context=context)  # checked again once biases are known
 
     src = open_source(req.model, "convert", check)
@@ -354,11 +369,15 @@ def check_request(req: MLARequest) -> MLASource:
     rank, rope_dim = _ranks(req, target, route, spec, augmented, rotating, plain, context)
     extra = target.besides_latent(spec)  # cached besides the latent proper
     if not target.engines:
-        _check_plain_layout(target, spec, rank, rope_dim, augmented, extra)
-    shape = MLAShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, rank - extra, rope_dim)
+        for layer_rank, layer_rope in [(rank, rope_dim), *req.layer_shapes.values()]:
+            _check_plain_layout(target, spec, layer_rank, layer_rope, augmented, extra)
+
+    def mla_shape(layer_rank: int, layer_rope: int) -> MLAShape:
+        return MLAShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, layer_rank - extra, layer_rope)
+
     mla_src = MLASource(
         **src.fields(),
-        shape=shape,
+        shape=mla_shape(rank, rope_dim),
         layer_names=layer_names,
         rope=rope,
         q_lora=False,
@@ -368,6 +387,7 @@ def check_request(req: MLARequest) -> MLASource:
         hf_config=hf_config,
         layer_types=layer_types,
         plain_layers=plain,
+        layer_shapes={layer: mla_shape(*own) for layer, own in req.layer_shapes.items()},
     )
     _check_engine(req, mla_src)
     return mla_src
@@ -381,6 +401,41 @@ def with_route(req: MLARequest, src: MLASource, route: Route) -> MLASource:
     out = dataclasses.replace(src, route=route, q_lora=False, warnings=[])
     _check_engine(req, out)
     return out
+
+
+def parse_layer_shapes(texts) -> dict[int, tuple[int, int]]:
+    """--layer-shape values LAYER=R+P -> {layer: (R, P)}; a layer named twice is refused."""
+    shapes: dict[int, tuple[int, int]] = {}
+    for text in texts:
+        try:
+            layer, shape = text.split("=")
+            rank, rope = shape.split("+")
+            layer, rank, rope = int(layer), int(rank), int(rope)
+        except ValueError:
+            raise UsageError(f"--layer-shape takes LAYER=R+P (e.g. 11=140+256), got {text!r}") from None
+        if layer in shapes:
+            raise UsageError(f"--layer-shape names layer {layer} twice")
+        shapes[layer] = (rank, rope)
+    return shapes
+
+
+def _check_layer_shapes(req: MLARequest, target: MLATarget, spec, plain: tuple[int, ...]) -> None:
+    """--layer-shape: a layout whose layers may differ, converted layers of the model, shapes _ranks would take."""
+    if not req.layer_shapes:
+        return
+    if not target.layer_shapes:
+        raise UsageError(
+            f"--layer-shape: --target {target.name} gives every layer one shape (the engines read one kv_lora_rank); "
+            "--target gemma3-mla takes a shape per layer"
+        )
+    for layer, (rank, rope) in req.layer_shapes.items():
+        if not 0 <= layer < spec.num_layers or layer in plain:
+            what = "a layer kept as the source's" if layer in plain else f"not a layer of the {spec.num_layers}"
+            raise UsageError(f"--layer-shape {layer}={rank}+{rope}: layer {layer} is {what}")
+        if rope < 2 or rope % 2 or rope > spec.head_dim or rank < 2:
+            raise UsageError(
+                f"--layer-shape {layer}={rank}+{rope}: R must be at least 2 and P even, 2..{spec.head_dim}"
+            )
 
 
 def _unsupported_reason(arch) -> str:
@@ -403,6 +458,8 @@ def _check_route(req: MLARequest) -> tuple[MLATarget, Route]:
     target = TARGETS.get(req.target)
     if target is None:
         raise UsageError(f"--target must be one of {', '.join(TARGETS)}, got {req.target!r}")
+    if req.layer_budget not in ("auto", "even"):
+        raise UsageError(f"--layer-budget must be auto or even, got {req.layer_budget!r}")
     if req.options.rope_pairs == "rotation" and not target.any_rope_pairs:
         raise UsageError(
             f"--rope-pairs rotation needs a layout whose RoPE key turns at any frequencies (--target gemma3-mla); "

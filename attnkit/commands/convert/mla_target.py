@@ -37,8 +37,9 @@ class MLATarget:
     center_keys: what --center-keys is when not given: whether the position-free keys are fitted on centered inputs
     (measured per layout: docs/convert-mla.md, "### Keys centered");
     text_only: a multimodal config is refused; keeps_windows: sliding windows are kept (else a note says they are
-    dropped); config(src, bias_route): the result's transformers config; model_class(): its class; note: what the
-    report's notes say of the layout."""
+    dropped); layer_shapes: a layer may have its own latent width and RoPE key (--layer-shape; else one shape, as
+    the engines read it); config(src, bias_route): the result's transformers config; model_class(): its class;
+    note: what the report's notes say of the layout."""
 
     name: str
     model_type: str
@@ -51,6 +52,7 @@ class MLATarget:
     center_keys: bool
     text_only: bool
     keeps_windows: bool
+    layer_shapes: bool
     config: Callable
     model_class: Callable
     note: str | None = None
@@ -76,20 +78,24 @@ def target_config(src: MLASource, bias_route: bool):
 
 
 def gemma3_mla_config(src: MLASource, bias_route: bool = False):
-    """The source's Gemma 3 text config with the MLA shape (kv_lora_rank R, qk_rope_head_dim P), the layers kept
-    as Gemma 3's own attention and each converted layer's RoPE pairs added (the fastest P/2 here; convert mla sets
-    the pairs it chooses as each layer is converted). No bias route: the layout writes no biases."""
+    """The source's Gemma 3 text config with the MLA shape (kv_lora_rank R, qk_rope_head_dim P; a layer's own
+    where --layer-shape gives it one), the layers kept as Gemma 3's own attention and each converted layer's RoPE
+    pairs added (the fastest P/2 here; convert mla sets the pairs it chooses as each layer is converted). No bias
+    route: the layout writes no biases."""
     from attnkit.modeling.gemma3_mla import ARCHITECTURE, Gemma3MLAConfig
 
     fields = src.hf_config.to_dict()
     for key in ("model_type", "architectures", "transformers_version", "quantization_config"):
         fields.pop(key, None)
+    layers = range(src.spec.num_layers)
+    own = [src.layer_shapes.get(i) for i in layers]  # --layer-shape's, else None
     config = Gemma3MLAConfig(
         **fields,
         kv_lora_rank=src.shape.latent_rank,
         qk_rope_head_dim=src.shape.rope_dim,
         gemma_attention_layers=list(src.plain_layers) or None,
-        rope_pairs=[[] if i in src.plain_layers else src.shape.pairs for i in range(src.spec.num_layers)],
+        rope_pairs=[[] if i in src.plain_layers else src.for_layer(i).shape.pairs for i in layers],
+        layer_mla_shapes=[[s.latent_rank, s.rope_dim] if s else [] for s in own] if src.layer_shapes else None,
     )
     config.architectures = [ARCHITECTURE]
     return config
@@ -196,6 +202,7 @@ TARGETS = {
         center_keys=True,  # a position-free key's mean moves every logit of a query alike (docs/convert-mla.md)
         text_only=False,
         keeps_windows=False,
+        layer_shapes=False,
         config=deepseek_config,
         model_class=_deepseek_class,
     ),
@@ -211,6 +218,7 @@ TARGETS = {
         center_keys=False,  # each key is scaled by its own RMS factor: its mean does not move a query's logits alike
         text_only=True,
         keeps_windows=True,
+        layer_shapes=True,
         config=gemma3_mla_config,
         model_class=_gemma3_mla_class,
         note=(
