@@ -2,7 +2,8 @@
 another layout --target names: attnkit.commands.convert.mla_target.TARGETS; --target gemma3-mla writes a Gemma 3
 as attnkit's Gemma 3 MLA layout, attnkit.modeling.gemma3_mla).
 
-Flow: check the source and the ranks (mla_request.py) -> load it once (fp32) and run the calibration text through
+Flow: check the source and the ranks (mla_request.py) -> load it once (fp32); where --layer-budget auto applies,
+measure each converted layer alone and share the budget (mla_layer_budget.py) -> run the calibration text through
 it; when the pass reaches layer l, l's input covariance gives its MLA tensors (mla_layer.py, attnkit.ops.mla),
 which wait in the layer spill; with sequential calibration layer l is then run as the converted
 DeepseekV3Attention, so later layers are fitted on the converted model's activations -> the converted layers and
@@ -230,7 +231,6 @@ def _calibrate_and_convert(
     """One pass over the calibration windows (`calibration`: the model loaded for it and the windows); each layer
     is converted when reached, its tensors put in `spill` (attnkit.commands.convert.layer_spill) under their full
     names. Returns (report rows, calibration info)."""
-
     loaded, windows = calibration
     modules = [attention_module_name(src.arch.tensors["k"], src.prefix, i) for i in range(src.spec.num_layers)]
     written = target_attention_names(config, expected)  # model.layers.{i}.self_attn of the target
