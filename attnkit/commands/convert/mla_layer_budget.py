@@ -30,8 +30,6 @@ from attnkit.runtime.attention import replaced_output
 from attnkit.runtime.calibrate import attention_module_name, calibrate
 from attnkit.runtime.texts import make_windows, read_texts
 
-#: --layer-budget: `auto` measures and trades (above), `even` gives every converted layer the same share.
-LAYER_BUDGETS = ("auto", "even")
 #: Latent channels a giver keeps besides its key factors (Gemma 3 270M's layer 17 lost nothing at 11 or 43).
 GIVER_LATENT = 11
 #: The window the costs are measured on, capped at the model's context, and the tokens scored in it.

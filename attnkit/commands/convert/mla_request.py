@@ -58,6 +58,10 @@ class MLARequest(RewriteRequest):
 SLIDING_LAYERS = ("auto", "keep", "convert")
 
 
+#: --layer-budget: `auto` measures each converted layer and trades shares (attnkit.commands.convert.mla_layer_budget),
+#: `even` gives every converted layer the same share.
+LAYER_BUDGETS = ("auto", "even")
+
 LATENT_NORMS = ("auto", "anchor", "span", "bias")  # and "none", which a target no engine serves sets
 
 
@@ -458,8 +462,8 @@ def _check_route(req: MLARequest) -> tuple[MLATarget, Route]:
     target = TARGETS.get(req.target)
     if target is None:
         raise UsageError(f"--target must be one of {', '.join(TARGETS)}, got {req.target!r}")
-    if req.layer_budget not in ("auto", "even"):
-        raise UsageError(f"--layer-budget must be auto or even, got {req.layer_budget!r}")
+    if req.layer_budget not in LAYER_BUDGETS:
+        raise UsageError(f"--layer-budget must be one of {', '.join(LAYER_BUDGETS)}, got {req.layer_budget!r}")
     if req.options.rope_pairs == "rotation" and not target.any_rope_pairs:
         raise UsageError(
             f"--rope-pairs rotation needs a layout whose RoPE key turns at any frequencies (--target gemma3-mla); "
